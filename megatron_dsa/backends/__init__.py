@@ -1,0 +1,21 @@
+"""Kernel backends and the dispatcher. Importing this package registers every backend module."""
+
+from megatron_dsa.backends import unfused  # noqa: F401  (registers the reference backend)
+from megatron_dsa.backends.registry import (
+    AUTO,
+    Backend,
+    BackendUnavailableError,
+    OpFamily,
+    availability_table,
+    call_counts,
+    dispatch,
+    register_backend,
+    registered_backends,
+    reset_call_counts,
+    resolve,
+)
+
+__all__ = [
+    "AUTO", "Backend", "BackendUnavailableError", "OpFamily", "availability_table", "call_counts",
+    "dispatch", "register_backend", "registered_backends", "reset_call_counts", "resolve",
+]

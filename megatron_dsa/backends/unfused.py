@@ -1,0 +1,28 @@
+"""The `unfused` backend: the readable PyTorch reference ops. Runs everywhere, never declines."""
+
+from __future__ import annotations
+
+from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
+from megatron_dsa.ops.compressor import compress
+from megatron_dsa.ops.dense_attention import causal_attention
+from megatron_dsa.ops.indexer import indexer_scores
+from megatron_dsa.ops.indexer_loss import kl_per_row
+from megatron_dsa.ops.indices import topk_columns
+from megatron_dsa.ops.rope import rope
+from megatron_dsa.ops.sparse_attention import sparse_attention
+
+UNFUSED = Backend(
+    name="unfused",
+    priority=0,  # the fallback: every fused backend outranks it
+    ops={
+        OpFamily.SPARSE_ATTENTION: sparse_attention,
+        OpFamily.INDEXER_SCORES: indexer_scores,
+        OpFamily.TOPK: topk_columns,
+        OpFamily.INDEXER_LOSS: kl_per_row,
+        OpFamily.COMPRESSOR: compress,
+        OpFamily.ROPE: rope,
+        OpFamily.DENSE_ATTENTION: causal_attention,
+    },
+)
+
+register_backend(UNFUSED)

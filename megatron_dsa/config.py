@@ -1,0 +1,277 @@
+"""Configuration of the hybrid attention layer.
+
+`HybridAttentionConfig` mirrors the Megatron-Core `TransformerConfig` fields the DeepSeek-V4 hybrid
+attention reads (names kept so configs translate one to one), plus the per-layer pattern string:
+
+    W  window-only attention (compress ratio 0, plain RoPE)
+    C  compressed sparse attention (ratio 4, overlapping compressor, lightning indexer top-k)
+    H  heavily compressed attention (ratio `hca_compress_ratio`, default 128, all visible entries)
+    M  dense causal multi-latent attention (DeepSeek-V3 style)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+CSA_COMPRESS_RATIO = 4
+
+
+class LayerKind(str, Enum):
+    WINDOW = "W"
+    CSA = "C"
+    HCA = "H"
+    MLA = "M"
+
+    @classmethod
+    def parse(cls, value: Union["LayerKind", str]) -> "LayerKind":
+        if isinstance(value, LayerKind):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"layer kind must be one of {[k.value for k in cls]}, got {value!r}"
+            ) from None
+
+
+@dataclass
+class HybridAttentionConfig:
+    """All knobs of one stack of hybrid attention layers (shapes in the spec notation)."""
+
+    # Model shape.
+    hidden_size: int = 4096  # d
+    num_attention_heads: int = 64  # H
+    num_layers: int = 1
+    layer_pattern: str = "C"  # one of W/C/H/M per layer; a single symbol is repeated
+
+    # MLA projections.
+    q_lora_rank: int = 1024  # Rq
+    v_head_dim: int = 512  # D: head dim of q, of the shared K=V latent, and of V for `M`
+    qk_pos_emb_head_dim: int = 64  # P: rotated dims at the end of each head
+    o_groups: int = 8  # G
+    o_lora_rank: int = 1024  # Ro
+    qk_layernorm: bool = True
+    layernorm_epsilon: float = 1e-6
+
+    # Dense MLA (`M`) only: DeepSeek-V3 style dims. None means "same as the hybrid layers" (D - P).
+    qk_head_dim: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    num_query_groups: Optional[int] = None  # GQA for `M`; None = one KV head per query head
+
+    # Sliding window and compression.
+    csa_window_size: int = 128  # W
+    hca_compress_ratio: int = 128
+    csa_dense_mode: bool = False  # `C` layers attend all visible compressed entries, no indexer
+
+    # Rotary embeddings.
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    csa_compress_rotary_base: float = 40000.0
+    rope_type: str = "yarn"  # only read by `M` layers; W/C/H fix their tables by kind (spec §1.3)
+    rotary_scaling_factor: float = 4.0
+    original_max_position_embeddings: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0  # only `M` layers: W/C/H are pure rotations
+    mscale_all_dim: float = 1.0
+
+    # Lightning indexer.
+    dsa_indexer_n_heads: int = 64  # HI
+    dsa_indexer_head_dim: int = 128  # DI
+    dsa_indexer_topk: int = 512  # KI
+    dsa_indexer_loss_coeff: float = 0.0
+    dsa_indexer_use_sparse_loss: bool = True
+    calculate_per_token_loss: bool = False
+    indexer_loss_backward_scale: float = 1.0  # gradient the KL loss receives (spec §4.5)
+
+    # Kernels.
+    attention_backend: str = "auto"
+
+    # Parameters.
+    init_method_std: float = 0.02
+    add_bias_linear: bool = False
+
+    # ---------------------------------------------------------------- validation
+    def __post_init__(self) -> None:
+        self.layer_pattern = self._expand_pattern(self.layer_pattern)
+        _require_positive(self, "hidden_size", "num_attention_heads", "num_layers", "q_lora_rank",
+                          "v_head_dim", "o_groups", "o_lora_rank", "csa_window_size",
+                          "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+        if self.qk_pos_emb_head_dim <= 0 or self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"qk_pos_emb_head_dim must be a positive even number (rotary pairs), "
+                             f"got {self.qk_pos_emb_head_dim}")
+        if self.qk_pos_emb_head_dim >= self.v_head_dim:
+            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be smaller than "
+                             f"v_head_dim ({self.v_head_dim})")
+        if (self.num_attention_heads * self.v_head_dim) % self.o_groups:
+            raise ValueError(f"o_groups ({self.o_groups}) must divide num_attention_heads * v_head_dim "
+                             f"({self.num_attention_heads * self.v_head_dim})")
+        if self.num_attention_heads % self.o_groups:
+            raise ValueError(f"o_groups ({self.o_groups}) must divide num_attention_heads "
+                             f"({self.num_attention_heads}) so that every group holds whole heads")
+        if self.hca_compress_ratio < 8:
+            raise ValueError(f"hca_compress_ratio must be >= 8 (ratio 4 is the overlapping CSA "
+                             f"compressor), got {self.hca_compress_ratio}")
+        di = self.dsa_indexer_head_dim
+        if di & (di - 1):
+            raise ValueError(f"dsa_indexer_head_dim must be a power of two (Walsh-Hadamard), got {di}")
+        if self.qk_pos_emb_head_dim > di:
+            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must not exceed "
+                             f"dsa_indexer_head_dim ({di}): the indexer rotates its last P dims")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(f"rope_type must be 'rope' or 'yarn', got {self.rope_type!r}")
+        if self.rotary_scaling_factor < 1.0:
+            raise ValueError(f"rotary_scaling_factor must be >= 1, got {self.rotary_scaling_factor}")
+        if self.dsa_indexer_loss_coeff < 0:
+            raise ValueError(f"dsa_indexer_loss_coeff must be >= 0, got {self.dsa_indexer_loss_coeff}")
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
+        if self.add_bias_linear:
+            raise ValueError("add_bias_linear=True is not supported: the DSv4 layer has no biases")
+        self._validate_mla()
+
+    def _expand_pattern(self, pattern: str) -> str:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"layer_pattern must be a non-empty string of W/C/H/M, got {pattern!r}")
+        pattern = pattern.replace(" ", "").upper()
+        for symbol in pattern:
+            LayerKind.parse(symbol)
+        if len(pattern) == 1:
+            return pattern * self.num_layers
+        if len(pattern) != self.num_layers:
+            raise ValueError(f"layer_pattern has {len(pattern)} symbols but num_layers is "
+                             f"{self.num_layers}; give one symbol per layer or a single symbol")
+        return pattern
+
+    def _validate_mla(self) -> None:
+        for name in ("qk_head_dim", "kv_lora_rank", "num_query_groups"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive when given, got {value}")
+        if self.num_attention_heads % self.mla_num_query_groups:
+            raise ValueError(f"num_query_groups ({self.mla_num_query_groups}) must divide "
+                             f"num_attention_heads ({self.num_attention_heads})")
+
+    # ---------------------------------------------------------------- derived values
+    @property
+    def nope_head_dim(self) -> int:
+        """N = D - P: the un-rotated dims at the front of each head."""
+        return self.v_head_dim - self.qk_pos_emb_head_dim
+
+    @property
+    def mla_qk_head_dim(self) -> int:
+        return self.qk_head_dim if self.qk_head_dim is not None else self.nope_head_dim
+
+    @property
+    def mla_kv_lora_rank(self) -> int:
+        return self.kv_lora_rank if self.kv_lora_rank is not None else self.nope_head_dim
+
+    @property
+    def mla_num_query_groups(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def softmax_scale(self) -> float:
+        """Hybrid layers: D^-1/2, never YaRN-adjusted (spec §5)."""
+        return self.v_head_dim ** -0.5
+
+    def layer_kind(self, layer_number: int) -> LayerKind:
+        """Kind of 1-indexed layer `layer_number` (Megatron numbering)."""
+        if not 1 <= layer_number <= self.num_layers:
+            raise ValueError(f"layer_number must be in [1, {self.num_layers}], got {layer_number}")
+        return LayerKind(self.layer_pattern[layer_number - 1])
+
+    def compress_ratio(self, kind: Union[LayerKind, str]) -> int:
+        """Compression ratio r of a layer kind (0 = no compressor)."""
+        kind = LayerKind.parse(kind)
+        return {LayerKind.WINDOW: 0, LayerKind.CSA: CSA_COMPRESS_RATIO,
+                LayerKind.HCA: self.hca_compress_ratio, LayerKind.MLA: 0}[kind]
+
+    def has_indexer(self, kind: Union[LayerKind, str]) -> bool:
+        return LayerKind.parse(kind) is LayerKind.CSA and not self.csa_dense_mode
+
+    @property
+    def csa_compress_ratios(self) -> list[int]:
+        """Megatron's per-layer ratio list (`M` layers have no Megatron ratio and map to 0)."""
+        return [self.compress_ratio(symbol) for symbol in self.layer_pattern]
+
+    # ---------------------------------------------------------------- (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "HybridAttentionConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown HybridAttentionConfig field(s): {unknown}")
+        return cls(**values)
+
+    def to_yaml(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, Path]) -> "HybridAttentionConfig":
+        values = yaml.safe_load(Path(path).read_text()) or {}
+        if "attention" in values:  # a full job config: take its attention section
+            values = values["attention"]
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "HybridAttentionConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> "HybridAttentionConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _require_positive(config: HybridAttentionConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def yarn_mscale(scaling_factor: float, mscale: float) -> float:
+    """DeepSeek-V3 YaRN magnitude factor `0.1·mscale·ln(s) + 1` (1 when s <= 1)."""
+    if scaling_factor <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scaling_factor) + 1.0
+
+
+# Layer patterns of the recipes (spec §2.3), MTP layer excluded.
+_FLASH_PATTERN = "WWC" + "HC" * 20
+_PRO_PATTERN = "HHC" + "HC" * 29
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Small enough to train on two CPU cores in minutes; every kind present.
+    "tiny": dict(
+        hidden_size=128, num_attention_heads=4, num_layers=4, layer_pattern="WCHC",
+        q_lora_rank=64, v_head_dim=32, qk_pos_emb_head_dim=8, o_groups=2, o_lora_rank=32,
+        csa_window_size=16, hca_compress_ratio=16, dsa_indexer_n_heads=4, dsa_indexer_head_dim=16,
+        dsa_indexer_topk=8, dsa_indexer_loss_coeff=0.01, original_max_position_embeddings=256,
+    ),
+    "dsv4-flash": dict(
+        hidden_size=4096, num_attention_heads=64, num_layers=len(_FLASH_PATTERN),
+        layer_pattern=_FLASH_PATTERN, q_lora_rank=1024, v_head_dim=512, qk_pos_emb_head_dim=64,
+        o_groups=8, o_lora_rank=1024, csa_window_size=128, dsa_indexer_n_heads=64,
+        dsa_indexer_head_dim=128, dsa_indexer_topk=512, dsa_indexer_loss_coeff=0.01,
+    ),
+    "dsv4-pro": dict(
+        hidden_size=7168, num_attention_heads=128, num_layers=len(_PRO_PATTERN),
+        layer_pattern=_PRO_PATTERN, q_lora_rank=1536, v_head_dim=512, qk_pos_emb_head_dim=64,
+        o_groups=16, o_lora_rank=1024, csa_window_size=128, dsa_indexer_n_heads=64,
+        dsa_indexer_head_dim=128, dsa_indexer_topk=1024, dsa_indexer_loss_coeff=0.01,
+    ),
+}

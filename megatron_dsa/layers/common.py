@@ -1,0 +1,64 @@
+"""Building blocks shared by the attention layers."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from megatron_dsa.ops.norms import rms_norm
+
+
+def bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits if dtype.is_floating_point else 0
+
+
+class HighPrecisionModule(nn.Module):
+    """A module some of whose own tensors never drop precision when the model is cast.
+
+    Names in `keep_high_precision` (direct parameters or buffers) keep their dtype when a cast would
+    lower it (e.g. `module.bfloat16()` leaves the fp32 `attn_sink` and `ape` in fp32, the values
+    untouched), but still follow device moves and upcasts (`module.double()`).
+    """
+
+    keep_high_precision: tuple[str, ...] = ()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True):  # type: ignore[override]
+        before = {name: getattr(self, name).data for name in self.keep_high_precision}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            tensor = getattr(self, name)
+            if bits(tensor.dtype) < bits(old.dtype):
+                tensor.data = old.to(device=tensor.device)
+        return self
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learnable gain `weight [dim]` (Megatron `*_layernorm.weight`)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def make_norm(dim: int, eps: float, enabled: bool) -> nn.Module:
+    """`RMSNorm` when `enabled` (`qk_layernorm=True`), else `Identity` (no parameter), as Megatron."""
+    return RMSNorm(dim, eps) if enabled else nn.Identity()
+
+
+def linear(in_features: int, out_features: int, std: float) -> nn.Linear:
+    """Bias-free linear with N(0, std) init (Megatron `init_method`)."""
+    layer = nn.Linear(in_features, out_features, bias=False)
+    nn.init.normal_(layer.weight, std=std)
+    return layer
+
+
+def output_init_std(std: float, num_layers: int) -> float:
+    """Megatron's `output_layer_init_method`: std / sqrt(2 · num_layers)."""
+    return std / math.sqrt(2.0 * num_layers)

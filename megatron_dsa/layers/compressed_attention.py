@@ -1,0 +1,174 @@
+"""Core attention of the W/C/H kinds: compressor, lightning indexer, sparse attention with sink.
+
+Works on flat token rows (see `ops.layout`): `query [T, H, D]`, `kv [T, D]`, layer input `x [T, d]`
+and the normalised query latent `qr [T, Rq]`. Megatron module names are kept (`core_attention.*`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from megatron_dsa.backends import OpFamily, dispatch
+from megatron_dsa.config import HybridAttentionConfig, LayerKind
+from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
+from megatron_dsa.ops.compressor import channel_factor
+from megatron_dsa.ops.indexer_loss import reduce_indexer_loss, teacher_target
+from megatron_dsa.ops.indices import gather_valid, offset_valid, visible_compressed_indices, window_indices
+from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
+from megatron_dsa.ops.rope import rope
+from megatron_dsa.ops.hadamard import hadamard_transform
+from megatron_dsa.ops.sparse_attention import full_normaliser
+
+
+class Compressor(HighPrecisionModule):
+    """Gated-pooling compressor (spec §3); `ape` stays float32 under low-precision casts."""
+
+    keep_high_precision = ("ape",)
+
+    def __init__(self, hidden_size: int, head_dim: int, ratio: int, eps: float, rotate: bool,
+                 std: float, backend: str):
+        super().__init__()
+        width = channel_factor(ratio) * head_dim
+        self.ratio, self.rotate, self.backend = ratio, rotate, backend
+        self.linear_wkv = linear(hidden_size, width, std)
+        self.linear_wgate = linear(hidden_size, width, std)
+        self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32).normal_(std=std))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: Tensor, layout: CompressedLayout, inv_freq: Tensor) -> Tensor:
+        """`x [T, d]` → compressed entries `[capacity, Dc]` (RoPE at `j·r`, Hadamard if `rotate`)."""
+        op = dispatch(OpFamily.COMPRESSOR, self.backend, device=x.device, dtype=x.dtype, ratio=self.ratio)
+        return op(x, self.linear_wkv.weight, self.linear_wgate.weight, self.ape, self.norm.weight,
+                  self.norm.eps, layout, inv_freq, self.rotate)
+
+
+class LightningIndexer(nn.Module):
+    """Scores compressed entries for each query token (spec §4.1–4.2). Inputs must be detached."""
+
+    def __init__(self, config: HybridAttentionConfig):
+        super().__init__()
+        c = config
+        self.heads, self.head_dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
+        self.backend = c.attention_backend
+        self.linear_wq_b = linear(c.q_lora_rank, self.heads * self.head_dim, c.init_method_std)
+        self.linear_weights_proj = linear(c.hidden_size, self.heads, c.init_method_std)
+        self.compressor = Compressor(c.hidden_size, self.head_dim, c.compress_ratio(LayerKind.CSA),
+                                     c.layernorm_epsilon, rotate=True, std=c.init_method_std,
+                                     backend=c.attention_backend)
+
+    def forward(self, x: Tensor, qr: Tensor, layout: CompressedLayout, inv_freq: Tensor,
+                candidates: Tensor) -> Tensor:
+        """Scores `[T, C]` (float32/64, −inf at invalid) of `candidates [T, C]` (compressed ids)."""
+        positions = layout.tokens.positions
+        q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
+        q = hadamard_transform(rope(q, positions, inv_freq))
+        k = self.compressor(x, layout, inv_freq)
+        weights = self.linear_weights_proj(x) * self.heads ** -0.5
+        op = dispatch(OpFamily.INDEXER_SCORES, self.backend, device=x.device, dtype=x.dtype)
+        return op(q, k, weights, candidates, self.head_dim ** -0.5)
+
+
+class IndexerLossAutoScaler(torch.autograd.Function):
+    """Identity on `output`; in backward the loss receives `scale` as its gradient (spec §4.5).
+
+    This is how the indexer KL loss joins the main backward without changing the main output.
+    """
+
+    @staticmethod
+    def forward(ctx, output: Tensor, loss: Tensor, scale: float) -> Tensor:
+        ctx.loss_shape, ctx.loss_dtype, ctx.scale = loss.shape, loss.dtype, scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        grad_loss = torch.full(ctx.loss_shape, ctx.scale, dtype=ctx.loss_dtype, device=grad_output.device)
+        return grad_output, grad_loss, None
+
+
+@dataclass
+class IndexSelection:
+    """KV rows each query attends: `window [T, W]` and `compressed [T, K]` (ids into `kv_full`)."""
+
+    window: Tensor
+    compressed: Optional[Tensor]
+
+    def all(self) -> Tensor:
+        return self.window if self.compressed is None else torch.cat((self.window, self.compressed), 1)
+
+
+class CompressedSparseAttention(HighPrecisionModule):
+    """Window + compressed (+ indexer top-k) sparse attention with a learnable fp32 sink."""
+
+    keep_high_precision = ("attn_sink",)
+
+    def __init__(self, config: HybridAttentionConfig, kind: LayerKind):
+        super().__init__()
+        c = config
+        self.config, self.kind = c, kind
+        self.ratio = c.compress_ratio(kind)
+        self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32))
+        self.compressor = (Compressor(c.hidden_size, c.v_head_dim, self.ratio, c.layernorm_epsilon,
+                                      rotate=False, std=c.init_method_std, backend=c.attention_backend)
+                           if self.ratio else None)
+        self.indexer = LightningIndexer(c) if c.has_indexer(kind) else None
+        self.last_indexer_loss: Optional[Tensor] = None
+        self.last_selection: Optional[IndexSelection] = None
+
+    def forward(self, query: Tensor, kv: Tensor, x: Tensor, qr: Tensor, layout: TokenLayout,
+                inv_freq: Tensor) -> Tensor:
+        """`query [T, H, D]`, `kv [T, D]` (RoPE applied), `x [T, d]`, `qr [T, Rq]` → `[T, H, D]`."""
+        c = self.config
+        kv_full, compressed_layout = kv, None
+        if self.compressor is not None:
+            compressed_layout = layout.compressed(self.ratio)
+            kv_full = torch.cat((kv, self.compressor(x, compressed_layout, inv_freq)))
+        window = window_indices(layout, c.csa_window_size)
+        visible = (offset_valid(visible_compressed_indices(compressed_layout), layout.num_rows)
+                   if compressed_layout is not None else None)
+
+        scores = None
+        if self.indexer is None:
+            selection = IndexSelection(window, visible)
+        else:
+            candidates = visible_compressed_indices(compressed_layout)
+            scores = self.indexer(x.detach(), qr.detach(), compressed_layout, inv_freq, candidates)
+            topk = dispatch(OpFamily.TOPK, c.attention_backend, device=x.device)
+            columns = topk(scores, candidates >= 0, c.dsa_indexer_topk)
+            selection = IndexSelection(window, gather_valid(visible, columns))
+            selected_columns = columns
+        self.last_selection = selection
+
+        attend = dispatch(OpFamily.SPARSE_ATTENTION, c.attention_backend, device=query.device,
+                          dtype=query.dtype, head_dim=query.shape[-1], heads=query.shape[1])
+        out, lse = attend(query, kv_full, selection.all(), self.attn_sink, c.softmax_scale)
+
+        self.last_indexer_loss = None
+        if scores is not None and self.training and torch.is_grad_enabled():
+            loss = self._indexer_loss(query, kv_full, selection, visible, scores, selected_columns, lse)
+            self.last_indexer_loss = loss.detach()
+            out = IndexerLossAutoScaler.apply(out, loss, c.indexer_loss_backward_scale)
+        return out
+
+    def _indexer_loss(self, query: Tensor, kv_full: Tensor, selection: IndexSelection, visible: Tensor,
+                      scores: Tensor, columns: Tensor, lse: Tensor) -> Tensor:
+        """Coefficient-scaled KL between the indexer and the main attention (spec §4.4)."""
+        c = self.config
+        query, kv_full = query.detach(), kv_full.detach()
+        sink = self.attn_sink.detach()
+        if c.dsa_indexer_use_sparse_loss:
+            candidates, valid = selection.compressed, columns >= 0
+            student = torch.gather(scores, 1, columns.clamp_min(0))
+            full_lse = torch.logaddexp(lse.detach(), sink.to(lse.dtype))  # = the layer's real normaliser
+        else:
+            candidates, valid, student = visible, visible >= 0, scores
+            full_lse = full_normaliser(query, kv_full, torch.cat((selection.window, visible), 1), sink,
+                                       c.softmax_scale)
+        target = teacher_target(query, kv_full, candidates, full_lse, c.softmax_scale)
+        kl = dispatch(OpFamily.INDEXER_LOSS, c.attention_backend, device=query.device)
+        per_row = kl(student, target.to(student.dtype), valid)
+        return reduce_indexer_loss(per_row, c.dsa_indexer_loss_coeff, c.calculate_per_token_loss,
+                                   query.shape[0])

@@ -1,0 +1,213 @@
+"""`HybridAttention`: the DeepSeek-V4 hybrid attention layer (W / C / H) and the dense MLA kind (M).
+
+Input and output are `[S, B, hidden]` (sequence first, Megatron style). Parameter names equal
+Megatron-Core's `DSv4HybridSelfAttention` (W/C/H) and `MLASelfAttention` (M), relative to the
+attention module, so checkpoints load with `strict=True`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from megatron_dsa.backends import OpFamily, dispatch
+from megatron_dsa.config import HybridAttentionConfig, LayerKind, yarn_mscale
+from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std
+from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
+from megatron_dsa.ops.layout import TokenLayout
+from megatron_dsa.ops.norms import rms_norm
+from megatron_dsa.ops.output_projection import grouped_output_projection
+from megatron_dsa.ops.rope import plain_inv_freq, yarn_inv_freq
+
+
+def resolve_kind(config: HybridAttentionConfig, layer_number: Optional[int],
+                 kind: Union[LayerKind, str, None]) -> LayerKind:
+    """The layer kind from an explicit `kind` or from the config pattern at `layer_number`."""
+    if kind is None and layer_number is None:
+        raise ValueError("give layer_number (1-indexed, reads config.layer_pattern) or kind (W/C/H/M)")
+    from_pattern = config.layer_kind(layer_number) if layer_number is not None else None
+    if kind is None:
+        return from_pattern
+    kind = LayerKind.parse(kind)
+    if from_pattern is not None and from_pattern is not kind:
+        raise ValueError(f"kind {kind.value!r} conflicts with layer_pattern[{layer_number}] = "
+                         f"{from_pattern.value!r}")
+    return kind
+
+
+class HybridAttention(HighPrecisionModule):
+    """One attention layer of kind W, C, H or M.
+
+    `HybridAttention(config, layer_number=3)` reads the kind from `config.layer_pattern`;
+    `HybridAttention(config, kind="C")` picks it directly. Kind M builds a `DenseMLAttention`
+    (a subclass), so every kind is a `HybridAttention`.
+
+    forward(hidden_states `[S, B, d]`) → `(output [S, B, d], bias=None)`. In training, C layers
+    attach the indexer KL loss to the backward; its coefficient-scaled value is `last_indexer_loss`.
+    """
+
+    keep_high_precision = ("rotary_inv_freq",)
+
+    def __new__(cls, config: HybridAttentionConfig, layer_number: Optional[int] = None,
+                kind: Union[LayerKind, str, None] = None):
+        if cls is HybridAttention and resolve_kind(config, layer_number, kind) is LayerKind.MLA:
+            cls = DenseMLAttention
+        return super().__new__(cls)
+
+    def __init__(self, config: HybridAttentionConfig, layer_number: Optional[int] = None,
+                 kind: Union[LayerKind, str, None] = None):
+        super().__init__()
+        c = self.config = config
+        self.kind = resolve_kind(config, layer_number, kind)
+        self.layer_number = layer_number
+        std = c.init_method_std
+        self.linear_q_down_proj = linear(c.hidden_size, c.q_lora_rank, std)
+        self.q_layernorm = make_norm(c.q_lora_rank, c.layernorm_epsilon, c.qk_layernorm)
+        self.linear_q_up_proj = linear(c.q_lora_rank, c.num_attention_heads * self._q_head_dim(), std)
+        self._build_kv_path()
+        self.linear_proj = linear(self._proj_in_features(), c.hidden_size,
+                                  output_init_std(std, c.num_layers))
+        self.register_buffer("rotary_inv_freq", self._inv_freq(), persistent=False)
+
+    # ---------------------------------------------------------------- W / C / H structure
+    def _q_head_dim(self) -> int:
+        return self.config.v_head_dim
+
+    def _build_kv_path(self) -> None:
+        c = self.config
+        self.linear_kv_proj = linear(c.hidden_size, c.v_head_dim, c.init_method_std)
+        self.kv_layernorm = make_norm(c.v_head_dim, c.layernorm_epsilon, c.qk_layernorm)
+        group_width = c.num_attention_heads * c.v_head_dim // c.o_groups
+        self.linear_o_group_proj = nn.Parameter(
+            torch.empty(c.o_groups * c.o_lora_rank, group_width).normal_(std=c.init_method_std))
+        self.core_attention = CompressedSparseAttention(c, self.kind)
+
+    def _proj_in_features(self) -> int:
+        return self.config.o_groups * self.config.o_lora_rank
+
+    def _inv_freq(self) -> Tensor:
+        """W: plain RoPE at `rotary_base`; C/H: YaRN at `csa_compress_rotary_base` (spec §1.3)."""
+        c = self.config
+        if self.kind is LayerKind.WINDOW:
+            return plain_inv_freq(c.qk_pos_emb_head_dim, c.rotary_base, c.rotary_percent)
+        return yarn_inv_freq(c.qk_pos_emb_head_dim, c.csa_compress_rotary_base, c.rotary_scaling_factor,
+                             c.original_max_position_embeddings, c.beta_fast, c.beta_slow)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None
+                ) -> tuple[Tensor, Optional[Tensor]]:
+        """`hidden_states [S, B, d]` → `([S, B, d], None)`. Attention is always causal:
+        `attention_mask` is accepted for Megatron call compatibility and ignored."""
+        self._check_input(hidden_states)
+        seqlen, batch, _ = hidden_states.shape
+        layout = TokenLayout.uniform(batch, seqlen, hidden_states.device)
+        rows = hidden_states.transpose(0, 1).reshape(batch * seqlen, -1)  # batch-major token rows
+        out = self.linear_proj(self._attend(rows, layout))
+        return out.view(batch, seqlen, -1).transpose(0, 1), None
+
+    def _attend(self, x: Tensor, layout: TokenLayout) -> Tensor:
+        """Token rows `x [T, d]` → grouped-projected attention output `[T, G·Ro]`."""
+        c = self.config
+        heads, dim = c.num_attention_heads, c.v_head_dim
+        positions, inv_freq = layout.positions, self.rotary_inv_freq
+        rope = dispatch(OpFamily.ROPE, c.attention_backend, device=x.device, dtype=x.dtype)
+        qr = self.q_layernorm(self.linear_q_down_proj(x))  # [T, Rq], also the indexer's input
+        q = rms_norm(self.linear_q_up_proj(qr).view(-1, heads, dim), None, c.layernorm_epsilon)
+        q = rope(q, positions, inv_freq)
+        kv = rope(self.kv_layernorm(self.linear_kv_proj(x)), positions, inv_freq)  # K = V, [T, D]
+        o = self.core_attention(q, kv, x, qr, layout, inv_freq)
+        o = rope(o, positions, inv_freq, inverse=True)  # relative positions in V; new storage
+        return grouped_output_projection(o.flatten(1), self.linear_o_group_proj, c.o_groups)
+
+    def _check_input(self, hidden_states: Tensor) -> None:
+        if not isinstance(hidden_states, Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden_states must be [S, B, hidden_size={self.config.hidden_size}], "
+                             f"got {tuple(hidden_states.shape)}")
+        if hidden_states.dtype != self.linear_q_down_proj.weight.dtype:
+            raise TypeError(f"hidden_states dtype {hidden_states.dtype} differs from the layer's "
+                            f"parameter dtype {self.linear_q_down_proj.weight.dtype}; cast one of them")
+        if hidden_states.shape[0] == 0 or hidden_states.shape[1] == 0:
+            raise ValueError(f"hidden_states must have S >= 1 and B >= 1, got {tuple(hidden_states.shape)}")
+
+    # ---------------------------------------------------------------- logging
+    @property
+    def last_indexer_loss(self) -> Optional[Tensor]:
+        """Coefficient-scaled indexer KL loss of the last training forward (detached), or None."""
+        core = getattr(self, "core_attention", None)
+        return getattr(core, "last_indexer_loss", None)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind.value}, layer_number={self.layer_number}"
+
+
+class DenseMLAttention(HybridAttention):
+    """Kind M: DeepSeek-V3-style dense causal multi-latent attention.
+
+    q: low rank (`linear_q_down_proj` → `q_layernorm` → `linear_q_up_proj`) to `[H, qk + P]`.
+    kv: `linear_kv_down_proj` → `[kv_lora_rank + P]`; the latent is normalised (`kv_layernorm`) and
+    up-projected (`linear_kv_up_proj`) to `[G, qk + Dv]`; the last P dims are one RoPE key shared by
+    all heads. Softmax scale `mscale(s, mscale_all_dim)² / sqrt(qk + P)` under YaRN.
+    """
+
+    keep_high_precision = ("rotary_inv_freq",)
+
+    def _q_head_dim(self) -> int:
+        return self.config.mla_qk_head_dim + self.config.qk_pos_emb_head_dim
+
+    def _build_kv_path(self) -> None:
+        c = self.config
+        rank, rope_dim = c.mla_kv_lora_rank, c.qk_pos_emb_head_dim
+        self.linear_kv_down_proj = linear(c.hidden_size, rank + rope_dim, c.init_method_std)
+        self.kv_layernorm = make_norm(rank, c.layernorm_epsilon, c.qk_layernorm)
+        self.linear_kv_up_proj = linear(
+            rank, c.mla_num_query_groups * (c.mla_qk_head_dim + c.v_head_dim), c.init_method_std)
+
+    def _proj_in_features(self) -> int:
+        return self.config.num_attention_heads * self.config.v_head_dim
+
+    def _inv_freq(self) -> Tensor:
+        c = self.config
+        if c.rope_type == "rope":
+            return plain_inv_freq(c.qk_pos_emb_head_dim, c.rotary_base, c.rotary_percent)
+        return yarn_inv_freq(c.qk_pos_emb_head_dim, c.rotary_base, c.rotary_scaling_factor,
+                             c.original_max_position_embeddings, c.beta_fast, c.beta_slow)
+
+    @property
+    def rope_amplitude(self) -> float:
+        """YaRN cos/sin magnitude `mscale(s, mscale) / mscale(s, mscale_all_dim)` (1 for plain RoPE)."""
+        c = self.config
+        if c.rope_type == "rope":
+            return 1.0
+        return yarn_mscale(c.rotary_scaling_factor, c.mscale) / yarn_mscale(c.rotary_scaling_factor,
+                                                                             c.mscale_all_dim)
+
+    @property
+    def softmax_scale(self) -> float:
+        c = self.config
+        scale = self._q_head_dim() ** -0.5
+        if c.rope_type == "yarn":
+            scale *= yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim) ** 2
+        return scale
+
+    def _attend(self, x: Tensor, layout: TokenLayout) -> Tensor:
+        c = self.config
+        heads, groups = c.num_attention_heads, c.mla_num_query_groups
+        nope, rope_dim, rank = c.mla_qk_head_dim, c.qk_pos_emb_head_dim, c.mla_kv_lora_rank
+        rope = dispatch(OpFamily.ROPE, c.attention_backend, device=x.device, dtype=x.dtype)
+        positions, inv_freq, amplitude = layout.positions, self.rotary_inv_freq, self.rope_amplitude
+
+        q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
+        q = rope(q.view(-1, heads, nope + rope_dim), positions, inv_freq, amplitude=amplitude)
+        latent, k_rope = self.linear_kv_down_proj(x).split((rank, rope_dim), dim=-1)
+        kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(-1, groups, nope + c.v_head_dim)
+        k_nope, v = kv.split((nope, c.v_head_dim), dim=-1)
+        k_rope = rope(k_rope, positions, inv_freq, amplitude=amplitude)  # one key shared by all heads
+        k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, groups, -1)), dim=-1)
+        attend = dispatch(OpFamily.DENSE_ATTENTION, c.attention_backend, device=x.device,
+                          dtype=x.dtype, head_dim=nope + rope_dim, v_head_dim=c.v_head_dim)
+        out, _ = attend(q, k, v, layout, self.softmax_scale)
+        return out.flatten(1)

@@ -1,0 +1,76 @@
+"""Gated-pooling compressor (spec §3): `r` token rows → one compressed entry.
+
+ratio 4 ("CSA", overlapping): entry `j` pools 8 slots, the previous group's tokens through the
+first `Dc` channels and its own group's tokens through the last `Dc` channels (`coff = 2`);
+ratio ≥ 8 ("HCA"): entry `j` pools the `r` tokens of its own group through all `Dc` channels.
+The pooling weights are an independent softmax per channel over the slots.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.ops.hadamard import hadamard_transform
+from megatron_dsa.ops.layout import CompressedLayout
+from megatron_dsa.ops.norms import rms_norm
+from megatron_dsa.ops.rope import rope
+
+OVERLAP_RATIO = 4
+
+
+def channel_factor(ratio: int) -> int:
+    """`coff`: 2 for the overlapping ratio-4 compressor, else 1."""
+    return 2 if ratio == OVERLAP_RATIO else 1
+
+
+def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) -> Tensor:
+    """Pool token projections into compressed entries.
+
+    kv, gate: `[T, coff·Dc]` token projections (`x @ Wkv^T`, `x @ Wgate^T`).
+    ape:      `[r, coff·Dc]` learned bias added to the gate logits at each in-group slot.
+    Returns   `[capacity, Dc]` in `kv.dtype`; unused capacity rows hold finite garbage.
+
+    The softmax and the weighted sum run in float32 (float64 for float64 inputs) and are rounded once,
+    like the fused kernels (Megatron's eager path rounds the weights to bf16 first; spec §8.4).
+    """
+    r, coff = layout.ratio, channel_factor(layout.ratio)
+    if kv.shape != gate.shape or kv.shape[-1] % coff or ape.shape != (r, kv.shape[-1]):
+        raise ValueError(f"compressor shapes disagree: kv {tuple(kv.shape)}, gate {tuple(gate.shape)}, "
+                         f"ape {tuple(ape.shape)} for ratio {r} (expected ape [{r}, {kv.shape[-1]}])")
+    dc = kv.shape[-1] // coff
+    compute = torch.float64 if kv.dtype == torch.float64 else torch.float32
+    rows = layout.group_first_rows.unsqueeze(1) + torch.arange(r, device=kv.device)  # [Tc, r]
+    k = kv[rows].to(compute)  # [Tc, r, coff·Dc]
+    z = gate[rows].to(compute) + ape.to(compute)
+    if coff == 2:
+        k, z = _overlap_window(k, z, layout.entry_index == 0, dc)  # [Tc, 2r, Dc]
+    weights = torch.softmax(z, dim=1)
+    return (weights * k).sum(1).to(kv.dtype)
+
+
+def _overlap_window(k: Tensor, z: Tensor, first_in_segment: Tensor, dc: int) -> tuple[Tensor, Tensor]:
+    """Slots `0..r−1` ← previous group's first `Dc` channels, `r..2r−1` ← own group's last `Dc`.
+
+    The first entry of a segment has no previous group: its value slots are 0, its gate slots −inf.
+    """
+    prev_k = torch.cat((torch.zeros_like(k[:1]), k[:-1]))[..., :dc]
+    prev_z = torch.cat((torch.zeros_like(z[:1]), z[:-1]))[..., :dc]
+    none = first_in_segment.view(-1, 1, 1)
+    prev_k = torch.where(none, 0.0, prev_k)
+    prev_z = torch.where(none, float("-inf"), prev_z)
+    return torch.cat((prev_k, k[..., dc:]), dim=1), torch.cat((prev_z, z[..., dc:]), dim=1)
+
+
+def compress(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
+             layout: CompressedLayout, inv_freq: Tensor, rotate: bool) -> Tensor:
+    """The whole compressor: projections → gated pool → RMSNorm → RoPE at `j·r` → (Hadamard).
+
+    x: `[T, d]` token rows (raw layer input). wkv, wgate: `[coff·Dc, d]`. ape: `[r, coff·Dc]`.
+    norm_weight: `[Dc]`. Returns `[capacity, Dc]`.
+    """
+    pooled = gated_pool(x @ wkv.t(), x @ wgate.t(), ape, layout)
+    out = rope(rms_norm(pooled, norm_weight, eps), layout.positions, inv_freq)
+    return hadamard_transform(out) if rotate else out

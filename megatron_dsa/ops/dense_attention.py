@@ -1,0 +1,41 @@
+"""Dense causal attention for the `M` (dense MLA) kind, with natural-log LSE."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.ops.layout import TokenLayout
+
+CHUNK_ELEMENTS = 1 << 24
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale: float) -> tuple[Tensor, Tensor]:
+    """Causal attention within each segment.
+
+    q `[T, H, Dqk]`, k `[T, G, Dqk]`, v `[T, G, Dv]` with `G | H` (GQA: query head `h` reads KV head
+    `h // (H/G)`). Returns `out [T, H, Dv]` (q dtype) and `lse [T, H]` (float32/64).
+    Softmax in float32 (float64 for float64 input); computed in query-row chunks.
+    """
+    rows, heads, _ = q.shape
+    groups = k.shape[1]
+    if heads % groups or k.shape[:2] != v.shape[:2] or k.shape[0] != rows or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"causal_attention shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k = k.to(compute).repeat_interleave(heads // groups, dim=1)
+    v = v.to(compute).repeat_interleave(heads // groups, dim=1)
+    seg = layout.segment_ids
+    step = max(1, CHUNK_ELEMENTS // max(1, rows * heads))
+    outs, lses = [], []
+    for start in range(0, rows, step):
+        chunk = slice(start, start + step)
+        query_rows = torch.arange(start, min(start + step, rows), device=q.device)
+        key_rows = torch.arange(rows, device=q.device)
+        allowed = (seg[chunk].unsqueeze(1) == seg.unsqueeze(0)) & (key_rows <= query_rows.unsqueeze(1))
+        logits = torch.einsum("nhd,mhd->nhm", q[chunk].to(compute), k) * scale
+        logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)
+        outs.append(torch.einsum("nhm,mhd->nhd", torch.exp(logits - lse.unsqueeze(-1)), v))
+        lses.append(lse)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses)

@@ -1,0 +1,59 @@
+"""Indexer KL loss (spec §4.4): the indexer (student) learns the main attention's mass (teacher).
+
+For query row `t` with candidate set `C_t` (selected top-k for the sparse loss, all visible compressed
+entries for the dense loss):
+
+    LSE_h(t)  = log(exp(sink_h) + Σ_{k∈window(t)} exp(a_h(k)) + Σ_{j∈C_t} exp(a_h(j)))   (full denominator)
+    target(j) = Σ_h exp(a_h(j) − LSE_h(t)), then L1-normalised over C_t
+    pred      = softmax over C_t of the indexer scores
+    KL_t      = Σ_{j∈C_t} target_j · (log target_j − log pred_j)        (0·log 0 = 0)
+
+The teacher is built from detached tensors; only the student scores carry gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.ops.sparse_attention import _chunk_scores, _rows_per_chunk
+
+TINY = torch.finfo(torch.float32).tiny  # L1 normaliser floor: tiny positive masses still sum to 1
+
+
+def teacher_target(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor, scale: float) -> Tensor:
+    """Head-summed attention probabilities of the candidates, L1-normalised per row.
+
+    query `[T, H, D]`, kv `[M, D]` (the attention's `kv_full`), candidates `[T, C]` rows of `kv`
+    (−1 = none), full_lse `[T, H]` the full normaliser (window + sink + candidates).
+    Returns `[T, C]` (compute dtype), 0 at invalid candidates, rows sum to 1 (or 0 if empty).
+    """
+    with torch.no_grad():
+        step = _rows_per_chunk(candidates.shape[1], query.shape[1], query.shape[2])
+        parts = []
+        for start in range(0, query.shape[0], step):
+            chunk = slice(start, start + step)
+            _, _, logits = _chunk_scores(query[chunk].detach(), kv.detach(), candidates[chunk], scale)
+            parts.append(torch.exp(logits - full_lse[chunk].unsqueeze(-1)).sum(1))
+        mass = torch.cat(parts) if parts else full_lse.new_zeros(candidates.shape)
+        return mass / mass.sum(-1, keepdim=True).clamp_min(TINY)
+
+
+def kl_per_row(student_scores: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+    """`[T]` KL(target ‖ softmax(student over valid)); rows without valid candidates give 0.
+
+    Invalid positions never produce inf/NaN in the value or the gradient (bug class A3.1).
+    """
+    floor = torch.finfo(student_scores.dtype).min
+    log_pred = torch.log_softmax(torch.where(valid, student_scores, floor), dim=-1)
+    positive = valid & (target > 0)
+    safe_target = torch.where(positive, target, torch.ones_like(target))
+    terms = torch.where(positive, target * (torch.log(safe_target) - log_pred), 0.0)
+    return terms.sum(-1)
+
+
+def reduce_indexer_loss(per_row: Tensor, coeff: float, per_token: bool, num_rows: int) -> Tensor:
+    """`coeff · Σ KL_t` (per-token mode, finalised later by the global token count) or
+    `coeff · Σ KL_t / num_rows` (mean over all real query rows, rows without candidates count as 0)."""
+    total = per_row.sum()
+    return coeff * (total if per_token else total / max(num_rows, 1))

@@ -1,0 +1,129 @@
+"""Row layouts: where each token and each compressed entry lives in the flat row space.
+
+Core attention works on flat rows. A batch `[S, B, ...]` becomes `B` segments of `S` rows each
+(batch-major), so SBHD and packed (THD) inputs share one code path: everything that must not cross
+a sequence boundary (RoPE positions, window, compressor groups, visibility, top-k, loss) is computed
+per segment from `cu_seqlens`. Metadata lives on the device; only capacities are host integers, so
+nothing here synchronises with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class TokenLayout:
+    """`T` token rows in contiguous segments.
+
+    cu_seqlens: `[nseg + 1]` int64, segment `b` owns rows `cu_seqlens[b] : cu_seqlens[b+1]`.
+    num_rows:   `T` (host int).
+    max_seqlen: host-known upper bound on every segment length.
+    """
+
+    cu_seqlens: Tensor
+    num_rows: int
+    max_seqlen: int
+
+    @classmethod
+    def uniform(cls, batch: int, seqlen: int, device: torch.device) -> "TokenLayout":
+        """`batch` sequences of `seqlen` tokens, batch-major (row `b·S + s`)."""
+        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device=device, dtype=torch.long)
+        return cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    @property
+    def num_segments(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @cached_property
+    def segment_ids(self) -> Tensor:
+        """`[T]` segment of each row."""
+        rows = torch.arange(self.num_rows, device=self.device)
+        seg = torch.searchsorted(self.cu_seqlens, rows, right=True) - 1
+        return seg.clamp_(0, self.num_segments - 1)
+
+    @cached_property
+    def segment_starts(self) -> Tensor:
+        """`[T]` first row of each row's segment."""
+        return self.cu_seqlens[self.segment_ids]
+
+    @cached_property
+    def positions(self) -> Tensor:
+        """`[T]` position of each row within its segment (RoPE restarts at 0 per segment)."""
+        return torch.arange(self.num_rows, device=self.device) - self.segment_starts
+
+    def compressed(self, ratio: int) -> "CompressedLayout":
+        return CompressedLayout.build(self, ratio)
+
+
+@dataclass(frozen=True, eq=False)
+class CompressedLayout:
+    """Compressed entries of a `TokenLayout` at ratio `r` (spec §3.1–3.2).
+
+    Segment `b` of length `L_b` has `C_b = floor(L_b / r)` entries; entry `j` summarises tokens
+    `[j·r, (j+1)·r)` of its segment (plus group `j−1` for the overlapping r=4 compressor) and sits
+    at RoPE position `j·r`. Rows `≥ cu_compressed[-1]` are unused capacity: they gather from a safe
+    row and no index ever points at them.
+
+    cu_compressed: `[nseg + 1]` int64.  capacity: host int, number of compressed rows allocated.
+    max_entries:  host int, `max_seqlen // r` (width of "all visible entries" rows).
+    """
+
+    tokens: TokenLayout
+    ratio: int
+    cu_compressed: Tensor
+    capacity: int
+    max_entries: int
+
+    @classmethod
+    def build(cls, tokens: TokenLayout, ratio: int) -> "CompressedLayout":
+        if ratio < 2:
+            raise ValueError(f"compression ratio must be >= 2, got {ratio}")
+        seqlens = tokens.cu_seqlens[1:] - tokens.cu_seqlens[:-1]
+        cu = torch.zeros_like(tokens.cu_seqlens)
+        cu[1:] = torch.cumsum(seqlens // ratio, 0)
+        max_entries = tokens.max_seqlen // ratio
+        capacity = min(tokens.num_rows // ratio, tokens.num_segments * max_entries)
+        return cls(tokens=tokens, ratio=ratio, cu_compressed=cu, capacity=capacity,
+                   max_entries=max_entries)
+
+    @cached_property
+    def segment_ids(self) -> Tensor:
+        """`[capacity]` segment of each compressed row (clamped for unused rows)."""
+        rows = torch.arange(self.capacity, device=self.tokens.device)
+        seg = torch.searchsorted(self.cu_compressed, rows, right=True) - 1
+        return seg.clamp_(0, self.tokens.num_segments - 1)
+
+    @cached_property
+    def valid(self) -> Tensor:
+        """`[capacity]` bool: the row is a real compressed entry."""
+        return torch.arange(self.capacity, device=self.tokens.device) < self.cu_compressed[-1]
+
+    @cached_property
+    def entry_index(self) -> Tensor:
+        """`[capacity]` index `j` of each compressed row within its segment (0 for unused rows)."""
+        rows = torch.arange(self.capacity, device=self.tokens.device)
+        return torch.where(self.valid, rows - self.cu_compressed[self.segment_ids], 0)
+
+    @cached_property
+    def positions(self) -> Tensor:
+        """`[capacity]` RoPE position `j·r` of each compressed row."""
+        return self.entry_index * self.ratio
+
+    @cached_property
+    def group_first_rows(self) -> Tensor:
+        """`[capacity]` token row of the first token of each entry's own group (0 for unused)."""
+        first = self.tokens.cu_seqlens[self.segment_ids] + self.entry_index * self.ratio
+        return torch.where(self.valid, first, 0)
+
+    def visible_counts(self) -> Tensor:
+        """`[T]` number of entries token `t` may see: `floor((pos+1)/r)` (ratio-causal, §3.3)."""
+        return torch.div(self.tokens.positions + 1, self.ratio, rounding_mode="floor")

@@ -1,0 +1,135 @@
+"""Sparse attention over index rows with a learnable sink (spec §5).
+
+For query row `t`, head `h`, and the KV rows `K_t = {indices[t, i] ≥ 0}` of the tied key/value
+latent (MQA: one KV head, K = V):
+
+    s_k = scale · <q[t,h], kv[k]>
+    p_k = exp(s_k) / (exp(sink_h) + Σ_{k∈K_t} exp(s_k))         (the sink carries no value)
+    O[t,h] = Σ_{k∈K_t} p_k · kv[k]
+    lse[t,h] = log Σ_{k∈K_t} exp(s_k)                            (natural log, sink EXCLUDED)
+
+The returned LSE excludes the sink, as FlashMLA's does: the full normaliser is
+`logaddexp(lse, sink)`. A row with no valid index gives `O = 0` and `lse = −inf`.
+
+The autograd Function works on row chunks in forward and backward and saves only its inputs,
+output and LSE, so memory stays O(rows · (H + D)) beyond one chunk of gathered keys.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+CHUNK_ELEMENTS = 1 << 24  # gathered-key elements per chunk (64 MiB in float32)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows_per_chunk(width: int, heads: int, dim: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, width * (dim + heads)))
+
+
+def _chunk_scores(q: Tensor, kv: Tensor, idx: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gathered keys `[n, K, D]`, validity `[n, K]`, masked logits `[n, H, K]` (compute dtype)."""
+    compute = _compute_dtype(q.dtype)
+    valid = (idx >= 0) & (idx < kv.shape[0])
+    keys = kv[idx.clamp(0, kv.shape[0] - 1)].to(compute)
+    logits = torch.einsum("nhd,nkd->nhk", q.to(compute), keys) * scale
+    return keys, valid, logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+
+
+def _forward_chunk(q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    keys, _, logits = _chunk_scores(q, kv, idx, scale)
+    sink = sink.to(logits.dtype)
+    row_max = torch.maximum(logits.amax(-1), sink)  # finite: the sink is finite
+    unnormalised = torch.exp(logits - row_max.unsqueeze(-1))
+    key_mass = unnormalised.sum(-1)
+    probs = unnormalised / (key_mass + torch.exp(sink - row_max)).unsqueeze(-1)
+    out = torch.einsum("nhk,nkd->nhd", probs, keys)
+    return out, row_max + torch.log(key_mass)
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    """`(query [N,H,D], kv [M,D], indices [N,K] int64, sink [H], scale) → (out [N,H,D], lse [N,H])`."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float):
+        rows, heads, dim = query.shape
+        step = _rows_per_chunk(indices.shape[1], heads, dim)
+        out = query.new_empty(rows, heads, dim)
+        lse = query.new_empty(rows, heads, dtype=_compute_dtype(query.dtype))
+        for start in range(0, rows, step):
+            chunk = slice(start, start + step)
+            out_c, lse_c = _forward_chunk(query[chunk], kv, indices[chunk], sink, scale)
+            out[chunk], lse[chunk] = out_c.to(out.dtype), lse_c
+        ctx.save_for_backward(query, kv, indices, sink, out, lse)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, grad_lse: Tensor):
+        query, kv, indices, sink, out, lse = ctx.saved_tensors
+        scale = ctx.scale
+        compute = _compute_dtype(query.dtype)
+        grad_query = torch.empty_like(query)
+        grad_kv = torch.zeros(kv.shape, dtype=compute, device=kv.device)
+        grad_sink = torch.zeros(sink.shape, dtype=compute, device=sink.device)
+        step = _rows_per_chunk(indices.shape[1], query.shape[1], query.shape[2])
+        for start in range(0, query.shape[0], step):
+            chunk = slice(start, start + step)
+            q = query[chunk].to(compute)
+            keys, valid, logits = _chunk_scores(query[chunk], kv, indices[chunk], scale)
+            lse_c = lse[chunk]
+            full_lse = torch.logaddexp(lse_c, sink.to(compute))  # normaliser incl. the sink
+            probs = torch.exp(logits - full_lse.unsqueeze(-1))
+            d_out = grad_out[chunk].to(compute)
+            delta = (d_out * out[chunk].to(compute)).sum(-1)  # <dO, O>
+            d_logits = probs * (torch.einsum("nhd,nkd->nhk", d_out, keys) - delta.unsqueeze(-1))
+            # lse (sink excluded) has its own gradient: softmax over the keys only.
+            safe_lse = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))
+            d_logits = d_logits + grad_lse[chunk].to(compute).unsqueeze(-1) * torch.exp(
+                logits - safe_lse.unsqueeze(-1))
+            grad_query[chunk] = (torch.einsum("nhk,nkd->nhd", d_logits, keys) * scale).to(query.dtype)
+            d_keys = torch.einsum("nhk,nhd->nkd", probs, d_out) + scale * torch.einsum(
+                "nhk,nhd->nkd", d_logits, q)
+            grad_kv.index_add_(0, indices[chunk][valid], d_keys[valid])
+            sink_prob = torch.exp(sink.to(compute) - full_lse)
+            grad_sink -= (sink_prob * delta).sum(0)
+        return grad_query, grad_kv.to(kv.dtype), None, grad_sink.to(sink.dtype), None
+
+
+def sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of `query [N, H, D]` over rows `indices [N, K]` of `kv [M, D]` with sink `[H]`.
+
+    Indices outside `[0, M)` (−1 by convention) are ignored. Returns `out [N, H, D]` in the query
+    dtype and `lse [N, H]` (float32, float64 for float64 input), sink excluded.
+    """
+    _check_sparse_inputs(query, kv, indices, sink)
+    return SparseAttentionFunction.apply(query, kv, indices.long(), sink, float(scale))
+
+
+def full_normaliser(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
+    """`log(exp(sink) + Σ_{k∈K_t} exp(s_k))`, `[N, H]`, without autograd (the KL teacher's LSE)."""
+    _check_sparse_inputs(query, kv, indices, sink)
+    with torch.no_grad():
+        step = _rows_per_chunk(indices.shape[1], query.shape[1], query.shape[2])
+        lse = torch.cat([_forward_chunk(query[c], kv, indices[c].long(), sink, scale)[1]
+                         for c in (slice(s, s + step) for s in range(0, query.shape[0], step))])
+        return torch.logaddexp(lse, sink.to(lse.dtype))
+
+
+def _check_sparse_inputs(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> None:
+    if query.dim() != 3 or kv.dim() != 2 or query.shape[-1] != kv.shape[-1]:
+        raise ValueError(f"sparse_attention expects query [N, H, D] and kv [M, D], got "
+                         f"{tuple(query.shape)} and {tuple(kv.shape)}")
+    if indices.dim() != 2 or indices.shape[0] != query.shape[0]:
+        raise ValueError(f"indices must be [N, K] with N = {query.shape[0]}, got {tuple(indices.shape)}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
+    if sink.shape != (query.shape[1],):
+        raise ValueError(f"sink must be [H] = [{query.shape[1]}], got {tuple(sink.shape)}")
+    if not query.is_floating_point() or kv.dtype != query.dtype:
+        raise TypeError(f"query and kv must share one floating dtype, got {query.dtype} and {kv.dtype}")

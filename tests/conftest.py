@@ -1,0 +1,18 @@
+"""Shared test setup: GPU markers skip cleanly on machines without CUDA; deterministic seeds."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs >= 2 CUDA GPUs"))
+        elif "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
