@@ -130,7 +130,7 @@ class CompressedSparseAttention(HighPrecisionModule):
         visible = (offset_valid(visible_compressed_indices(compressed_layout), layout.num_rows)
                    if compressed_layout is not None else None)
 
-        scores = None
+        scores = columns = None
         if self.indexer is None:
             selection = IndexSelection(window, visible)
         else:
@@ -139,7 +139,6 @@ class CompressedSparseAttention(HighPrecisionModule):
             topk = dispatch(OpFamily.TOPK, c.attention_backend, device=x.device)
             columns = topk(scores, candidates >= 0, c.dsa_indexer_topk)
             selection = IndexSelection(window, gather_valid(visible, columns))
-            selected_columns = columns
         self.last_selection = selection
 
         attend = dispatch(OpFamily.SPARSE_ATTENTION, c.attention_backend, device=query.device,
@@ -148,13 +147,14 @@ class CompressedSparseAttention(HighPrecisionModule):
 
         self.last_indexer_loss = None
         if scores is not None and self.training and torch.is_grad_enabled():
-            loss = self._indexer_loss(query, kv_full, selection, visible, scores, selected_columns, lse)
+            loss = self._indexer_loss(query, kv_full, layout, selection, visible, scores, columns, lse)
             self.last_indexer_loss = loss.detach()
             out = IndexerLossAutoScaler.apply(out, loss, c.indexer_loss_backward_scale)
         return out
 
-    def _indexer_loss(self, query: Tensor, kv_full: Tensor, selection: IndexSelection, visible: Tensor,
-                      scores: Tensor, columns: Tensor, lse: Tensor) -> Tensor:
+    def _indexer_loss(self, query: Tensor, kv_full: Tensor, layout: TokenLayout,
+                      selection: IndexSelection, visible: Tensor, scores: Tensor, columns: Tensor,
+                      lse: Tensor) -> Tensor:
         """Coefficient-scaled KL between the indexer and the main attention (spec §4.4)."""
         c = self.config
         query, kv_full = query.detach(), kv_full.detach()
@@ -170,5 +170,9 @@ class CompressedSparseAttention(HighPrecisionModule):
         target = teacher_target(query, kv_full, candidates, full_lse, c.softmax_scale)
         kl = dispatch(OpFamily.INDEXER_LOSS, c.attention_backend, device=query.device)
         per_row = kl(student, target.to(student.dtype), valid)
+        if layout.has_padding:  # padding rows never enter the loss or its divisor
+            real = layout.row_valid
+            return reduce_indexer_loss(per_row * real, c.dsa_indexer_loss_coeff,
+                                       c.calculate_per_token_loss, real.sum())
         return reduce_indexer_loss(per_row, c.dsa_indexer_loss_coeff, c.calculate_per_token_loss,
                                    query.shape[0])

@@ -20,6 +20,7 @@ from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.norms import rms_norm
 from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.rope import plain_inv_freq, yarn_inv_freq
+from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
 
 
 def resolve_kind(config: HybridAttentionConfig, layer_number: Optional[int],
@@ -96,16 +97,33 @@ class HybridAttention(HighPrecisionModule):
                              c.original_max_position_embeddings, c.beta_fast, c.beta_slow)
 
     # ---------------------------------------------------------------- forward
-    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None
-                ) -> tuple[Tensor, Optional[Tensor]]:
-        """`hidden_states [S, B, d]` → `([S, B, d], None)`. Attention is always causal:
+    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """`hidden_states [S, B, d]` → `([S, B, d], None)`; packed input is `[T, 1, d]` with
+        `packed_seq_params` (see `megatron_dsa.packed_seq`). Attention is always causal:
         `attention_mask` is accepted for Megatron call compatibility and ignored."""
         self._check_input(hidden_states)
         seqlen, batch, _ = hidden_states.shape
-        layout = TokenLayout.uniform(batch, seqlen, hidden_states.device)
-        rows = hidden_states.transpose(0, 1).reshape(batch * seqlen, -1)  # batch-major token rows
-        out = self.linear_proj(self._attend(rows, layout))
-        return out.view(batch, seqlen, -1).transpose(0, 1), None
+        if packed_seq_params is None:
+            layout = TokenLayout.uniform(batch, seqlen, hidden_states.device)
+            rows = hidden_states.transpose(0, 1).reshape(batch * seqlen, -1)  # batch-major token rows
+            out = self.linear_proj(self._attend(rows, layout))
+            return out.view(batch, seqlen, -1).transpose(0, 1), None
+        layout = self._packed_layout(hidden_states, packed_seq_params)
+        # Padding and tail rows (possibly NaN-filled) are zeroed first, so nothing non-finite can
+        # reach a product, and their outputs are zeroed last: exact-zero grads for those rows.
+        real = layout.row_valid.unsqueeze(1)
+        rows = torch.where(real, hidden_states[:, 0], 0.0)
+        out = torch.where(real, self.linear_proj(self._attend(rows, layout)), 0.0)
+        return out.unsqueeze(1), None
+
+    def _packed_layout(self, hidden_states: Tensor, params: PackedSeqParams) -> TokenLayout:
+        if hidden_states.shape[1] != 1:
+            raise ValueError(f"packed (THD) hidden_states must be [T, 1, hidden], got "
+                             f"{tuple(hidden_states.shape)}")
+        validate_packed_seq_params(params, hidden_states.shape[0])
+        return TokenLayout.packed(params.cu_seqlens_q, hidden_states.shape[0], hidden_states.device,
+                                  params.cu_seqlens_q_padded, params.max_seqlen_q)
 
     def _attend(self, x: Tensor, layout: TokenLayout) -> Tensor:
         """Token rows `x [T, d]` → grouped-projected attention output `[T, G·Ro]`."""
@@ -152,8 +170,6 @@ class DenseMLAttention(HybridAttention):
     up-projected (`linear_kv_up_proj`) to `[G, qk + Dv]`; the last P dims are one RoPE key shared by
     all heads. Softmax scale `mscale(s, mscale_all_dim)² / sqrt(qk + P)` under YaRN.
     """
-
-    keep_high_precision = ("rotary_inv_freq",)
 
     def _q_head_dim(self) -> int:
         return self.config.mla_qk_head_dim + self.config.qk_pos_emb_head_dim

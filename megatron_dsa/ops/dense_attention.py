@@ -26,16 +26,20 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale
     k = k.to(compute).repeat_interleave(heads // groups, dim=1)
     v = v.to(compute).repeat_interleave(heads // groups, dim=1)
     seg = layout.segment_ids
-    step = max(1, CHUNK_ELEMENTS // max(1, rows * heads))
+    # Chunks of at most max_seqlen rows see at most 2·max_seqlen keys.
+    step = max(1, min(layout.max_seqlen, CHUNK_ELEMENTS // (2 * layout.max_seqlen * heads)))
     outs, lses = [], []
     for start in range(0, rows, step):
-        chunk = slice(start, start + step)
-        query_rows = torch.arange(start, min(start + step, rows), device=q.device)
-        key_rows = torch.arange(rows, device=q.device)
-        allowed = (seg[chunk].unsqueeze(1) == seg.unsqueeze(0)) & (key_rows <= query_rows.unsqueeze(1))
-        logits = torch.einsum("nhd,mhd->nhm", q[chunk].to(compute), k) * scale
+        stop = min(start + step, rows)
+        # A row's segment starts at most max_seqlen - 1 rows earlier: a host-known key range.
+        first_key = max(0, start - layout.max_seqlen + 1)
+        query_rows = torch.arange(start, stop, device=q.device)
+        key_rows = torch.arange(first_key, stop, device=q.device)
+        allowed = (seg[start:stop].unsqueeze(1) == seg[first_key:stop].unsqueeze(0)) & (
+            key_rows <= query_rows.unsqueeze(1))
+        logits = torch.einsum("nhd,mhd->nhm", q[start:stop].to(compute), k[first_key:stop]) * scale
         logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
         lse = torch.logsumexp(logits, dim=-1)
-        outs.append(torch.einsum("nhm,mhd->nhd", torch.exp(logits - lse.unsqueeze(-1)), v))
+        outs.append(torch.einsum("nhm,mhd->nhd", torch.exp(logits - lse.unsqueeze(-1)), v[first_key:stop]))
         lses.append(lse)
     return torch.cat(outs).to(q.dtype), torch.cat(lses)

@@ -13,6 +13,8 @@ The teacher is built from detached tensors; only the student scores carry gradie
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 from torch import Tensor
 
@@ -52,8 +54,13 @@ def kl_per_row(student_scores: Tensor, target: Tensor, valid: Tensor) -> Tensor:
     return terms.sum(-1)
 
 
-def reduce_indexer_loss(per_row: Tensor, coeff: float, per_token: bool, num_rows: int) -> Tensor:
+def reduce_indexer_loss(per_row: Tensor, coeff: float, per_token: bool,
+                        num_rows: Union[int, Tensor]) -> Tensor:
     """`coeff · Σ KL_t` (per-token mode, finalised later by the global token count) or
-    `coeff · Σ KL_t / num_rows` (mean over all real query rows, rows without candidates count as 0)."""
+    `coeff · Σ KL_t / num_rows` (mean over all real query rows, rows without candidates count as 0).
+    `num_rows` may be a device tensor (a count of real rows) so no host sync is needed."""
     total = per_row.sum()
-    return coeff * (total if per_token else total / max(num_rows, 1))
+    if per_token:
+        return coeff * total
+    divisor = num_rows.clamp_min(1) if isinstance(num_rows, Tensor) else max(num_rows, 1)
+    return coeff * total / divisor

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -28,12 +29,28 @@ class TokenLayout:
     cu_seqlens: Tensor
     num_rows: int
     max_seqlen: int
+    seqlens: Optional[Tensor] = None
 
     @classmethod
     def uniform(cls, batch: int, seqlen: int, device: torch.device) -> "TokenLayout":
         """`batch` sequences of `seqlen` tokens, batch-major (row `b·S + s`)."""
         cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device=device, dtype=torch.long)
         return cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen)
+
+    @classmethod
+    def packed(cls, cu_seqlens: Tensor, num_rows: int, device: torch.device,
+               cu_seqlens_padded: Optional[Tensor] = None, max_seqlen: Optional[int] = None
+               ) -> "TokenLayout":
+        """Segments at `cu_seqlens_padded` (physical) holding `diff(cu_seqlens)` real tokens each.
+
+        Without `max_seqlen` the longest physical segment is read back from the device.
+        """
+        physical = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+        if max_seqlen is None:
+            max_seqlen = int((physical[1:] - physical[:-1]).max()) if physical.numel() > 1 else 0
+        real = cu_seqlens.to(device=device, dtype=torch.long)
+        return cls(cu_seqlens=physical.to(device=device, dtype=torch.long), num_rows=num_rows,
+                   max_seqlen=max_seqlen, seqlens=real[1:] - real[:-1])
 
     @property
     def device(self) -> torch.device:
@@ -42,6 +59,25 @@ class TokenLayout:
     @property
     def num_segments(self) -> int:
         return self.cu_seqlens.numel() - 1
+
+    @cached_property
+    def real_seqlens(self) -> Tensor:
+        """`[nseg]` real (unpadded) length of each segment."""
+        if self.seqlens is not None:
+            return self.seqlens
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @cached_property
+    def row_valid(self) -> Tensor:
+        """`[T]` bool: the row is a real token (not per-segment padding, not the capacity tail)."""
+        rows = torch.arange(self.num_rows, device=self.device)
+        real = self.positions < self.real_seqlens[self.segment_ids]
+        return real & (rows < self.cu_seqlens[-1])
+
+    @property
+    def has_padding(self) -> bool:
+        """Host-known: padding rows may exist (no device read)."""
+        return self.seqlens is not None
 
     @cached_property
     def segment_ids(self) -> Tensor:
@@ -87,9 +123,8 @@ class CompressedLayout:
     def build(cls, tokens: TokenLayout, ratio: int) -> "CompressedLayout":
         if ratio < 2:
             raise ValueError(f"compression ratio must be >= 2, got {ratio}")
-        seqlens = tokens.cu_seqlens[1:] - tokens.cu_seqlens[:-1]
         cu = torch.zeros_like(tokens.cu_seqlens)
-        cu[1:] = torch.cumsum(seqlens // ratio, 0)
+        cu[1:] = torch.cumsum(tokens.real_seqlens // ratio, 0)  # padding is never compressed
         max_entries = tokens.max_seqlen // ratio
         capacity = min(tokens.num_rows // ratio, tokens.num_segments * max_entries)
         return cls(tokens=tokens, ratio=ratio, cu_compressed=cu, capacity=capacity,
@@ -125,5 +160,7 @@ class CompressedLayout:
         return torch.where(self.valid, first, 0)
 
     def visible_counts(self) -> Tensor:
-        """`[T]` number of entries token `t` may see: `floor((pos+1)/r)` (ratio-causal, §3.3)."""
-        return torch.div(self.tokens.positions + 1, self.ratio, rounding_mode="floor")
+        """`[T]` entries token `t` may see: `min(floor((pos+1)/r), C_b)` (ratio-causal, §3.3)."""
+        causal = torch.div(self.tokens.positions + 1, self.ratio, rounding_mode="floor")
+        entries = self.cu_compressed[1:] - self.cu_compressed[:-1]
+        return torch.minimum(causal, entries[self.tokens.segment_ids])

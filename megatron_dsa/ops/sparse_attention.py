@@ -74,7 +74,8 @@ class SparseAttentionFunction(torch.autograd.Function):
         scale = ctx.scale
         compute = _compute_dtype(query.dtype)
         grad_query = torch.empty_like(query)
-        grad_kv = torch.zeros(kv.shape, dtype=compute, device=kv.device)
+        # One spare row absorbs the invalid slots: a masked index_add without a host sync.
+        grad_kv = torch.zeros((kv.shape[0] + 1, kv.shape[1]), dtype=compute, device=kv.device)
         grad_sink = torch.zeros(sink.shape, dtype=compute, device=sink.device)
         step = _rows_per_chunk(indices.shape[1], query.shape[1], query.shape[2])
         for start in range(0, query.shape[0], step):
@@ -94,10 +95,11 @@ class SparseAttentionFunction(torch.autograd.Function):
             grad_query[chunk] = (torch.einsum("nhk,nkd->nhd", d_logits, keys) * scale).to(query.dtype)
             d_keys = torch.einsum("nhk,nhd->nkd", probs, d_out) + scale * torch.einsum(
                 "nhk,nhd->nkd", d_logits, q)
-            grad_kv.index_add_(0, indices[chunk][valid], d_keys[valid])
+            spare = torch.where(valid, indices[chunk], kv.shape[0])
+            grad_kv.index_add_(0, spare.flatten(), d_keys.flatten(0, 1))
             sink_prob = torch.exp(sink.to(compute) - full_lse)
             grad_sink -= (sink_prob * delta).sum(0)
-        return grad_query, grad_kv.to(kv.dtype), None, grad_sink.to(sink.dtype), None
+        return grad_query, grad_kv[:-1].to(kv.dtype), None, grad_sink.to(sink.dtype), None
 
 
 def sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
