@@ -94,6 +94,9 @@ class HybridAttentionConfig:
     # Kernels.
     attention_backend: str = "auto"
 
+    # Parallelism (the process groups themselves come with `ParallelState`).
+    sequence_parallel: bool = False  # hidden states between layers split along the sequence over TP
+
     # Parameters.
     init_method_std: float = 0.02
     add_bias_linear: bool = False

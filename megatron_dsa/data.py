@@ -82,7 +82,7 @@ def sample_windows(text: Tensor, count: int, length: int, generator: torch.Gener
     if text.numel() < length:
         raise ValueError(f"text of {text.numel()} bytes is shorter than one window of {length}")
     starts = torch.randint(0, text.numel() - length + 1, (count,), generator=generator)
-    return torch.stack([text[start:start + length] for start in starts.tolist()]).long()
+    return text[starts.unsqueeze(1) + torch.arange(length)].long()
 
 
 # ---------------------------------------------------------------- retrieval task
@@ -141,20 +141,19 @@ class RetrievalTask:
 
     def sample(self, filler_text: Tensor, count: int, generator: torch.Generator) -> RetrievalSamples:
         """`count` sequences; filler windows are drawn from `filler_text` (uint8)."""
-        fillers = sample_windows(filler_text, count, self._filler_len, generator) if count else None
-        rows, sources = [], []
+        fillers = sample_windows(filler_text, count, self._filler_len, generator)
+        sequences, sources = [], []
         for row in range(count):
             keys = self._distinct_keys(generator)
             values = [_random_bytes(VALUE_ALPHABET, self.value_len, generator) for _ in keys]
             asked = int(torch.randint(0, self.num_pairs, (1,), generator=generator))
             pairs = b"".join(key + b"=" + value + b";" for key, value in zip(keys, values))
-            sequence = (pairs + b"\n" + bytes(fillers[row].to(torch.uint8).tolist()) + b"\n?"
-                        + keys[asked] + b"=" + values[asked])
-            rows.append(torch.tensor(list(sequence), dtype=torch.long))
+            sequences.append(list(pairs + b"\n" + bytes(fillers[row].tolist()) + b"\n?"
+                                  + keys[asked] + b"=" + values[asked]))
             sources.append(self._source_start(asked))
         offsets = torch.arange(self.value_len)
         return RetrievalSamples(
-            tokens=torch.stack(rows) if rows else torch.empty(0, self.seq_len + 1, dtype=torch.long),
+            tokens=torch.tensor(sequences, dtype=torch.long).view(count, self.seq_len + 1),
             answer_positions=(self._answer_start + offsets).expand(count, -1),
             source_positions=torch.tensor(sources, dtype=torch.long).view(-1, 1) + offsets)
 

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from megatron_dsa.backends import OpFamily, dispatch
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
@@ -22,6 +23,9 @@ from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.rope import rope
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.sparse_attention import full_normaliser
+from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region
+from megatron_dsa.parallel.sharding import mark_tensor_parallel
+from megatron_dsa.parallel.state import group_size
 
 
 class Compressor(HighPrecisionModule):
@@ -105,12 +109,14 @@ class CompressedSparseAttention(HighPrecisionModule):
 
     keep_high_precision = ("attn_sink",)
 
-    def __init__(self, config: HybridAttentionConfig, kind: LayerKind):
+    def __init__(self, config: HybridAttentionConfig, kind: LayerKind,
+                 tp_group: Optional[ProcessGroup] = None):
         super().__init__()
         c = config
-        self.config, self.kind = c, kind
+        self.config, self.kind, self.tp_group = c, kind, tp_group
         self.ratio = c.compress_ratio(kind)
-        self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32))
+        local_heads = c.num_attention_heads // group_size(tp_group)
+        self.attn_sink = mark_tensor_parallel(nn.Parameter(torch.zeros(local_heads, dtype=torch.float32)), 0)
         self.compressor = (Compressor(c.hidden_size, c.v_head_dim, self.ratio, c.layernorm_epsilon,
                                       rotate=False, std=c.init_method_std, backend=c.attention_backend)
                            if self.ratio else None)
@@ -126,6 +132,8 @@ class CompressedSparseAttention(HighPrecisionModule):
         if self.compressor is not None:
             compressed_layout = layout.compressed(self.ratio)
             kv_full = torch.cat((kv, self.compressor(x, compressed_layout, inv_freq)))
+        # The shared KV rows feed this rank's heads only: their gradient is summed over TP.
+        kv_full = copy_to_tensor_parallel_region(kv_full, self.tp_group)
         window = window_indices(layout, c.csa_window_size)
         visible = (offset_valid(visible_compressed_indices(compressed_layout), layout.num_rows)
                    if compressed_layout is not None else None)
@@ -167,7 +175,7 @@ class CompressedSparseAttention(HighPrecisionModule):
             candidates, valid, student = visible, visible >= 0, scores
             full_lse = full_normaliser(query, kv_full, torch.cat((selection.window, visible), 1), sink,
                                        c.softmax_scale)
-        target = teacher_target(query, kv_full, candidates, full_lse, c.softmax_scale)
+        target = teacher_target(query, kv_full, candidates, full_lse, c.softmax_scale, self.tp_group)
         kl = dispatch(OpFamily.INDEXER_LOSS, c.attention_backend, device=query.device)
         per_row = kl(student, target.to(student.dtype), valid)
         if layout.has_padding:  # padding rows never enter the loss or its divisor

@@ -21,6 +21,10 @@ from megatron_dsa.ops.norms import rms_norm
 from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.rope import plain_inv_freq, yarn_inv_freq
 from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
+from megatron_dsa.parallel.linear import ColumnParallelLinear, RowParallelLinear, divide
+from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from megatron_dsa.parallel.sharding import mark_tensor_parallel
+from megatron_dsa.parallel.state import ParallelState
 
 
 def resolve_kind(config: HybridAttentionConfig, layer_number: Optional[int],
@@ -43,33 +47,40 @@ class HybridAttention(HighPrecisionModule):
 
     `HybridAttention(config, layer_number=3)` reads the kind from `config.layer_pattern`;
     `HybridAttention(config, kind="C")` picks it directly. Kind M builds a `DenseMLAttention`
-    (a subclass), so every kind is a `HybridAttention`.
+    (a subclass), so every kind is a `HybridAttention`. `parallel_state` holds the tensor-parallel
+    group (heads split across ranks; see docs/parallelism.md); None means a single process.
 
-    forward(hidden_states `[S, B, d]`) → `(output [S, B, d], bias=None)`. In training, C layers
-    attach the indexer KL loss to the backward; its coefficient-scaled value is `last_indexer_loss`.
+    forward(hidden_states `[S, B, d]`, or `[S/tp, B, d]` under sequence parallelism) → `(output,
+    bias=None)` of the same shape. In training, C layers attach the indexer KL loss to the
+    backward; its coefficient-scaled value is `last_indexer_loss`.
     """
 
     keep_high_precision = ("rotary_inv_freq",)
 
     def __new__(cls, config: HybridAttentionConfig, layer_number: Optional[int] = None,
-                kind: Union[LayerKind, str, None] = None):
+                kind: Union[LayerKind, str, None] = None, parallel_state: Optional[ParallelState] = None):
         if cls is HybridAttention and resolve_kind(config, layer_number, kind) is LayerKind.MLA:
             cls = DenseMLAttention
         return super().__new__(cls)
 
     def __init__(self, config: HybridAttentionConfig, layer_number: Optional[int] = None,
-                 kind: Union[LayerKind, str, None] = None):
+                 kind: Union[LayerKind, str, None] = None, parallel_state: Optional[ParallelState] = None):
         super().__init__()
         c = self.config = config
         self.kind = resolve_kind(config, layer_number, kind)
         self.layer_number = layer_number
+        self.parallel_state = parallel_state or ParallelState()
+        self.tp_group = self.parallel_state.tp_group
+        tp = self.parallel_state.tp_size
+        self.local_heads = divide(c.num_attention_heads, tp, "num_attention_heads")
         std = c.init_method_std
         self.linear_q_down_proj = linear(c.hidden_size, c.q_lora_rank, std)
         self.q_layernorm = make_norm(c.q_lora_rank, c.layernorm_epsilon, c.qk_layernorm)
-        self.linear_q_up_proj = linear(c.q_lora_rank, c.num_attention_heads * self._q_head_dim(), std)
+        self.linear_q_up_proj = ColumnParallelLinear(c.q_lora_rank, c.num_attention_heads * self._q_head_dim(),
+                                                     self.tp_group, std)
         self._build_kv_path()
-        self.linear_proj = linear(self._proj_in_features(), c.hidden_size,
-                                  output_init_std(std, c.num_layers))
+        self.linear_proj = RowParallelLinear(self._proj_in_features(), c.hidden_size, self.tp_group,
+                                             output_init_std(std, c.num_layers), c.sequence_parallel)
         self.register_buffer("rotary_inv_freq", self._inv_freq(), persistent=False)
 
     # ---------------------------------------------------------------- W / C / H structure
@@ -78,12 +89,13 @@ class HybridAttention(HighPrecisionModule):
 
     def _build_kv_path(self) -> None:
         c = self.config
+        self.local_groups = divide(c.o_groups, self.parallel_state.tp_size, "o_groups")
         self.linear_kv_proj = linear(c.hidden_size, c.v_head_dim, c.init_method_std)
         self.kv_layernorm = make_norm(c.v_head_dim, c.layernorm_epsilon, c.qk_layernorm)
         group_width = c.num_attention_heads * c.v_head_dim // c.o_groups
-        self.linear_o_group_proj = nn.Parameter(
-            torch.empty(c.o_groups * c.o_lora_rank, group_width).normal_(std=c.init_method_std))
-        self.core_attention = CompressedSparseAttention(c, self.kind)
+        self.linear_o_group_proj = mark_tensor_parallel(nn.Parameter(
+            torch.empty(self.local_groups * c.o_lora_rank, group_width).normal_(std=c.init_method_std)), 0)
+        self.core_attention = CompressedSparseAttention(c, self.kind, self.tp_group)
 
     def _proj_in_features(self) -> int:
         return self.config.o_groups * self.config.o_lora_rank
@@ -100,22 +112,28 @@ class HybridAttention(HighPrecisionModule):
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
                 packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[Tensor, Optional[Tensor]]:
         """`hidden_states [S, B, d]` → `([S, B, d], None)`; packed input is `[T, 1, d]` with
-        `packed_seq_params` (see `megatron_dsa.packed_seq`). Attention is always causal:
-        `attention_mask` is accepted for Megatron call compatibility and ignored."""
+        `packed_seq_params` (see `megatron_dsa.packed_seq`). Under sequence parallelism dim 0 is this
+        rank's slice. Attention is always causal: `attention_mask` is accepted for Megatron call
+        compatibility and ignored."""
         self._check_input(hidden_states)
-        seqlen, batch, _ = hidden_states.shape
+        sp_group = self.tp_group if self.config.sequence_parallel else None
+        # Every rank's gradient of the gathered input is complete (the head-parallel regions sum
+        # theirs), so backward keeps the own slice instead of summing tp identical copies.
+        full = gather_from_sequence_parallel_region(hidden_states, sp_group, grad_is_partial=False)
+        seqlen, batch, _ = full.shape
         if packed_seq_params is None:
-            layout = TokenLayout.uniform(batch, seqlen, hidden_states.device)
-            rows = hidden_states.transpose(0, 1).reshape(batch * seqlen, -1)  # batch-major token rows
-            out = self.linear_proj(self._attend(rows, layout))
-            return out.view(batch, seqlen, -1).transpose(0, 1), None
-        layout = self._packed_layout(hidden_states, packed_seq_params)
-        # Padding and tail rows (possibly NaN-filled) are zeroed first, so nothing non-finite can
-        # reach a product, and their outputs are zeroed last: exact-zero grads for those rows.
-        real = layout.row_valid.unsqueeze(1)
-        rows = torch.where(real, hidden_states[:, 0], 0.0)
-        out = torch.where(real, self.linear_proj(self._attend(rows, layout)), 0.0)
-        return out.unsqueeze(1), None
+            layout = TokenLayout.uniform(batch, seqlen, full.device)
+            rows = full.transpose(0, 1).reshape(batch * seqlen, -1)  # batch-major token rows
+            latent = self._attend(rows, layout).view(batch, seqlen, -1).transpose(0, 1)
+        else:
+            layout = self._packed_layout(full, packed_seq_params)
+            # Padding and tail rows (possibly NaN-filled) are zeroed on the way in and on the way
+            # out of the attention: nothing non-finite reaches a product, their outputs are exactly
+            # 0 (no bias) and their input gradients exactly 0.
+            real = layout.row_valid.unsqueeze(1)
+            rows = torch.where(real, full[:, 0], 0.0)
+            latent = torch.where(real, self._attend(rows, layout), 0.0).unsqueeze(1)
+        return self.linear_proj(latent), None
 
     def _packed_layout(self, hidden_states: Tensor, params: PackedSeqParams) -> TokenLayout:
         if hidden_states.shape[1] != 1:
@@ -126,18 +144,17 @@ class HybridAttention(HighPrecisionModule):
                                   params.cu_seqlens_q_padded, params.max_seqlen_q)
 
     def _attend(self, x: Tensor, layout: TokenLayout) -> Tensor:
-        """Token rows `x [T, d]` → grouped-projected attention output `[T, G·Ro]`."""
+        """Token rows `x [T, d]` → this rank's grouped-projected attention output `[T, G/tp·Ro]`."""
         c = self.config
-        heads, dim = c.num_attention_heads, c.v_head_dim
         positions, inv_freq = layout.positions, self.rotary_inv_freq
         rope = dispatch(OpFamily.ROPE, c.attention_backend, device=x.device, dtype=x.dtype)
         qr = self.q_layernorm(self.linear_q_down_proj(x))  # [T, Rq], also the indexer's input
-        q = rms_norm(self.linear_q_up_proj(qr).view(-1, heads, dim), None, c.layernorm_epsilon)
-        q = rope(q, positions, inv_freq)
+        q = self.linear_q_up_proj(qr).view(-1, self.local_heads, c.v_head_dim)
+        q = rope(rms_norm(q, None, c.layernorm_epsilon), positions, inv_freq)
         kv = rope(self.kv_layernorm(self.linear_kv_proj(x)), positions, inv_freq)  # K = V, [T, D]
         o = self.core_attention(q, kv, x, qr, layout, inv_freq)
         o = rope(o, positions, inv_freq, inverse=True)  # relative positions in V; new storage
-        return grouped_output_projection(o.flatten(1), self.linear_o_group_proj, c.o_groups)
+        return grouped_output_projection(o.flatten(1), self.linear_o_group_proj, self.local_groups)
 
     def _check_input(self, hidden_states: Tensor) -> None:
         if not isinstance(hidden_states, Tensor):
@@ -177,10 +194,12 @@ class DenseMLAttention(HybridAttention):
     def _build_kv_path(self) -> None:
         c = self.config
         rank, rope_dim = c.mla_kv_lora_rank, c.qk_pos_emb_head_dim
+        self.local_groups = divide(c.mla_num_query_groups, self.parallel_state.tp_size, "num_query_groups")
         self.linear_kv_down_proj = linear(c.hidden_size, rank + rope_dim, c.init_method_std)
         self.kv_layernorm = make_norm(rank, c.layernorm_epsilon, c.qk_layernorm)
-        self.linear_kv_up_proj = linear(
-            rank, c.mla_num_query_groups * (c.mla_qk_head_dim + c.v_head_dim), c.init_method_std)
+        self.linear_kv_up_proj = ColumnParallelLinear(
+            rank, c.mla_num_query_groups * (c.mla_qk_head_dim + c.v_head_dim), self.tp_group,
+            c.init_method_std)
 
     def _proj_in_features(self) -> int:
         return self.config.num_attention_heads * self.config.v_head_dim
@@ -211,7 +230,7 @@ class DenseMLAttention(HybridAttention):
 
     def _attend(self, x: Tensor, layout: TokenLayout) -> Tensor:
         c = self.config
-        heads, groups = c.num_attention_heads, c.mla_num_query_groups
+        heads, groups = self.local_heads, self.local_groups
         nope, rope_dim, rank = c.mla_qk_head_dim, c.qk_pos_emb_head_dim, c.mla_kv_lora_rank
         rope = dispatch(OpFamily.ROPE, c.attention_backend, device=x.device, dtype=x.dtype)
         positions, inv_freq, amplitude = layout.positions, self.rotary_inv_freq, self.rope_amplitude
@@ -221,7 +240,9 @@ class DenseMLAttention(HybridAttention):
         latent, k_rope = self.linear_kv_down_proj(x).split((rank, rope_dim), dim=-1)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(-1, groups, nope + c.v_head_dim)
         k_nope, v = kv.split((nope, c.v_head_dim), dim=-1)
-        k_rope = rope(k_rope, positions, inv_freq, amplitude=amplitude)  # one key shared by all heads
+        # One RoPE key shared by all heads; this rank's heads give part of its gradient.
+        k_rope = copy_to_tensor_parallel_region(rope(k_rope, positions, inv_freq, amplitude=amplitude),
+                                                self.tp_group)
         k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, groups, -1)), dim=-1)
         attend = dispatch(OpFamily.DENSE_ATTENTION, c.attention_backend, device=x.device,
                           dtype=x.dtype, head_dim=nope + rope_dim, v_head_dim=c.v_head_dim)

@@ -13,21 +13,26 @@ The teacher is built from detached tensors; only the student scores carry gradie
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from megatron_dsa.ops.sparse_attention import _chunk_scores, _rows_per_chunk
+from megatron_dsa.parallel.mappings import all_reduce_no_grad
 
 TINY = torch.finfo(torch.float32).tiny  # L1 normaliser floor: tiny positive masses still sum to 1
 
 
-def teacher_target(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor, scale: float) -> Tensor:
+def teacher_target(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor, scale: float,
+                   tp_group: Optional[ProcessGroup] = None) -> Tensor:
     """Head-summed attention probabilities of the candidates, L1-normalised per row.
 
     query `[T, H, D]`, kv `[M, D]` (the attention's `kv_full`), candidates `[T, C]` rows of `kv`
     (−1 = none), full_lse `[T, H]` the full normaliser (window + sink + candidates).
+    With heads split over `tp_group` the head sum is completed by an all-reduce before the L1
+    normalisation (bug class A7.2).
     Returns `[T, C]` (compute dtype), 0 at invalid candidates, rows sum to 1 (or 0 if empty).
     """
     with torch.no_grad():
@@ -38,6 +43,7 @@ def teacher_target(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tens
             _, _, logits = _chunk_scores(query[chunk].detach(), kv.detach(), candidates[chunk], scale)
             parts.append(torch.exp(logits - full_lse[chunk].unsqueeze(-1)).sum(1))
         mass = torch.cat(parts) if parts else full_lse.new_zeros(candidates.shape)
+        mass = all_reduce_no_grad(mass, tp_group)
         return mass / mass.sum(-1, keepdim=True).clamp_min(TINY)
 
 

@@ -1,0 +1,68 @@
+"""Tensor-parallel linear layers (bias-free, as the DSv4 layer has no biases).
+
+Weights keep Megatron's names (`weight`) and local shapes: a column-parallel layer holds rows
+`[out/tp, in]`, a row-parallel layer columns `[out, in/tp]`; `sharding.py` maps them to TP = 1.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from megatron_dsa.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron_dsa.parallel.sharding import mark_tensor_parallel
+from megatron_dsa.parallel.state import group_size
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """`numerator / denominator`, or a ValueError naming what must be divisible."""
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by the tensor-parallel size "
+                         f"({denominator})")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """`y_local = x @ W_local^T`, `W_local = W[rank·out/tp : (rank+1)·out/tp]`.
+
+    The input is shared by all ranks (each uses it for its own output slice), so its gradient is
+    summed over the group in backward. The output stays split (no gather).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group: Optional[ProcessGroup],
+                 std: float, what: str = "output features"):
+        super().__init__()
+        self.tp_group = tp_group
+        local = divide(out_features, group_size(tp_group), what)
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, in_features).normal_(std=std)), 0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(copy_to_tensor_parallel_region(x, self.tp_group), self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """`y = Σ_ranks x_local @ W_local^T` with `W_local = W[:, rank·in/tp : (rank+1)·in/tp]`.
+
+    The sum is an all-reduce, or a reduce-scatter along dim 0 under sequence parallelism.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group: Optional[ProcessGroup],
+                 std: float, sequence_parallel: bool = False, what: str = "input features"):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        local = divide(in_features, group_size(tp_group), what)
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, local).normal_(std=std)), 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        return reduce_from_tensor_parallel_region(partial, self.tp_group)
