@@ -41,7 +41,7 @@ def topk_columns(scores: Tensor, valid: Tensor, k: int) -> Tensor:
     ties go to the lower column (stable sort), so the selection is deterministic. Non-differentiable.
     """
     width = min(k, scores.shape[1])
-    ranked = torch.where(valid, scores.detach().float(), float("-inf"))
+    ranked = torch.where(valid, scores.detach(), float("-inf"))
     order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :width]
     return torch.where(torch.gather(valid, 1, order), order, INVALID)
 

@@ -1,0 +1,80 @@
+"""Run a test body on N real processes (gloo on CPU, NCCL on GPUs) without ever hanging.
+
+Every rank runs `body(rank, world_size, *args)` inside an initialised default process group. A rank
+that fails records its traceback; then all ranks all-reduce a failure flag (MAX) so the healthy ones
+stop at the same point instead of waiting in a collective. The parent joins with a timeout, kills
+stragglers and raises one AssertionError with every failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
+               body: Callable[..., Any], args: tuple, errors: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    failure = ""
+    try:
+        body(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - reported to the parent below
+        failure = traceback.format_exc()
+    if failure:  # report first: the flag exchange below may itself fail on a broken group
+        errors.put((rank, failure))
+    try:
+        flag = torch.tensor([1.0 if failure else 0.0], device="cuda" if backend == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        if not failure:
+            errors.put((rank, "failure-flag exchange failed:\n" + traceback.format_exc()))
+
+
+def run_distributed(body: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                    timeout_s: float = 240.0) -> None:
+    """Run `body` on `world_size` ranks; raise AssertionError listing every failing rank."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main,
+                         args=(rank, world_size, port, backend, timeout_s, body, args, errors))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s + 30)
+    for p in procs:
+        p.join(max(1.0, (deadline - datetime.datetime.now()).total_seconds()))
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    crashed = [rank for rank, p in enumerate(procs) if p.exitcode not in (0, None) and rank not in hung]
+    if failures or hung or crashed:
+        report = [f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures)]
+        if hung:
+            report.append(f"ranks {hung} did not finish within {timeout_s:.0f}s (killed)")
+        if crashed:
+            report.append(f"ranks {crashed} exited with codes {[procs[r].exitcode for r in crashed]}")
+        raise AssertionError("distributed test failed:\n" + "\n".join(report))
