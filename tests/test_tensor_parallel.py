@@ -183,3 +183,56 @@ def one_rank_fails_body(rank: int, world: int) -> None:
 def test_harness_reports_a_failing_rank_without_hanging():
     with pytest.raises(AssertionError, match="deliberate failure on rank 1"):
         run_distributed(one_rank_fails_body, 2, timeout_s=20)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def nccl_bf16_parity_body(rank: int, world: int) -> None:
+    """bf16 TP-2 on GPUs vs the fp32 single-GPU layer with the same weights.
+
+    Tolerance: cosine > 0.999 for outputs and every gradient. bf16 has an 8-bit mantissa (relative
+    rounding 2^-9 ≈ 2e-3 per op); over a few hundred-term dot products the relative error of a whole
+    tensor stays around 1e-2, i.e. 1 − cos ≈ 5e-5, so 1e-3 leaves margin while a sharding error
+    (a missing head, a doubled gradient) gives cosine far below 0.99 or a norm off by 2×, which the
+    relative-norm check (< 2e-2) catches.
+    """
+    device = torch.device("cuda", rank)
+    state = initialize_parallel_state(tp_size=world)
+    for kind in "WCHM":
+        for sequence_parallel in (False, True):
+            config = small_config(kind, sequence_parallel=sequence_parallel)
+            torch.manual_seed(5)
+            ref = HybridAttention(config.replace(sequence_parallel=False), kind=kind).to(device)
+            if hasattr(ref, "core_attention"):
+                with torch.no_grad():
+                    ref.core_attention.attn_sink.normal_()
+            x = torch.randn(256, 2, config.hidden_size, device=device, requires_grad=True)
+            upstream = torch.randn(256, 2, config.hidden_size, device=device)
+            out_ref, _ = ref(x)
+            (out_ref * upstream).sum().backward()
+            layer = HybridAttention(config, kind=kind, parallel_state=state).to(device)
+            load_full_state_dict(layer, ref.state_dict(), state)
+            layer = layer.bfloat16()
+            x_local = x.detach().bfloat16().requires_grad_()
+            x_in = scatter_to_sequence_parallel_region(x_local, state.tp_group) if sequence_parallel else x_local
+            mine = (lambda t: t.chunk(world)[rank]) if sequence_parallel else (lambda t: t)
+            out, _ = layer(x_in)
+            (out.float() * mine(upstream)).sum().backward()
+            tag = f"kind={kind} sp={sequence_parallel} rank={rank}"
+            pairs = [("output", out, mine(out_ref)), ("input grad", x_local.grad, x.grad)]
+            grads = gathered_grads(layer, state, world)
+            pairs += [(f"grad {n}", grads[n], p.grad) for n, p in ref.named_parameters()]
+            for what, actual, expected in pairs:
+                actual, expected = actual.float(), expected.float()
+                assert torch.isfinite(actual).all(), f"{tag} {what} not finite"
+                assert cosine(actual, expected) > 0.999, f"{tag} {what}: cosine {cosine(actual, expected)}"
+                rel = abs(actual.norm() / expected.norm().clamp_min(1e-30) - 1)
+                assert rel < 2e-2, f"{tag} {what}: norm ratio off by {rel:.2e}"
+
+
+@pytest.mark.multigpu
+def test_tensor_parallel_nccl_bf16_matches_fp32():
+    run_distributed(nccl_bf16_parity_body, 2, backend="nccl", timeout_s=300)
