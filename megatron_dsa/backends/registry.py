@@ -56,7 +56,7 @@ class Backend:
 
 _BACKENDS: dict[str, Backend] = {}
 _CALL_COUNTS: Counter = Counter()
-_LOGGED_CHOICES: set[tuple[OpFamily, str]] = set()
+_LOGGED_CHOICES: set[tuple[OpFamily, str, tuple[str, ...]]] = set()
 
 
 def register_backend(backend: Backend) -> None:
@@ -109,9 +109,11 @@ def dispatch(op: OpFamily, requested: str = AUTO, **call: Any) -> Callable[..., 
 
 
 def _log_choice_once(op: OpFamily, chosen: str, declined: list[str]) -> None:
-    if (op, chosen) in _LOGGED_CHOICES:
+    """Log once per distinct (op, choice, decline reasons): a new reason is worth a new line."""
+    key = (op, chosen, tuple(declined))
+    if key in _LOGGED_CHOICES:
         return
-    _LOGGED_CHOICES.add((op, chosen))
+    _LOGGED_CHOICES.add(key)
     why = f" (declined: {'; '.join(declined)})" if declined else ""
     logger.info("megatron_dsa: %s uses backend %r%s", op.value, chosen, why)
 
@@ -126,7 +128,11 @@ def reset_call_counts() -> None:
 
 
 def availability_table() -> list[tuple[str, str, str]]:
-    """Rows `(backend, op, "yes" | reason)` probed for a generic call on this machine."""
+    """Rows `(backend, op, "yes" | reason)` probed with an empty call description on this machine.
+
+    Backends whose answer depends on the call (dtype, head dim, ...) decline per call at run time;
+    this table shows what does not depend on it (packages, GPU generation).
+    """
     rows = []
     for backend in registered_backends():
         for op in OpFamily:

@@ -20,7 +20,6 @@ from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indexer_loss import reduce_indexer_loss, teacher_target
 from megatron_dsa.ops.indices import gather_valid, offset_valid, visible_compressed_indices, window_indices
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
-from megatron_dsa.ops.rope import rope
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.sparse_attention import full_normaliser
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region
@@ -33,19 +32,20 @@ class Compressor(HighPrecisionModule):
 
     keep_high_precision = ("ape",)
 
-    def __init__(self, hidden_size: int, head_dim: int, ratio: int, eps: float, rotate: bool,
-                 std: float, backend: str):
+    def __init__(self, config: HybridAttentionConfig, head_dim: int, ratio: int, rotate: bool):
         super().__init__()
         width = channel_factor(ratio) * head_dim
-        self.ratio, self.rotate, self.backend = ratio, rotate, backend
-        self.linear_wkv = linear(hidden_size, width, std)
-        self.linear_wgate = linear(hidden_size, width, std)
+        std = config.init_method_std
+        self.config, self.ratio, self.rotate = config, ratio, rotate
+        self.linear_wkv = linear(config.hidden_size, width, std)
+        self.linear_wgate = linear(config.hidden_size, width, std)
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32).normal_(std=std))
-        self.norm = RMSNorm(head_dim, eps)
+        self.norm = RMSNorm(head_dim, config.layernorm_epsilon)
 
     def forward(self, x: Tensor, layout: CompressedLayout, inv_freq: Tensor) -> Tensor:
         """`x [T, d]` → compressed entries `[capacity, Dc]` (RoPE at `j·r`, Hadamard if `rotate`)."""
-        op = dispatch(OpFamily.COMPRESSOR, self.backend, device=x.device, dtype=x.dtype, ratio=self.ratio)
+        op = dispatch(OpFamily.COMPRESSOR, self.config.attention_backend, device=x.device,
+                      dtype=x.dtype, ratio=self.ratio)
         return op(x, self.linear_wkv.weight, self.linear_wgate.weight, self.ape, self.norm.weight,
                   self.norm.eps, layout, inv_freq, self.rotate)
 
@@ -55,24 +55,22 @@ class LightningIndexer(nn.Module):
 
     def __init__(self, config: HybridAttentionConfig):
         super().__init__()
-        c = config
+        c = self.config = config
         self.heads, self.head_dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
-        self.backend = c.attention_backend
         self.linear_wq_b = linear(c.q_lora_rank, self.heads * self.head_dim, c.init_method_std)
         self.linear_weights_proj = linear(c.hidden_size, self.heads, c.init_method_std)
-        self.compressor = Compressor(c.hidden_size, self.head_dim, c.compress_ratio(LayerKind.CSA),
-                                     c.layernorm_epsilon, rotate=True, std=c.init_method_std,
-                                     backend=c.attention_backend)
+        self.compressor = Compressor(c, self.head_dim, c.compress_ratio(LayerKind.CSA), rotate=True)
 
     def forward(self, x: Tensor, qr: Tensor, layout: CompressedLayout, inv_freq: Tensor,
                 candidates: Tensor) -> Tensor:
         """Scores `[T, C]` (float32/64, −inf at invalid) of `candidates [T, C]` (compressed ids)."""
-        positions = layout.tokens.positions
+        backend = self.config.attention_backend
+        rope = dispatch(OpFamily.ROPE, backend, device=x.device, dtype=x.dtype)
         q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
-        q = hadamard_transform(rope(q, positions, inv_freq))
+        q = hadamard_transform(rope(q, layout.tokens.positions, inv_freq))
         k = self.compressor(x, layout, inv_freq)
         weights = self.linear_weights_proj(x) * self.heads ** -0.5
-        op = dispatch(OpFamily.INDEXER_SCORES, self.backend, device=x.device, dtype=x.dtype)
+        op = dispatch(OpFamily.INDEXER_SCORES, backend, device=x.device, dtype=x.dtype)
         return op(q, k, weights, candidates, self.head_dim ** -0.5)
 
 
@@ -117,9 +115,7 @@ class CompressedSparseAttention(HighPrecisionModule):
         self.ratio = c.compress_ratio(kind)
         local_heads = c.num_attention_heads // group_size(tp_group)
         self.attn_sink = mark_tensor_parallel(nn.Parameter(torch.zeros(local_heads, dtype=torch.float32)), 0)
-        self.compressor = (Compressor(c.hidden_size, c.v_head_dim, self.ratio, c.layernorm_epsilon,
-                                      rotate=False, std=c.init_method_std, backend=c.attention_backend)
-                           if self.ratio else None)
+        self.compressor = Compressor(c, c.v_head_dim, self.ratio, rotate=False) if self.ratio else None
         self.indexer = LightningIndexer(c) if c.has_indexer(kind) else None
         self.last_indexer_loss: Optional[Tensor] = None
         self.last_selection: Optional[IndexSelection] = None

@@ -23,7 +23,10 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
     valid = candidates >= 0
     # Invalid candidates read an appended zero row: no out-of-range gather, even when `k` is empty.
     padded = torch.cat((k, k.new_zeros(1, k.shape[-1])))
-    keys = padded[torch.where(valid, candidates, k.shape[0])].to(compute)
+    rows = torch.where(valid, candidates, k.shape[0])
+    # index_select's backward is an index_add (fast with the many repeated rows here); advanced
+    # indexing's backward sorts the indices and is orders of magnitude slower on GPUs.
+    keys = padded.index_select(0, rows.flatten()).view(*rows.shape, k.shape[-1]).to(compute)
     dots = torch.relu(torch.einsum("thd,tcd->thc", q.to(compute), keys))
     scores = torch.einsum("th,thc->tc", weights.to(compute) * scale, dots)
     return scores.masked_fill(~valid, float("-inf"))

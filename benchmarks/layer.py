@@ -1,0 +1,240 @@
+"""Forward + backward time and peak memory of one `HybridAttention` layer per kind (W/C/H/M), against a
+naive dense-masked attention baseline measured in the same run.
+
+The baseline is the same layer with the same parameters (projections, RoPE, compressor, indexer,
+output projection all unchanged) run through the `naive-dense` backend, which swaps only the attention
+kernel: sparse attention becomes a full `[S, S+C]` score matrix per sequence masked to the rows the
+layer selected, and the `M` kind's causal attention a full `[S, S]` causal-masked score matrix. Every
+other op runs the implementation `auto` picks for the layer. Ratios are layer / baseline of one run.
+
+Run from the repository root: `python benchmarks/layer.py --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megatron_dsa import HybridAttention, HybridAttentionConfig, LayerKind  # noqa: E402
+from megatron_dsa.backends import AUTO, Backend, OpFamily, register_backend, resolve  # noqa: E402
+from megatron_dsa.config import PRESETS  # noqa: E402
+from megatron_dsa.ops.layout import TokenLayout  # noqa: E402
+
+BASELINE_BACKEND = "naive-dense"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------- the naive dense-masked baseline
+def masked_softmax(logits: Tensor, allowed: Tensor, sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Probabilities `[B, H, S, N]` over the allowed keys (a sink `[H]` takes its share of the mass but
+    carries no value) and the LSE `[B, H, S]` of the allowed keys alone, as the reference ops return it."""
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    normaliser = lse if sink is None else torch.logaddexp(lse, sink.view(1, -1, 1).to(lse.dtype))
+    return torch.exp(logits - normaliser.unsqueeze(-1)), lse
+
+
+def as_rows(per_sequence: Tensor) -> Tensor:
+    """`[B, S, ...]` → `[B·S, ...]` (batch-major token rows)."""
+    return per_sequence.reshape(-1, *per_sequence.shape[2:])
+
+
+def dense_masked_sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
+                                  *, batch: int) -> tuple[Tensor, Tensor]:
+    """The sparse-attention op computed densely: per sequence, scores of all `S` token rows and `C`
+    compressed rows, masked to `indices`. Same signature and outputs as the reference op."""
+    rows, heads, dim = query.shape
+    seqlen, entries = rows // batch, (kv.shape[0] - rows) // batch
+    width = seqlen + entries
+    sequence = (torch.arange(rows, device=query.device) // seqlen).unsqueeze(1)
+    column = torch.where(indices < rows, indices - sequence * seqlen,
+                         seqlen + indices - rows - sequence * entries)
+    allowed = torch.zeros(rows, width + 1, dtype=torch.bool, device=query.device)
+    allowed.scatter_(1, torch.where(indices >= 0, column, width), True)  # invalid ids hit a spare column
+    allowed = allowed[:, :width].view(batch, 1, seqlen, width)
+
+    compute = torch.promote_types(query.dtype, torch.float32)
+    keys = torch.cat((kv[:rows].view(batch, seqlen, dim), kv[rows:].view(batch, entries, dim)), 1).to(compute)
+    q = query.view(batch, seqlen, heads, dim).to(compute)
+    probs, lse = masked_softmax(torch.einsum("bshd,bkd->bhsk", q, keys) * scale, allowed, sink)
+    out = torch.einsum("bhsk,bkd->bshd", probs, keys)
+    return as_rows(out).to(query.dtype), as_rows(lse.transpose(1, 2))
+
+
+def dense_masked_causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout,
+                                  scale: float) -> tuple[Tensor, Tensor]:
+    """The `M` kind's attention op computed densely: one full `[S, S]` causal-masked score matrix per
+    sequence (uniform batches only). Same signature and outputs as the reference op."""
+    batch, seqlen = layout.num_segments, layout.max_seqlen
+    heads, groups = q.shape[1], k.shape[1]
+    compute = torch.promote_types(q.dtype, torch.float32)
+
+    def per_head(t: Tensor) -> Tensor:
+        return t.to(compute).repeat_interleave(heads // groups, dim=1).view(batch, seqlen, heads, -1)
+
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device).tril()
+    logits = torch.einsum("bshd,bthd->bhst", per_head(q), per_head(k)) * scale
+    probs, lse = masked_softmax(logits, causal)
+    out = torch.einsum("bhst,bthd->bshd", probs, per_head(v))
+    return as_rows(out).to(q.dtype), as_rows(lse.transpose(1, 2))
+
+
+def register_baseline_backend(batch: int, device: torch.device, dtype: torch.dtype) -> None:
+    """`naive-dense`: the dense-masked attention ops, every other op as `auto` picks it here."""
+    attention = {OpFamily.SPARSE_ATTENTION: partial(dense_masked_sparse_attention, batch=batch),
+                 OpFamily.DENSE_ATTENTION: dense_masked_causal_attention}
+    ops = {op: attention.get(op) or resolve(op, AUTO, device=device, dtype=dtype)[1] for op in OpFamily}
+    register_backend(Backend(name=BASELINE_BACKEND, priority=-1, ops=ops))  # `auto` never picks it
+
+
+# ---------------------------------------------------------------- measurement
+@dataclass
+class Measurement:
+    median_ms: float
+    peak_mib: Optional[float]  # None where the device keeps no allocator statistics (CPU)
+
+
+@dataclass
+class Row:
+    kind: LayerKind
+    layer: Measurement
+    baseline: Measurement
+
+    @property
+    def ratio(self) -> float:
+        return self.layer.median_ms / self.baseline.median_ms
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> None:
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    out, _ = layer(x)
+    out.backward(grad_out)
+
+
+def timed_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> tuple[float, Optional[float]]:
+    """Wall time (ms) of one training forward + backward, and the peak memory (MiB) it allocated on top
+    of what was live before it (CUDA only, else None)."""
+    device = x.device
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    live = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    start = time.perf_counter()
+    train_step(layer, x, grad_out)
+    synchronize(device)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    peak = (torch.cuda.max_memory_allocated(device) - live) / MIB if device.type == "cuda" else None
+    return elapsed_ms, peak
+
+
+def measure(layers: Sequence[HybridAttention], x: Tensor, grad_out: Tensor, repeats: int,
+            warmup: int) -> list[Measurement]:
+    """Median time and peak memory of each layer's training step. The layers take turns step by step,
+    so a change of machine load during the run affects all of them alike."""
+    for _ in range(warmup):
+        for layer in layers:
+            train_step(layer, x, grad_out)
+    steps = [[timed_step(layer, x, grad_out) for layer in layers] for _ in range(repeats)]
+    return [Measurement(statistics.median(ms for ms, _ in runs),
+                        None if runs[0][1] is None else max(peak for _, peak in runs))
+            for runs in zip(*steps)]
+
+
+def build_layer(config: HybridAttentionConfig, kind: LayerKind, backend: str, device: torch.device,
+                dtype: torch.dtype) -> HybridAttention:
+    return HybridAttention(config.replace(attention_backend=backend), kind=kind).to(device, dtype).train()
+
+
+def benchmark_kind(config: HybridAttentionConfig, kind: LayerKind, args: argparse.Namespace) -> Row:
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    layer = build_layer(config, kind, config.attention_backend, device, dtype)
+    baseline = build_layer(config, kind, BASELINE_BACKEND, device, dtype)
+    baseline.load_state_dict(layer.state_dict())
+    x = torch.randn(args.seq_len, args.batch, config.hidden_size, device=device, dtype=dtype,
+                    requires_grad=True)
+    grad_out = torch.randn_like(x)
+    layer_time, baseline_time = measure((layer, baseline), x, grad_out, args.repeats, args.warmup)
+    return Row(kind, layer_time, baseline_time)
+
+
+# ---------------------------------------------------------------- report
+def format_mib(peak: Optional[float]) -> str:
+    return "n/a" if peak is None else f"{peak:.1f}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    lines = ["| kind | layer ms | baseline ms | ratio | layer peak MiB | baseline peak MiB |",
+             "|------|---------:|------------:|------:|---------------:|------------------:|"]
+    lines += [f"| {row.kind.value} | {row.layer.median_ms:.2f} | {row.baseline.median_ms:.2f} | "
+              f"{row.ratio:.2f} | {format_mib(row.layer.peak_mib)} | {format_mib(row.baseline.peak_mib)} |"
+              for row in rows]
+    return "\n".join(lines)
+
+
+def describe_run(args: argparse.Namespace) -> str:
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    memory = ("peak MiB: allocated during a step above what was allocated before it" if device.type == "cuda"
+              else "peak MiB: n/a on CPU (no allocator statistics)")
+    return (f"HybridAttention forward + backward, preset {args.preset}, S={args.seq_len}, B={args.batch}, "
+            f"{args.dtype}, {name}, torch {torch.__version__}\n"
+            f"median of {args.repeats} steps after {args.warmup} warm-up, layer and baseline taking turns\n"
+            f"ratio = layer / naive dense-masked baseline (< 1: the layer is faster); {memory}")
+
+
+def parse_kinds(value: str) -> list[LayerKind]:
+    try:
+        return [LayerKind.parse(symbol) for symbol in value.upper()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps per layer (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones")
+    parser.add_argument("--kinds", type=parse_kinds, default="WCHM", help="layer kinds, e.g. WC")
+    args = parser.parse_args(argv)
+    if args.seq_len < 1 or args.batch < 1 or args.repeats < 1 or args.warmup < 0:
+        parser.error("--seq-len, --batch and --repeats must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    config = HybridAttentionConfig.from_preset(args.preset)
+    register_baseline_backend(args.batch, torch.device(args.device), DTYPES[args.dtype])
+    torch.manual_seed(0)
+    rows = [benchmark_kind(config, kind, args) for kind in args.kinds]
+    print(describe_run(args), end="\n\n")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
