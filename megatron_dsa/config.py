@@ -146,8 +146,10 @@ class HybridAttentionConfig:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"layer_pattern must be a non-empty string of W/C/H/M, got {pattern!r}")
         pattern = pattern.replace(" ", "").upper()
-        for symbol in pattern:
-            LayerKind.parse(symbol)
+        for position, symbol in enumerate(pattern):
+            if symbol not in {kind.value for kind in LayerKind}:
+                raise ValueError(f"layer_pattern symbol {symbol!r} at position {position} is not one "
+                                 f"of W (window), C (CSA), H (HCA), M (dense MLA)")
         if len(pattern) == 1:
             return pattern * self.num_layers
         if len(pattern) != self.num_layers:

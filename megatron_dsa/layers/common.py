@@ -16,22 +16,22 @@ def bits(dtype: torch.dtype) -> int:
 
 
 class HighPrecisionModule(nn.Module):
-    """A module some of whose own tensors never drop precision when the model is cast.
+    """A module some of whose own tensors never drop below a minimum precision when cast.
 
-    Names in `keep_high_precision` (direct parameters or buffers) keep their dtype when a cast would
-    lower it (e.g. `module.bfloat16()` leaves the fp32 `attn_sink` and `ape` in fp32, the values
-    untouched), but still follow device moves and upcasts (`module.double()`).
+    `keep_high_precision` maps direct parameter/buffer names to their floor dtype: `module.bfloat16()`
+    leaves the fp32 `attn_sink` and `ape` in fp32 (values untouched), while `.double()` and a later
+    `.float()` still apply. Device moves always apply.
     """
 
-    keep_high_precision: tuple[str, ...] = ()
+    keep_high_precision: dict[str, torch.dtype] = {}
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True):  # type: ignore[override]
         before = {name: getattr(self, name).data for name in self.keep_high_precision}
         super()._apply(fn, recurse)
         for name, old in before.items():
-            tensor = getattr(self, name)
-            if bits(tensor.dtype) < bits(old.dtype):
-                tensor.data = old.to(device=tensor.device)
+            tensor, floor = getattr(self, name), self.keep_high_precision[name]
+            if bits(tensor.dtype) < bits(floor):
+                tensor.data = old.to(device=tensor.device, dtype=floor if bits(old.dtype) > bits(floor) else old.dtype)
         return self
 
 

@@ -30,7 +30,7 @@ from megatron_dsa.parallel.state import group_size
 class Compressor(HighPrecisionModule):
     """Gated-pooling compressor (spec §3); `ape` stays float32 under low-precision casts."""
 
-    keep_high_precision = ("ape",)
+    keep_high_precision = {"ape": torch.float32}
 
     def __init__(self, config: HybridAttentionConfig, head_dim: int, ratio: int, rotate: bool):
         super().__init__()
@@ -105,7 +105,7 @@ class IndexSelection:
 class CompressedSparseAttention(HighPrecisionModule):
     """Window + compressed (+ indexer top-k) sparse attention with a learnable fp32 sink."""
 
-    keep_high_precision = ("attn_sink",)
+    keep_high_precision = {"attn_sink": torch.float32}
 
     def __init__(self, config: HybridAttentionConfig, kind: LayerKind,
                  tp_group: Optional[ProcessGroup] = None):

@@ -55,7 +55,7 @@ class HybridAttention(HighPrecisionModule):
     backward; its coefficient-scaled value is `last_indexer_loss`.
     """
 
-    keep_high_precision = ("rotary_inv_freq",)
+    keep_high_precision = {"rotary_inv_freq": torch.float64}  # exact RoPE tables
 
     def __new__(cls, config: HybridAttentionConfig, layer_number: Optional[int] = None,
                 kind: Union[LayerKind, str, None] = None, parallel_state: Optional[ParallelState] = None):
