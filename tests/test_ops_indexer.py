@@ -1,0 +1,92 @@
+"""Lightning-indexer score and top-k tests (spec §4.2–4.3, §10.9; bug classes A2.1, A3.5, A4.1).
+
+Scores: fp64 op vs fp64 scalar oracle, rtol 1e-10 / atol 1e-12 (summation order only). Selections
+are integers and compared exactly.
+"""
+
+import pytest
+import torch
+
+from megatron_dsa.ops.indexer import indexer_scores
+from megatron_dsa.ops.indices import gather_valid, topk_columns, visible_compressed_indices
+from megatron_dsa.ops.layout import TokenLayout
+from oracles import INVALID, indexer_scores_oracle, topk_oracle, visible_compressed_oracle
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-12)
+SCALE = 0.37  # deliberately not 1 and not DI^-1/2: a doubly applied scale cannot hide (A2.1)
+
+
+def _inputs(tokens, heads, dim, entries, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dim, generator=gen, dtype=F64, requires_grad=True)
+    k = torch.randn(entries, dim, generator=gen, dtype=F64, requires_grad=True)
+    w = torch.randn(tokens, heads, generator=gen, dtype=F64, requires_grad=True)
+    return q, k, w
+
+
+def _random_candidates(tokens, width, entries, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    cand = torch.randint(0, entries, (tokens, width), generator=gen)
+    cand[torch.rand(tokens, width, generator=gen) < 0.3] = INVALID
+    cand[0] = INVALID  # one row with no candidate at all
+    return cand
+
+
+def test_scores_match_oracle_with_non_unit_scale():
+    q, k, w = _inputs(tokens=6, heads=3, dim=5, entries=4)
+    cand = _random_candidates(6, 5, 4)
+    got = indexer_scores(q, k, w, cand, SCALE)
+    expected = indexer_scores_oracle(q, k, w, cand.tolist(), SCALE)
+    assert got.dtype == F64 and got.shape == cand.shape
+    invalid = cand < 0
+    assert torch.all(torch.isneginf(got[invalid])) and torch.all(torch.isfinite(got[~invalid]))
+    torch.testing.assert_close(got[~invalid], expected[~invalid], **TOL)
+    # the scale enters exactly once: linear in `scale`
+    torch.testing.assert_close(got[~invalid], SCALE * indexer_scores(q, k, w, cand, 1.0)[~invalid], **TOL)
+
+
+def test_score_grads_match_oracle_autograd():
+    """A2.1: the backward sees the same single scale as the forward (q, k, weights grads)."""
+    q, k, w = _inputs(tokens=5, heads=2, dim=4, entries=6, seed=3)
+    cand = _random_candidates(5, 4, 6, seed=4)
+    valid = cand >= 0
+    upstream = torch.randn(cand.shape, dtype=F64)
+    got = torch.autograd.grad((indexer_scores(q, k, w, cand, SCALE)[valid] * upstream[valid]).sum(), (q, k, w))
+    oracle = indexer_scores_oracle(q, k, w, cand.tolist(), SCALE)
+    expected = torch.autograd.grad((oracle[valid] * upstream[valid]).sum(), (q, k, w))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_scores_with_no_compressed_keys():
+    q, _, w = _inputs(tokens=3, heads=2, dim=4, entries=1)
+    k = torch.zeros(0, 4, dtype=F64)
+    got = indexer_scores(q, k, w, torch.full((3, 2), INVALID), SCALE)
+    assert got.shape == (3, 2) and torch.all(torch.isneginf(got))
+
+
+@pytest.mark.parametrize("topk", [1, 2, 3, 10])
+def test_topk_over_visible_entries_matches_brute_force(topk):
+    """Spec §10.9: per row, the `min(KI, C)` best visible entries (ties to lower index), −1 padded;
+    all −1 for `t < r−1`; every selection lies in the ratio-causal visible set (A3.5)."""
+    ratio, lengths = 4, [13, 13]
+    layout = TokenLayout.uniform(2, 13, torch.device("cpu"))
+    clayout = layout.compressed(ratio)
+    candidates = visible_compressed_indices(clayout)  # [T, 3] compressed rows, −1 = not visible
+    q, k, w = _inputs(tokens=26, heads=4, dim=4, entries=clayout.capacity, seed=topk)
+    with torch.no_grad():
+        scores = indexer_scores(q, k, w, candidates, SCALE)
+        oracle_scores = indexer_scores_oracle(q, k, w, candidates.tolist(), SCALE)
+    valid = candidates >= 0
+    columns = topk_columns(scores, valid, topk)
+    assert columns.tolist() == topk_oracle(oracle_scores.tolist(), valid.tolist(), topk)
+    selected = gather_valid(candidates, columns)
+    visible = visible_compressed_oracle(lengths, ratio)
+    for t, row in enumerate(selected.tolist()):
+        chosen = [i for i in row if i != INVALID]
+        assert len(chosen) == min(topk, len(visible[t])) == len(set(chosen))
+        assert set(chosen) <= set(visible[t])
+        assert row[len(chosen):] == [INVALID] * (len(row) - len(chosen))
+    positions = layout.positions
+    assert torch.all(selected[positions < ratio - 1] == INVALID)
