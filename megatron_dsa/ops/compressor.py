@@ -42,26 +42,26 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
                          f"ape {tuple(ape.shape)} for ratio {r} (expected ape [{r}, {kv.shape[-1]}])")
     dc = kv.shape[-1] // coff
     compute = torch.float64 if kv.dtype == torch.float64 else torch.float32
-    rows = layout.group_first_rows.unsqueeze(1) + torch.arange(r, device=kv.device)  # [Tc, r]
-    k = kv[rows].to(compute)  # [Tc, r, coff·Dc]
-    z = gate[rows].to(compute) + ape.to(compute)
+    first = layout.group_first_rows
     if coff == 2:
-        k, z = _overlap_window(k, z, layout.entry_index == 0, dc)  # [Tc, 2r, Dc]
+        # 2r slots: the previous group's tokens through the first Dc channels, then this group's
+        # tokens through the last Dc. Both come straight from token rows, so an entry never depends
+        # on another compressed row (a rank can pool any entry whose tokens it holds).
+        own = first.unsqueeze(1) + torch.arange(r, device=kv.device)
+        previous = (own - r).clamp_min(0)
+        k = torch.cat((kv[previous][..., :dc], kv[own][..., dc:]), dim=1).to(compute)
+        z = torch.cat((gate[previous][..., :dc] + ape[:, :dc], gate[own][..., dc:] + ape[:, dc:]),
+                      dim=1).to(compute)
+        # The first entry of a sequence has no previous group: value 0, gate −inf.
+        none = (layout.entry_index == 0).view(-1, 1, 1) & (torch.arange(2 * r, device=kv.device) < r).view(1, -1, 1)
+        k = torch.where(none, 0.0, k)
+        z = torch.where(none, float("-inf"), z)
+    else:
+        rows = first.unsqueeze(1) + torch.arange(r, device=kv.device)  # [Tc, r]
+        k = kv[rows].to(compute)
+        z = gate[rows].to(compute) + ape.to(compute)
     weights = torch.softmax(z, dim=1)
     return (weights * k).sum(1).to(kv.dtype)
-
-
-def _overlap_window(k: Tensor, z: Tensor, first_in_segment: Tensor, dc: int) -> tuple[Tensor, Tensor]:
-    """Slots `0..r−1` ← previous group's first `Dc` channels, `r..2r−1` ← own group's last `Dc`.
-
-    The first entry of a segment has no previous group: its value slots are 0, its gate slots −inf.
-    """
-    prev_k = torch.cat((torch.zeros_like(k[:1]), k[:-1]))[..., :dc]
-    prev_z = torch.cat((torch.zeros_like(z[:1]), z[:-1]))[..., :dc]
-    none = first_in_segment.view(-1, 1, 1)
-    prev_k = torch.where(none, 0.0, prev_k)
-    prev_z = torch.where(none, float("-inf"), prev_z)
-    return torch.cat((prev_k, k[..., dc:]), dim=1), torch.cat((prev_z, z[..., dc:]), dim=1)
 
 
 def compress(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
