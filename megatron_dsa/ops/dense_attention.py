@@ -27,12 +27,13 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale
     v = v.to(compute).repeat_interleave(heads // groups, dim=1)
     seg = layout.segment_ids
     # Chunks of at most max_seqlen rows see at most 2·max_seqlen keys.
-    step = max(1, min(layout.max_seqlen, CHUNK_ELEMENTS // (2 * layout.max_seqlen * heads)))
+    longest = max(layout.max_seqlen, 1)
+    step = max(1, min(longest, CHUNK_ELEMENTS // (2 * longest * heads)))
     outs, lses = [], []
     for start in range(0, rows, step):
         stop = min(start + step, rows)
         # A row's segment starts at most max_seqlen - 1 rows earlier: a host-known key range.
-        first_key = max(0, start - layout.max_seqlen + 1)
+        first_key = max(0, start - longest + 1)
         query_rows = torch.arange(start, stop, device=q.device)
         key_rows = torch.arange(first_key, stop, device=q.device)
         allowed = (seg[start:stop].unsqueeze(1) == seg[first_key:stop].unsqueeze(0)) & (
