@@ -96,6 +96,8 @@ class HybridAttentionConfig:
 
     # Parallelism (the process groups themselves come with `ParallelState`).
     sequence_parallel: bool = False  # hidden states between layers split along the sequence over TP
+    cp_comm_type: str = "p2p"  # context parallelism: "p2p" ring or "all_gather"
+    cp_partition: str = "zigzag"  # "zigzag" (load-balanced, 2·cp chunks) or "contiguous"
 
     # Parameters.
     init_method_std: float = 0.02
@@ -138,6 +140,10 @@ class HybridAttentionConfig:
             raise ValueError(f"dsa_indexer_loss_coeff must be >= 0, got {self.dsa_indexer_loss_coeff}")
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
+        if self.cp_comm_type not in ("p2p", "all_gather"):
+            raise ValueError(f"cp_comm_type must be 'p2p' or 'all_gather', got {self.cp_comm_type!r}")
+        if self.cp_partition not in ("zigzag", "contiguous"):
+            raise ValueError(f"cp_partition must be 'zigzag' or 'contiguous', got {self.cp_partition!r}")
         if self.add_bias_linear:
             raise ValueError("add_bias_linear=True is not supported: the DSv4 layer has no biases")
         self._validate_mla()

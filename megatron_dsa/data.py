@@ -106,7 +106,7 @@ class RetrievalTask:
 
     seq_len: int
     num_pairs: int = 8
-    key_len: int = 3
+    key_len: int = 4  # with value_len 2, a pair is 8 bytes: whole compressor groups (r = 4, 16)
     value_len: int = 2
     min_distance: int = 16
 

@@ -7,7 +7,7 @@ and the normalised query latent `qr [T, Rq]`. Megatron module names are kept (`c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,9 @@ from megatron_dsa.ops.sparse_attention import full_normaliser
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region
 from megatron_dsa.parallel.sharding import mark_tensor_parallel
 from megatron_dsa.parallel.state import group_size
+
+if TYPE_CHECKING:
+    from megatron_dsa.layers.context_parallel import ContextParallelRows
 
 
 class Compressor(HighPrecisionModule):
@@ -62,13 +65,16 @@ class LightningIndexer(nn.Module):
         self.compressor = Compressor(c, self.head_dim, c.compress_ratio(LayerKind.CSA), rotate=True)
 
     def forward(self, x: Tensor, qr: Tensor, layout: CompressedLayout, inv_freq: Tensor,
-                candidates: Tensor) -> Tensor:
-        """Scores `[T, C]` (float32/64, −inf at invalid) of `candidates [T, C]` (compressed ids)."""
+                candidates: Tensor, gather_keys: Callable[[Tensor], Tensor] = lambda k: k) -> Tensor:
+        """Scores `[T, C]` (float32/64, −inf at invalid) of `candidates [T, C]` (rows of the keys).
+
+        `gather_keys` maps the locally pooled keys to the rows `candidates` index (context
+        parallelism all-gathers them; identity otherwise)."""
         backend = self.config.attention_backend
         rope = dispatch(OpFamily.ROPE, backend, device=x.device, dtype=x.dtype)
         q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
         q = hadamard_transform(rope(q, layout.tokens.positions, inv_freq))
-        k = self.compressor(x, layout, inv_freq)
+        k = gather_keys(self.compressor(x, layout, inv_freq))
         weights = self.linear_weights_proj(x) * self.heads ** -0.5
         op = dispatch(OpFamily.INDEXER_SCORES, backend, device=x.device, dtype=x.dtype)
         return op(q, k, weights, candidates, self.head_dim ** -0.5)
@@ -121,25 +127,35 @@ class CompressedSparseAttention(HighPrecisionModule):
         self.last_selection: Optional[IndexSelection] = None
 
     def forward(self, query: Tensor, kv: Tensor, x: Tensor, qr: Tensor, layout: TokenLayout,
-                inv_freq: Tensor) -> Tensor:
-        """`query [T, H, D]`, `kv [T, D]` (RoPE applied), `x [T, d]`, `qr [T, Rq]` → `[T, H, D]`."""
+                inv_freq: Tensor, cp: Optional["ContextParallelRows"] = None) -> Tensor:
+        """`query [T, H, D]`, `kv [T, D]` (RoPE applied), `x [T, d]`, `qr [T, Rq]` → `[T, H, D]`.
+
+        With `cp` (context parallelism) the rows are this rank's halo-extended pieces and the
+        compressed entries of the whole sequence come from every rank."""
         c = self.config
-        kv_full, compressed_layout = kv, None
+        kv_full, compressed_layout, visible, candidates = kv, None, None, None
+        gather = lambda rows: rows  # noqa: E731
         if self.compressor is not None:
-            compressed_layout = layout.compressed(self.ratio)
-            kv_full = torch.cat((kv, self.compressor(x, compressed_layout, inv_freq)))
+            if cp is None:
+                compressed_layout = layout.compressed(self.ratio)
+                candidates = visible_compressed_indices(compressed_layout)
+                visible = offset_valid(candidates, layout.num_rows)
+            else:
+                compressed_layout = cp.compressed_layout(self.ratio)
+                candidates = cp.candidate_entries(self.ratio)
+                visible = cp.visible_entries(self.ratio, offset=layout.num_rows)
+                gather = lambda rows: cp.gather_entries(rows, self.ratio)  # noqa: E731
+            kv_full = torch.cat((kv, gather(self.compressor(x, compressed_layout, inv_freq))))
         # The shared KV rows feed this rank's heads only: their gradient is summed over TP.
         kv_full = copy_to_tensor_parallel_region(kv_full, self.tp_group)
         window = window_indices(layout, c.csa_window_size)
-        visible = (offset_valid(visible_compressed_indices(compressed_layout), layout.num_rows)
-                   if compressed_layout is not None else None)
 
         scores = columns = None
         if self.indexer is None:
             selection = IndexSelection(window, visible)
         else:
-            candidates = visible_compressed_indices(compressed_layout)
-            scores = self.indexer(x.detach(), qr.detach(), compressed_layout, inv_freq, candidates)
+            scores = self.indexer(x.detach(), qr.detach(), compressed_layout, inv_freq, candidates,
+                                  gather)
             topk = dispatch(OpFamily.TOPK, c.attention_backend, device=x.device)
             columns = topk(scores, candidates >= 0, c.dsa_indexer_topk)
             selection = IndexSelection(window, gather_valid(visible, columns))
@@ -151,15 +167,19 @@ class CompressedSparseAttention(HighPrecisionModule):
 
         self.last_indexer_loss = None
         if scores is not None and self.training and torch.is_grad_enabled():
-            loss = self._indexer_loss(query, kv_full, layout, selection, visible, scores, columns, lse)
+            loss = self._indexer_loss(query, kv_full, layout, selection, visible, scores, columns, lse,
+                                      None if cp is None else cp.real_query_count)
             self.last_indexer_loss = loss.detach()
             out = IndexerLossAutoScaler.apply(out, loss, c.indexer_loss_backward_scale)
         return out
 
     def _indexer_loss(self, query: Tensor, kv_full: Tensor, layout: TokenLayout,
                       selection: IndexSelection, visible: Tensor, scores: Tensor, columns: Tensor,
-                      lse: Tensor) -> Tensor:
-        """Coefficient-scaled KL between the indexer and the main attention (spec §4.4)."""
+                      lse: Tensor, global_rows: Optional[int]) -> Tensor:
+        """Coefficient-scaled KL between the indexer and the main attention (spec §4.4).
+
+        Under context parallelism (`global_rows` given) the mean divides this rank's KL sum by the
+        real query rows of the whole batch, so the losses of the CP ranks add up to the global mean."""
         c = self.config
         query, kv_full = query.detach(), kv_full.detach()
         sink = self.attn_sink.detach()
@@ -174,9 +194,10 @@ class CompressedSparseAttention(HighPrecisionModule):
         target = teacher_target(query, kv_full, candidates, full_lse, c.softmax_scale, self.tp_group)
         kl = dispatch(OpFamily.INDEXER_LOSS, c.attention_backend, device=query.device)
         per_row = kl(student, target.to(student.dtype), valid)
-        if layout.has_padding:  # padding rows never enter the loss or its divisor
-            real = layout.row_valid
+        if layout.has_padding:  # padding (and CP halo) rows never enter the loss or its divisor
+            real = layout.query_valid
+            divisor = real.sum() if global_rows is None else global_rows
             return reduce_indexer_loss(per_row * real, c.dsa_indexer_loss_coeff,
-                                       c.calculate_per_token_loss, real.sum())
+                                       c.calculate_per_token_loss, divisor)
         return reduce_indexer_loss(per_row, c.dsa_indexer_loss_coeff, c.calculate_per_token_loss,
                                    query.shape[0])

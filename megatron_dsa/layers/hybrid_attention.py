@@ -16,6 +16,7 @@ from megatron_dsa.backends import OpFamily, dispatch
 from megatron_dsa.config import HybridAttentionConfig, LayerKind, yarn_mscale
 from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std
 from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
+from megatron_dsa.layers.context_parallel import ContextParallelRows, context_halo, ring_attention
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.norms import rms_norm
 from megatron_dsa.ops.output_projection import grouped_output_projection
@@ -23,6 +24,7 @@ from megatron_dsa.ops.rope import plain_inv_freq, yarn_inv_freq
 from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
 from megatron_dsa.parallel.linear import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from megatron_dsa.parallel.context import ContextParallelPlan
 from megatron_dsa.parallel.sharding import mark_tensor_parallel
 from megatron_dsa.parallel.state import ParallelState
 
@@ -120,6 +122,8 @@ class HybridAttention(HighPrecisionModule):
         # Every rank's gradient of the gathered input is complete (the head-parallel regions sum
         # theirs), so backward keeps the own slice instead of summing tp identical copies.
         full = gather_from_sequence_parallel_region(hidden_states, sp_group, grad_is_partial=False)
+        if self.parallel_state.cp_size > 1:
+            return self.linear_proj(self._context_parallel_latent(full, packed_seq_params)), None
         seqlen, batch, _ = full.shape
         if packed_seq_params is None:
             layout = TokenLayout.uniform(batch, seqlen, full.device)
@@ -135,6 +139,45 @@ class HybridAttention(HighPrecisionModule):
             latent = torch.where(real, self._attend(rows, layout), 0.0).unsqueeze(1)
         return self.linear_proj(latent), None
 
+    def _context_parallel_latent(self, full: Tensor, packed: Optional[PackedSeqParams]) -> Tensor:
+        """This rank's pieces of every sequence → its `linear_proj` input, same row order as `full`.
+
+        SBHD `[S/cp, B, d]` holds the rank's chunks along S; packed `[T/cp, 1, d]` its chunks of every
+        sequence (`packed` describes the global pack, on the host; see `parallel.context`)."""
+        state, c = self.parallel_state, self.config
+        plan, rows, to_output = self._context_parallel_rows(full, packed)
+        ratio = c.compress_ratio(self.kind)
+        halo = 0 if self.kind is LayerKind.MLA else context_halo(c.csa_window_size, ratio)
+        cp = ContextParallelRows(plan, state.cp_rank, state.cp_group, halo, full.device)
+        extended = cp.extend(rows) if halo else rows
+        real = cp.layout.row_valid.unsqueeze(1)
+        latent = self._attend(torch.where(real, extended, 0.0), cp.layout, cp)
+        latent = torch.where(cp.layout.query_valid.unsqueeze(1), latent, 0.0)
+        return to_output(cp.outputs(latent) if halo else latent)
+
+    def _context_parallel_rows(self, full: Tensor, packed: Optional[PackedSeqParams]):
+        """`(plan, local rows [N, d] in plan order, rows → output-shaped tensor)`."""
+        state, c = self.parallel_state, self.config
+        if packed is None:
+            local, batch, _ = full.shape
+            plan = ContextParallelPlan.build([local * state.cp_size] * batch, state.cp_size, c.cp_partition)
+            rows = full.transpose(0, 1).reshape(batch * local, -1)
+            return plan, rows, lambda out: out.view(batch, local, -1).transpose(0, 1)
+        if full.shape[1] != 1:
+            raise ValueError(f"packed (THD) hidden_states must be [T, 1, hidden], got {tuple(full.shape)}")
+        cu = packed.cu_seqlens_q
+        if cu.device.type != "cpu":
+            raise ValueError("context parallelism with packed input needs packed_seq_params.cu_seqlens_q "
+                             "(and cu_seqlens_q_padded) on the host: the partition plan is host metadata")
+        padded = cu if packed.cu_seqlens_q_padded is None else packed.cu_seqlens_q_padded
+        lengths = (padded[1:] - padded[:-1]).tolist()
+        real = (cu[1:] - cu[:-1]).tolist()
+        plan = ContextParallelPlan.build(lengths, state.cp_size, c.cp_partition, real)
+        if full.shape[0] != plan.local_rows(state.cp_rank):
+            raise ValueError(f"packed hidden_states has {full.shape[0]} rows but this CP rank holds "
+                             f"{plan.local_rows(state.cp_rank)} (its chunks of every padded sequence)")
+        return plan, full[:, 0], lambda out: out.unsqueeze(1)
+
     def _packed_layout(self, hidden_states: Tensor, params: PackedSeqParams) -> TokenLayout:
         if hidden_states.shape[1] != 1:
             raise ValueError(f"packed (THD) hidden_states must be [T, 1, hidden], got "
@@ -143,7 +186,7 @@ class HybridAttention(HighPrecisionModule):
         return TokenLayout.packed(params.cu_seqlens_q, hidden_states.shape[0], hidden_states.device,
                                   params.cu_seqlens_q_padded, params.max_seqlen_q)
 
-    def _attend(self, x: Tensor, layout: TokenLayout) -> Tensor:
+    def _attend(self, x: Tensor, layout: TokenLayout, cp: Optional[ContextParallelRows] = None) -> Tensor:
         """Token rows `x [T, d]` → this rank's grouped-projected attention output `[T, G/tp·Ro]`."""
         c = self.config
         positions, inv_freq = layout.positions, self.rotary_inv_freq
@@ -152,7 +195,7 @@ class HybridAttention(HighPrecisionModule):
         q = self.linear_q_up_proj(qr).view(-1, self.local_heads, c.v_head_dim)
         q = rope(rms_norm(q, None, c.layernorm_epsilon), positions, inv_freq)
         kv = rope(self.kv_layernorm(self.linear_kv_proj(x)), positions, inv_freq)  # K = V, [T, D]
-        o = self.core_attention(q, kv, x, qr, layout, inv_freq)
+        o = self.core_attention(q, kv, x, qr, layout, inv_freq, cp)
         o = rope(o, positions, inv_freq, inverse=True)  # relative positions in V; new storage
         return grouped_output_projection(o.flatten(1), self.linear_o_group_proj, self.local_groups)
 
@@ -228,7 +271,7 @@ class DenseMLAttention(HybridAttention):
             scale *= yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim) ** 2
         return scale
 
-    def _attend(self, x: Tensor, layout: TokenLayout) -> Tensor:
+    def _attend(self, x: Tensor, layout: TokenLayout, cp: Optional[ContextParallelRows] = None) -> Tensor:
         c = self.config
         heads, groups = self.local_heads, self.local_groups
         nope, rope_dim, rank = c.mla_qk_head_dim, c.qk_pos_emb_head_dim, c.mla_kv_lora_rank
@@ -244,6 +287,9 @@ class DenseMLAttention(HybridAttention):
         k_rope = copy_to_tensor_parallel_region(rope(k_rope, positions, inv_freq, amplitude=amplitude),
                                                 self.tp_group)
         k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, groups, -1)), dim=-1)
+        if cp is not None:
+            out = ring_attention(q, k, v, cp.plan, cp.rank, cp.group, self.softmax_scale, c.cp_comm_type)
+            return out.flatten(1)
         attend = dispatch(OpFamily.DENSE_ATTENTION, c.attention_backend, device=x.device,
                           dtype=x.dtype, head_dim=nope + rope_dim, v_head_dim=c.v_head_dim)
         out, _ = attend(q, k, v, layout, self.softmax_scale)

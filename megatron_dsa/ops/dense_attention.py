@@ -44,3 +44,35 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale
         outs.append(torch.einsum("nhm,mhd->nhd", torch.exp(logits - lse.unsqueeze(-1)), v[first_key:stop]))
         lses.append(lse)
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
+
+
+def attention_block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """One block of a context-parallel ring: `q [n, H, Dqk]` against `k [m, G, Dqk]`, `v [m, G, Dv]`.
+
+    `causal=True` is the diagonal block (query `i` sees keys `≤ i`, `n == m`); otherwise every key is
+    visible. Returns `out [n, H, Dv]` and natural-log `lse [n, H]` in the compute dtype (float32, or
+    float64 for float64 input), for `merge_attention`.
+    """
+    heads, groups = q.shape[1], k.shape[1]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k = k.to(compute).repeat_interleave(heads // groups, dim=1)
+    v = v.to(compute).repeat_interleave(heads // groups, dim=1)
+    logits = torch.einsum("nhd,mhd->nhm", q.to(compute), k) * scale
+    if causal:
+        future = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).triu(1)
+        logits = logits.masked_fill(future.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.einsum("nhm,mhd->nhd", torch.exp(logits - safe.unsqueeze(-1)), v), lse
+
+
+def merge_attention(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Combine partial results over disjoint key sets: `lse = logsumexp_i lse_i`,
+    `out = Σ_i exp(lse_i − lse)·out_i`. Blocks with `lse = −inf` (no visible key) contribute 0, and a
+    row with no key at all gives `out = 0`, `lse = −inf` (never NaN)."""
+    lses = torch.stack([lse for _, lse in parts])
+    total = torch.logsumexp(lses, dim=0)
+    safe_total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    weights = torch.where(torch.isfinite(lses), torch.exp(lses - safe_total), torch.zeros_like(lses))
+    out = sum(w.unsqueeze(-1) * o for w, (o, _) in zip(weights, parts))
+    return out, total

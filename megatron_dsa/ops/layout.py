@@ -30,6 +30,8 @@ class TokenLayout:
     num_rows: int
     max_seqlen: int
     seqlens: Optional[Tensor] = None
+    position_offsets: Optional[Tensor] = None  # [nseg] global position of each segment's row 0
+    halo_lengths: Optional[Tensor] = None  # [nseg] leading rows that are context only, not queries
 
     @classmethod
     def uniform(cls, batch: int, seqlen: int, device: torch.device) -> "TokenLayout":
@@ -71,13 +73,21 @@ class TokenLayout:
     def row_valid(self) -> Tensor:
         """`[T]` bool: the row is a real token (not per-segment padding, not the capacity tail)."""
         rows = torch.arange(self.num_rows, device=self.device)
-        real = self.positions < self.real_seqlens[self.segment_ids]
+        real = rows - self.segment_starts < self.real_seqlens[self.segment_ids]
         return real & (rows < self.cu_seqlens[-1])
+
+    @cached_property
+    def query_valid(self) -> Tensor:
+        """`[T]` bool: a real token whose output is wanted (not padding, not a context-parallel halo)."""
+        if self.halo_lengths is None:
+            return self.row_valid
+        local = torch.arange(self.num_rows, device=self.device) - self.segment_starts
+        return self.row_valid & (local >= self.halo_lengths[self.segment_ids])
 
     @property
     def has_padding(self) -> bool:
-        """Host-known: padding rows may exist (no device read)."""
-        return self.seqlens is not None
+        """Host-known: padding or halo rows may exist (no device read)."""
+        return self.seqlens is not None or self.halo_lengths is not None
 
     @cached_property
     def segment_ids(self) -> Tensor:
@@ -93,8 +103,12 @@ class TokenLayout:
 
     @cached_property
     def positions(self) -> Tensor:
-        """`[T]` position of each row within its segment (RoPE restarts at 0 per segment)."""
-        return torch.arange(self.num_rows, device=self.device) - self.segment_starts
+        """`[T]` position of each row in its sequence (RoPE restarts at 0 per segment; a segment
+        that is a later piece of a sequence starts at its `position_offsets` entry)."""
+        local = torch.arange(self.num_rows, device=self.device) - self.segment_starts
+        if self.position_offsets is None:
+            return local
+        return local + self.position_offsets[self.segment_ids]
 
     def compressed(self, ratio: int) -> "CompressedLayout":
         return CompressedLayout.build(self, ratio)
@@ -118,6 +132,7 @@ class CompressedLayout:
     cu_compressed: Tensor
     capacity: int
     max_entries: int
+    first_entry: Optional[Tensor] = None  # [nseg] global index j of each segment's first entry
 
     @classmethod
     def build(cls, tokens: TokenLayout, ratio: int) -> "CompressedLayout":
@@ -129,6 +144,16 @@ class CompressedLayout:
         capacity = min(tokens.num_rows // ratio, tokens.num_segments * max_entries)
         return cls(tokens=tokens, ratio=ratio, cu_compressed=cu, capacity=capacity,
                    max_entries=max_entries)
+
+    @classmethod
+    def owned(cls, tokens: TokenLayout, ratio: int, first_entry: Tensor, counts: Tensor,
+              capacity: int) -> "CompressedLayout":
+        """Segment `b` computes entries `first_entry[b] … first_entry[b] + counts[b] − 1` of its
+        sequence (context parallelism: the entries whose last token this piece holds)."""
+        cu = torch.zeros_like(tokens.cu_seqlens)
+        cu[1:] = torch.cumsum(counts, 0)
+        return cls(tokens=tokens, ratio=ratio, cu_compressed=cu, capacity=capacity,
+                   max_entries=0, first_entry=first_entry)
 
     @cached_property
     def segment_ids(self) -> Tensor:
@@ -146,7 +171,10 @@ class CompressedLayout:
     def entry_index(self) -> Tensor:
         """`[capacity]` index `j` of each compressed row within its segment (0 for unused rows)."""
         rows = torch.arange(self.capacity, device=self.tokens.device)
-        return torch.where(self.valid, rows - self.cu_compressed[self.segment_ids], 0)
+        local = rows - self.cu_compressed[self.segment_ids]
+        if self.first_entry is not None:
+            local = local + self.first_entry[self.segment_ids]
+        return torch.where(self.valid, local, 0)
 
     @cached_property
     def positions(self) -> Tensor:
@@ -157,6 +185,8 @@ class CompressedLayout:
     def group_first_rows(self) -> Tensor:
         """`[capacity]` token row of the first token of each entry's own group (0 for unused)."""
         first = self.tokens.cu_seqlens[self.segment_ids] + self.entry_index * self.ratio
+        if self.tokens.position_offsets is not None:
+            first = first - self.tokens.position_offsets[self.segment_ids]
         return torch.where(self.valid, first, 0)
 
     def visible_counts(self) -> Tensor:

@@ -1,0 +1,272 @@
+"""Context-parallel execution of one attention layer (see docs/parallelism.md, "Context parallelism").
+
+Each CP rank holds pieces (chunks) of every sequence. This module turns the host-side plan into
+the tensors a rank needs, with differentiable communication so backward sends every gradient home:
+
+* W/C/H: every piece is extended by the `halo` rows that precede it in its sequence (the window and
+  the compressor groups of its first tokens reach back that far). Those rows are gathered from the
+  ranks that own them. Every compressed entry is pooled exactly once, by the rank holding its last
+  token; the entries (and the indexer keys) are then all-gathered, so each query sees exactly its
+  ratio-causal set of global entries.
+* M: the keys and values of the other ranks arrive one ring step at a time (`p2p`, isend/irecv)
+  or at once (`all_gather`); attention runs per (query piece, key piece) block, skipping blocks
+  entirely in the future, with a causal mask on the diagonal block, and the blocks are merged
+  through their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megatron_dsa.ops.dense_attention import attention_block, merge_attention
+from megatron_dsa.ops.indices import INVALID
+from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
+from megatron_dsa.parallel.context import ContextParallelPlan, Piece, all_gather_rows, ring_shift
+
+CP_COMM_TYPES = ("p2p", "all_gather")
+
+
+def block_relation(query: Piece, key: Piece) -> str:
+    """How a query piece attends a key piece of the same sequence: `skip` (keys all in the future),
+    `causal` (the same chunk: the diagonal block) or `full` (keys all in the past)."""
+    if key.chunk > query.chunk:
+        return "skip"
+    return "causal" if key.chunk == query.chunk else "full"
+
+
+@dataclass(frozen=True, eq=False)
+class ContextParallelRows:
+    """One rank's view of a CP forward: its pieces, extended by their halos, as a `TokenLayout`."""
+
+    plan: ContextParallelPlan
+    rank: int
+    group: ProcessGroup
+    halo: int
+    device: torch.device
+
+    @cached_property
+    def pieces(self) -> list[Piece]:
+        return self.plan.pieces(self.rank)
+
+    @cached_property
+    def halo_lengths(self) -> list[int]:
+        return [min(self.halo, p.start) for p in self.pieces]
+
+    @cached_property
+    def local_offsets(self) -> list[int]:
+        """Row of each piece's first token in the rank's local rows."""
+        starts, row = [], 0
+        for piece in self.pieces:
+            starts.append(row)
+            row += piece.length
+        return starts
+
+    # ---------------------------------------------------------------- extended rows
+    @cached_property
+    def layout(self) -> TokenLayout:
+        """Extended segments `[halo ; piece]`, positions global within each sequence."""
+        lengths = [h + p.length for h, p in zip(self.halo_lengths, self.pieces)]
+        offsets = [p.start - h for h, p in zip(self.halo_lengths, self.pieces)]
+        real = [max(0, min(length, p.real_length - offset))
+                for length, offset, p in zip(lengths, offsets, self.pieces)]
+        cu = torch.tensor([0] + lengths, device=self.device).cumsum(0)
+        as_tensor = lambda values: torch.tensor(values, device=self.device, dtype=torch.long)  # noqa: E731
+        return TokenLayout(cu_seqlens=cu, num_rows=sum(lengths), max_seqlen=max(lengths, default=0),
+                           seqlens=as_tensor(real), position_offsets=as_tensor(offsets),
+                           halo_lengths=as_tensor(self.halo_lengths))
+
+    def extend(self, rows: Tensor) -> Tensor:
+        """Local rows `[N, F]` (pieces in order) → extended rows `[N_ext, F]` (halo rows fetched)."""
+        tails = torch.cat((rows, rows.new_zeros(1, rows.shape[1]))).index_select(0, self._tail_index)
+        gathered = all_gather_rows(tails, self.group)  # every rank's piece tails, rank-major
+        return torch.cat((rows, gathered)).index_select(0, self._extend_index)
+
+    @cached_property
+    def _tail_index(self) -> Tensor:
+        """Each piece's last `halo` rows, right-aligned; short pieces padded with a zero row."""
+        index, zero_row = [], self.plan.local_rows(self.rank)
+        for start, piece in zip(self.local_offsets, self.pieces):
+            take = min(self.halo, piece.length)
+            index += [zero_row] * (self.halo - take)
+            index += list(range(start + piece.length - take, start + piece.length))
+        return torch.tensor(index, dtype=torch.long, device=self.device)
+
+    @cached_property
+    def _extend_index(self) -> Tensor:
+        """Rows of `cat(local rows, gathered tails)` that form the extended segments."""
+        local_rows = self.plan.local_rows(self.rank)
+        owner = self._piece_owners
+        index = []
+        for halo, start, piece in zip(self.halo_lengths, self.local_offsets, self.pieces):
+            for position in range(piece.start - halo, piece.start):
+                rank, slot, holder = owner[(piece.sequence, position)]
+                # The tail of `holder` is right-aligned: its last row sits at slot offset halo − 1.
+                index.append(local_rows + (rank * len(self.pieces) + slot) * self.halo
+                             + self.halo - (holder.start + holder.length - position))
+            index += list(range(start, start + piece.length))
+        return torch.tensor(index, dtype=torch.long, device=self.device)
+
+    @cached_property
+    def _piece_owners(self) -> dict[tuple[int, int], tuple[int, int, Piece]]:
+        """(sequence, position) → (rank, piece slot on that rank, piece) for the rows halos need."""
+        needed = {(p.sequence, pos) for h, p in zip(self.halo_lengths, self.pieces)
+                  for pos in range(p.start - h, p.start)}
+        owners = {}
+        for rank, pieces in enumerate(self.plan.all_pieces):
+            for slot, piece in enumerate(pieces):
+                for pos in range(piece.start, piece.start + piece.length):
+                    if (piece.sequence, pos) in needed:
+                        owners[(piece.sequence, pos)] = (rank, slot, piece)
+        return owners
+
+    def outputs(self, extended: Tensor) -> Tensor:
+        """Extended rows → this rank's piece rows (halo rows dropped)."""
+        return extended.index_select(0, self._piece_rows)
+
+    @cached_property
+    def _piece_rows(self) -> Tensor:
+        rows, cursor = [], 0
+        for halo, piece in zip(self.halo_lengths, self.pieces):
+            rows += list(range(cursor + halo, cursor + halo + piece.length))
+            cursor += halo + piece.length
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    # ---------------------------------------------------------------- compressed entries
+    def owned_entries(self, piece: Piece, ratio: int) -> tuple[int, int]:
+        """`[first, stop)`: entries whose last token `(j+1)·r − 1` lies in the piece (and in the
+        real part of the sequence)."""
+        first = piece.start // ratio
+        stop = min((piece.start + piece.length) // ratio, piece.real_length // ratio)
+        return first, max(first, stop)
+
+    def compressed_layout(self, ratio: int) -> CompressedLayout:
+        spans = [self.owned_entries(p, ratio) for p in self.pieces]
+        as_tensor = lambda values: torch.tensor(values, device=self.device, dtype=torch.long)  # noqa: E731
+        counts = [stop - first for first, stop in spans]
+        return CompressedLayout.owned(self.layout, ratio, as_tensor([f for f, _ in spans]),
+                                      as_tensor(counts), capacity=sum(counts))
+
+    def slots_per_piece(self, ratio: int) -> int:
+        """Fixed per-piece slot count so every rank all-gathers the same number of rows."""
+        return max((len(range(*self.owned_entries(p, ratio)))
+                    for pieces in self.plan.all_pieces for p in pieces), default=0)
+
+    def gather_entries(self, entries: Tensor, ratio: int) -> Tensor:
+        """This rank's pooled entries `[Σ counts, F]` → every rank's, `[cp · pieces · slots, F]`."""
+        slots = self.slots_per_piece(ratio)
+        index, cursor, empty = [], 0, entries.shape[0]
+        for piece in self.pieces:
+            count = len(range(*self.owned_entries(piece, ratio)))
+            index += list(range(cursor, cursor + count)) + [empty] * (slots - count)
+            cursor += count
+        padded = torch.cat((entries, entries.new_zeros(1, entries.shape[1])))
+        return all_gather_rows(padded.index_select(0, torch.tensor(index, dtype=torch.long,
+                                                                       device=self.device)), self.group)
+
+    def entry_table(self, ratio: int) -> Tensor:
+        """`[nseq, C_max]` row of sequence `s`'s entry `j` in the gathered buffer (−1 past `C_s`)."""
+        slots = self.slots_per_piece(ratio)
+        per_rank = len(self.pieces)
+        totals = [real // ratio for real in self.plan.real_lengths]
+        table = torch.full((len(totals), max(totals, default=0)), INVALID, dtype=torch.long)
+        for rank, pieces in enumerate(self.plan.all_pieces):
+            for slot, piece in enumerate(pieces):
+                first, stop = self.owned_entries(piece, ratio)
+                rows = (rank * per_rank + slot) * slots + torch.arange(stop - first)
+                table[piece.sequence, first:stop] = rows
+        return table.to(self.device)
+
+    def visible_entries(self, ratio: int, offset: int) -> Tensor:
+        """`[N_ext, C_max]` kv rows (`offset` + gathered row) of the entries each extended row may
+        see: `j < floor((pos+1)/r)` of its own sequence; −1 elsewhere."""
+        table = self.entry_table(ratio)
+        sequences = torch.tensor([p.sequence for p in self.pieces], device=self.device)
+        rows = table[sequences[self.layout.segment_ids]]
+        visible = torch.arange(table.shape[1], device=self.device) < torch.div(
+            self.layout.positions + 1, ratio, rounding_mode="floor").unsqueeze(1)
+        return torch.where(visible & (rows >= 0), rows + offset, INVALID)
+
+    def candidate_entries(self, ratio: int) -> Tensor:
+        """Like `visible_entries` but as rows of the gathered buffer itself (indexer candidates)."""
+        return self.visible_entries(ratio, offset=0)
+
+    @cached_property
+    def real_query_count(self) -> int:
+        """Real query rows of the whole (global) batch: the divisor of the mean indexer loss."""
+        return sum(self.plan.real_lengths)
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ContextParallelPlan, rank: int,
+                   group: ProcessGroup, scale: float, comm_type: str) -> Tensor:
+    """Causal attention of this rank's query pieces over every rank's key pieces (dense `M` kind).
+
+    q `[N, H, Dqk]`, k `[N, G, Dqk]`, v `[N, G, Dv]` are this rank's rows (pieces in order).
+    Returns `[N, H, Dv]`.
+    """
+    cp = plan.cp_size
+    my_pieces = plan.pieces(rank)
+    bounds = _piece_bounds(my_pieces)
+    partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in my_pieces]
+    ring_tail: list[Tensor] = []
+    if comm_type == "all_gather":
+        keys, values = all_gather_rows(k, group).chunk(cp), all_gather_rows(v, group).chunk(cp)
+        arriving = [(source, keys[source], values[source]) for source in range(cp)]
+    else:
+        arriving = _ring_blocks(k, v, rank, cp, group, ring_tail)
+    for source, k_src, v_src in arriving:
+        src_pieces = plan.pieces(source)
+        src_bounds = _piece_bounds(src_pieces)
+        for i, q_piece in enumerate(my_pieces):
+            for j, k_piece in enumerate(src_pieces):
+                relation = block_relation(q_piece, k_piece) if k_piece.sequence == q_piece.sequence else "skip"
+                if relation == "skip":
+                    continue
+                partial[i].append(attention_block(q[bounds[i]], k_src[src_bounds[j]], v_src[src_bounds[j]],
+                                                  scale, causal=relation == "causal"))
+    out = torch.cat([merge_attention(parts)[0] for parts in partial]).to(q.dtype)
+    if ring_tail:
+        # Every rank must run every ring step's backward (each one is a send/receive pair), even a
+        # rank whose queries used none of the arrivals (rank 0 of a contiguous partition): a zero
+        # dependency on the last arrival keeps the whole chain in its graph.
+        out = out + 0.0 * ring_tail[0].sum()
+    return out
+
+
+def _ring_blocks(k: Tensor, v: Tensor, rank: int, cp: int, group: ProcessGroup, tail: list[Tensor]):
+    """Yield `(source rank, k, v)`: first the own block, then each ring step's arrival; the last
+    arrival is appended to `tail`."""
+    kv = torch.cat((k.flatten(1), v.flatten(1)), dim=1)
+    split = k[0].numel()
+    for step in range(cp):
+        if step:
+            kv = ring_shift(kv, group)
+        source = (rank - step) % cp
+        yield source, kv[:, :split].reshape(k.shape), kv[:, split:].reshape(v.shape)
+    tail.append(kv)
+
+
+def _piece_bounds(pieces: list[Piece]) -> list[slice]:
+    bounds, row = [], 0
+    for piece in pieces:
+        bounds.append(slice(row, row + piece.length))
+        row += piece.length
+    return bounds
+
+
+def context_halo(window: int, ratio: int) -> int:
+    """Rows before a piece its first tokens depend on: the window, or the compressor's groups
+    (`2r − 1` for the overlapping ratio 4, `r − 1` otherwise)."""
+    compressor = 0 if ratio == 0 else (2 * ratio - 1 if ratio == 4 else ratio - 1)
+    return max(window - 1, compressor, 0)
+
+
+def check_comm_type(comm_type: Optional[str]) -> str:
+    if comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {comm_type!r}")
+    return comm_type

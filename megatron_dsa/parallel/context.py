@@ -1,0 +1,185 @@
+"""Context parallelism: sequence partitions and the autograd collectives of the CP ring.
+
+Partitions (host-side plans, identical on every rank):
+
+* `zigzag` (default, load-balanced): each sequence is cut into `2·cp` equal chunks; rank `r` holds
+  chunks `r` and `2·cp − 1 − r`, so every rank gets the same amount of causal work.
+* `contiguous`: `cp` equal chunks; rank `r` holds chunk `r`.
+
+SBHD input `[S, B, d]` is split along `S` (`S` divisible by `2·cp`, resp. `cp`). Packed (THD) input
+is split per sequence: every sequence's padded length must be divisible by `2·cp` (resp. `cp`) and
+each rank holds its chunks of every sequence, in sequence order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megatron_dsa.parallel.state import group_rank, group_size
+
+PARTITIONS = ("zigzag", "contiguous")
+
+
+def chunks_per_sequence(cp_size: int, partition: str) -> int:
+    if partition not in PARTITIONS:
+        raise ValueError(f"cp_partition must be one of {PARTITIONS}, got {partition!r}")
+    return 2 * cp_size if partition == "zigzag" else cp_size
+
+
+def rank_chunks(cp_size: int, cp_rank: int, partition: str) -> tuple[int, ...]:
+    """Chunk ids (in local order) that `cp_rank` holds of every sequence."""
+    if chunks_per_sequence(cp_size, partition) == cp_size:
+        return (cp_rank,)
+    return (cp_rank, 2 * cp_size - 1 - cp_rank)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One chunk of one sequence held by a rank: global positions `[start, start + length)`."""
+
+    sequence: int
+    chunk: int
+    start: int
+    length: int
+    real_length: int  # real (unpadded) tokens of the whole sequence
+
+
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """Which rows of which sequences every CP rank holds (host metadata, the same on all ranks).
+
+    `sequence_lengths` are the (padded) physical lengths, `real_lengths` the real token counts.
+    """
+
+    sequence_lengths: tuple[int, ...]
+    real_lengths: tuple[int, ...]
+    cp_size: int
+    partition: str
+
+    @classmethod
+    def build(cls, sequence_lengths: Sequence[int], cp_size: int, partition: str = "zigzag",
+              real_lengths: Optional[Sequence[int]] = None) -> "ContextParallelPlan":
+        chunks = chunks_per_sequence(cp_size, partition)
+        for index, length in enumerate(sequence_lengths):
+            if length % chunks:
+                raise ValueError(f"sequence {index} has length {length}, which is not a multiple of "
+                                 f"{chunks} ({'2·cp' if partition == 'zigzag' else 'cp'} for the "
+                                 f"{partition} partition with cp={cp_size}); pad it to a multiple of {chunks}")
+        real = tuple(real_lengths) if real_lengths is not None else tuple(sequence_lengths)
+        return cls(tuple(sequence_lengths), real, cp_size, partition)
+
+    def pieces(self, cp_rank: int) -> list[Piece]:
+        """The pieces `cp_rank` holds, in local row order (sequence-major, then its chunk order)."""
+        chunks = chunks_per_sequence(self.cp_size, self.partition)
+        out = []
+        for seq, (length, real) in enumerate(zip(self.sequence_lengths, self.real_lengths)):
+            size = length // chunks
+            for chunk in rank_chunks(self.cp_size, cp_rank, self.partition):
+                out.append(Piece(seq, chunk, chunk * size, size, real))
+        return out
+
+    @cached_property
+    def all_pieces(self) -> list[list[Piece]]:
+        return [self.pieces(rank) for rank in range(self.cp_size)]
+
+    def local_rows(self, cp_rank: int) -> int:
+        return sum(p.length for p in self.pieces(cp_rank))
+
+    def global_rows(self, cp_rank: int, sequence_starts: Sequence[int]) -> Tensor:
+        """`[local rows]` row ids in the unsharded layout (sequence `s` starts at `sequence_starts[s]`)."""
+        ids = [torch.arange(sequence_starts[p.sequence] + p.start,
+                            sequence_starts[p.sequence] + p.start + p.length)
+               for p in self.pieces(cp_rank)]
+        return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+
+
+def shard_sequence(x: Tensor, cp_size: int, cp_rank: int, partition: str = "zigzag",
+                   dim: int = 0) -> Tensor:
+    """This rank's part of an SBHD tensor along `dim` (the sequence), in local order."""
+    plan = ContextParallelPlan.build([x.shape[dim]], cp_size, partition)
+    return x.index_select(dim, plan.global_rows(cp_rank, [0]).to(x.device))
+
+
+def unshard_sequence(parts: Sequence[Tensor], partition: str = "zigzag", dim: int = 0) -> Tensor:
+    """Reassemble the full sequence from every rank's part (rank order)."""
+    cp_size = len(parts)
+    total = sum(p.shape[dim] for p in parts)
+    plan = ContextParallelPlan.build([total], cp_size, partition)
+    order = torch.cat([plan.global_rows(rank, [0]) for rank in range(cp_size)])
+    stacked = torch.cat(list(parts), dim=dim)
+    return stacked.index_select(dim, torch.argsort(order).to(stacked.device))
+
+
+def shard_packed(x: Tensor, cu_seqlens_padded: Sequence[int], cp_size: int, cp_rank: int,
+                 partition: str = "zigzag") -> Tensor:
+    """This rank's rows of a packed `[T, ...]` tensor: its chunks of every sequence."""
+    starts = list(cu_seqlens_padded[:-1])
+    lengths = [b - a for a, b in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:])]
+    plan = ContextParallelPlan.build(lengths, cp_size, partition)
+    return x.index_select(0, plan.global_rows(cp_rank, starts).to(x.device))
+
+
+# ---------------------------------------------------------------- autograd collectives over CP
+class _AllGatherRows(torch.autograd.Function):
+    """Forward: all-gather equal-size row blocks. Backward: every rank's gradient for each block is
+    summed and the owner keeps its block (the adjoint of a gather)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None
+
+
+def all_gather_rows(x: Tensor, group: Optional[ProcessGroup]) -> Tensor:
+    """`[n, ...]` from each rank → `[cp·n, ...]` in rank order (differentiable)."""
+    return _AllGatherRows.apply(x, group) if group_size(group) > 1 else x
+
+
+class _RingShift(torch.autograd.Function):
+    """Forward: send to the next rank, receive from the previous one. Backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _shift(x, group, forward=True)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _shift(grad, ctx.group, forward=False), None
+
+
+def _shift(x: Tensor, group: ProcessGroup, forward: bool) -> Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    step = 1 if forward else -1
+    to_rank = dist.get_global_rank(group, (rank + step) % size)
+    from_rank = dist.get_global_rank(group, (rank - step) % size)
+    x = x.contiguous()
+    received = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, to_rank, group), dist.P2POp(dist.irecv, received, from_rank, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+def ring_shift(x: Tensor, group: Optional[ProcessGroup]) -> Tensor:
+    """Pass `x` one step around the CP ring (rank r receives rank r−1's tensor); differentiable."""
+    return _RingShift.apply(x, group) if group_size(group) > 1 else x
+
+
+def cp_rank_of(group: Optional[ProcessGroup]) -> int:
+    return group_rank(group)
