@@ -55,8 +55,10 @@ def validate_packed_seq_params(params: PackedSeqParams, num_rows: int) -> None:
             raise ValueError(f"{name} has {cu.numel()} entries but cu_seqlens_q has {segments}: "
                              f"every boundary tensor describes the same segments")
     _check_self_attention_pair("cu_seqlens_kv", params.cu_seqlens_kv, params.cu_seqlens_q)
+    # Without q padding the physical layout is cu_seqlens_q, so kv padding must equal that.
     _check_self_attention_pair("cu_seqlens_kv_padded", params.cu_seqlens_kv_padded,
-                               params.cu_seqlens_q_padded)
+                               params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None
+                               else params.cu_seqlens_q)
     padded = params.cu_seqlens_q_padded
     if padded is not None and _on_host(padded, params.cu_seqlens_q):
         short = (padded[1:] - padded[:-1]) < (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1])

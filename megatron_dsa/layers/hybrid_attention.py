@@ -59,9 +59,11 @@ class HybridAttention(HighPrecisionModule):
 
     keep_high_precision = {"rotary_inv_freq": torch.float64}  # exact RoPE tables
 
-    def __new__(cls, config: HybridAttentionConfig, layer_number: Optional[int] = None,
+    def __new__(cls, config: Optional[HybridAttentionConfig] = None, layer_number: Optional[int] = None,
                 kind: Union[LayerKind, str, None] = None, parallel_state: Optional[ParallelState] = None):
-        if cls is HybridAttention and resolve_kind(config, layer_number, kind) is LayerKind.MLA:
+        # `config` is optional here only so copy/pickle (which call __new__ without arguments) work.
+        if (cls is HybridAttention and config is not None
+                and resolve_kind(config, layer_number, kind) is LayerKind.MLA):
             cls = DenseMLAttention
         return super().__new__(cls)
 
