@@ -433,8 +433,7 @@ def run(job: JobConfig, resume: Optional[Path] = None) -> History:
     progress.close()
 
     plot_history(history, out_dir / PLOT_NAME)
-    trained = len(history.steps) - (start if resume is not None else 0)
-    print(f"done: {train.steps} steps ({trained} this run) in {time.perf_counter() - began:.1f} s | "
+    print(f"done: {train.steps} steps ({len(history.steps) - start} this run) in {time.perf_counter() - began:.1f} s | "
           f"checkpoint {out_dir / CHECKPOINT_NAME} | plot {out_dir / PLOT_NAME}")
     return history
 

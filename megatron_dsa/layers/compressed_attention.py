@@ -103,9 +103,15 @@ class IndexSelection:
 
     window: Tensor
     compressed: Optional[Tensor]
+    entries: Optional[Tensor] = None  # [T, K] indexer picks as entry numbers j of the sequence (−1 none)
 
     def all(self) -> Tensor:
         return self.window if self.compressed is None else torch.cat((self.window, self.compressed), 1)
+
+    def rows(self, pick: Callable[[Tensor], Tensor]) -> "IndexSelection":
+        """The same selection restricted to some query rows (`pick` selects rows of each tensor)."""
+        keep = lambda t: None if t is None else pick(t)  # noqa: E731
+        return IndexSelection(pick(self.window), keep(self.compressed), keep(self.entries))
 
 
 class CompressedSparseAttention(HighPrecisionModule):
@@ -158,8 +164,9 @@ class CompressedSparseAttention(HighPrecisionModule):
                                   gather)
             topk = dispatch(OpFamily.TOPK, c.attention_backend, device=x.device)
             columns = topk(scores, candidates >= 0, c.dsa_indexer_topk)
-            selection = IndexSelection(window, gather_valid(visible, columns))
-        self.last_selection = selection
+            # Candidate column j is entry j of the query's sequence, in every layout (CP included).
+            selection = IndexSelection(window, gather_valid(visible, columns), columns)
+        self.last_selection = selection if cp is None else selection.rows(cp.outputs)
 
         attend = dispatch(OpFamily.SPARSE_ATTENTION, c.attention_backend, device=query.device,
                           dtype=query.dtype, head_dim=query.shape[-1], heads=query.shape[1])

@@ -1,0 +1,205 @@
+"""CP-N == CP-1 on real gloo process groups, fp64, every layer kind, SBHD and ragged THD.
+
+Per rank: the output and input gradient equal the matching slices of the single-process run; the
+parameter gradients summed over CP equal the single-process gradients (so not cp× too large); the
+indexer losses of the CP ranks add up to the single-process loss; the selected compressed entries
+(global ids) are the same sets. fp64 end to end: tolerance 1e-12 absolute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed
+from megatron_dsa import HybridAttention, HybridAttentionConfig
+from megatron_dsa.packed_seq import PackedSeqParams
+from megatron_dsa.parallel import initialize_parallel_state
+from megatron_dsa.parallel.context import shard_packed, shard_sequence, unshard_sequence
+
+ATOL = 1e-12
+RAGGED = [5, 27, 100, 3, 29]  # lengths not multiples of the ratio, one shorter than the window
+
+
+def cp_config(kind: str, partition: str, comm: str, **overrides) -> HybridAttentionConfig:
+    values = dict(num_layers=1, layer_pattern=kind, csa_window_size=8, hca_compress_ratio=8,
+                  dsa_indexer_topk=3, dsa_indexer_loss_coeff=0.5, cp_partition=partition,
+                  cp_comm_type=comm, o_groups=2, num_query_groups=2)
+    return HybridAttentionConfig.from_preset("tiny", **{**values, **overrides})
+
+
+@dataclass
+class Batch:
+    hidden: torch.Tensor
+    upstream: torch.Tensor
+    packed: Optional[PackedSeqParams]
+    cu_padded: Optional[list[int]]
+
+
+def make_batch(config: HybridAttentionConfig, chunks: int, packed: bool, seqlen: int = 48) -> Batch:
+    if not packed:
+        hidden = torch.randn(seqlen, 2, config.hidden_size, dtype=torch.float64)
+        return Batch(hidden, torch.randn_like(hidden), None, None)
+    padded = [-(-length // chunks) * chunks + chunks for length in RAGGED]  # ≥ one chunk of padding
+    cu = torch.tensor([0] + RAGGED).cumsum(0).to(torch.int32)
+    cu_padded = torch.tensor([0] + padded).cumsum(0).to(torch.int32)
+    hidden = torch.randn(int(cu_padded[-1]), 1, config.hidden_size, dtype=torch.float64)
+    params = PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_q_padded=cu_padded, max_seqlen_q=max(padded))
+    return Batch(hidden, torch.randn_like(hidden), params, cu_padded.tolist())
+
+
+def reference(config: HybridAttentionConfig, kind: str, batch: Batch):
+    layer = HybridAttention(config, kind=kind).double()
+    if hasattr(layer, "core_attention"):
+        with torch.no_grad():
+            layer.core_attention.attn_sink.normal_()
+    x = batch.hidden.clone().requires_grad_()
+    out, _ = layer(x, packed_seq_params=batch.packed)
+    (out * batch.upstream).sum().backward()
+    return layer, x, out
+
+
+def close(actual, expected, what):
+    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    assert err <= ATOL, f"{what}: max abs error {err:.3e}"
+
+
+def cp_parity_body(rank: int, world: int, partition: str, comm: str, packed: bool, kinds: str) -> None:
+    state = initialize_parallel_state(cp_size=world)
+    chunks = 2 * world if partition == "zigzag" else world
+    for kind in kinds:
+        for sparse in ((True, False) if kind == "C" else (True,)):
+            config = cp_config(kind, partition, comm, dsa_indexer_use_sparse_loss=sparse)
+            torch.manual_seed(17)
+            batch = make_batch(config, chunks, packed)
+            ref, x, ref_out = reference(config, kind, batch)
+            if packed:
+                mine = lambda t: shard_packed(t, batch.cu_padded, world, rank, partition)  # noqa: E731
+            else:
+                mine = lambda t: shard_sequence(t, world, rank, partition)  # noqa: E731
+            layer = HybridAttention(config, kind=kind, parallel_state=state).double()
+            layer.load_state_dict(ref.state_dict())
+            x_local = mine(batch.hidden).clone().requires_grad_()
+            out, _ = layer(x_local, packed_seq_params=batch.packed)
+            (out * mine(batch.upstream)).sum().backward()
+            tag = f"{kind} sparse={sparse} {partition}/{comm} packed={packed} rank={rank}"
+            close(out, mine(ref_out), f"{tag} output")
+            close(x_local.grad, mine(x.grad), f"{tag} input grad")
+            for name, param in layer.named_parameters():
+                grad = param.grad.clone()
+                dist.all_reduce(grad, group=state.cp_group)
+                close(grad, dict(ref.named_parameters())[name].grad, f"{tag} grad of {name}")
+            if kind == "C":
+                loss = layer.last_indexer_loss.clone()
+                dist.all_reduce(loss, group=state.cp_group)
+                close(loss, ref.last_indexer_loss, f"{tag} indexer loss")
+                assert_same_selection(layer, ref, mine, packed)
+
+
+def assert_same_selection(layer, ref, mine, packed: bool) -> None:
+    """The indexer's picks, as entry numbers j of each query's sequence, are the same sets."""
+    picks = ref.core_attention.last_selection.entries
+    if not packed:  # reference rows are batch-major [B·S]; shard them along S like the input
+        batch = 2
+        picks = picks.view(batch, -1, picks.shape[1]).transpose(0, 1)
+        picks = mine(picks).transpose(0, 1).reshape(-1, picks.shape[-1])
+    else:
+        picks = mine(picks)
+    ours = layer.core_attention.last_selection.entries
+    assert ours.shape == picks.shape
+    assert torch.equal(ours.sort(1).values, picks.sort(1).values), "top-k sets differ"
+
+
+@pytest.mark.parametrize("world,partition,comm,packed", [
+    (2, "zigzag", "p2p", False),
+    (2, "zigzag", "p2p", True),
+    (2, "contiguous", "all_gather", True),
+    (4, "zigzag", "all_gather", False),
+    (4, "zigzag", "p2p", True),
+    (4, "contiguous", "p2p", False),
+])
+def test_context_parallel_matches_single_process(world, partition, comm, packed):
+    run_distributed(cp_parity_body, world, partition, comm, packed, "WCHM", timeout_s=300)
+
+
+def unshard_body(rank: int, world: int) -> None:
+    full = torch.arange(48.0).view(48, 1)
+    for partition in ("zigzag", "contiguous"):
+        part = shard_sequence(full, world, rank, partition)
+        parts = [torch.empty_like(part) for _ in range(world)]
+        dist.all_gather(parts, part)
+        assert torch.equal(unshard_sequence(parts, partition), full)
+
+
+def test_shard_unshard_round_trip():
+    run_distributed(unshard_body, 2)
+
+
+@pytest.mark.parametrize("partition,expected", [
+    ("zigzag", [[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]]),
+    ("contiguous", [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]),
+])
+def test_partition_rows(partition, expected):
+    full = torch.arange(12)
+    assert [shard_sequence(full, 2, r, partition).tolist() for r in range(2)] == expected
+
+
+def test_non_divisible_length_names_the_multiple():
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        shard_sequence(torch.zeros(30), 4, 0, "zigzag")
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def nccl_bf16_body(rank: int, world: int) -> None:
+    """bf16 CP-2 on two GPUs (NCCL, both comm types) vs the fp32 single-GPU layer, SBHD S=512.
+
+    Tolerance: cosine > 0.999 and norm ratio within 2e-2 for outputs, input grads and CP-summed
+    parameter grads (bf16 rounding, see the TP test for the reasoning). The C layer keeps every
+    visible entry (top-k ≥ entries) so that bf16 near-ties cannot change the selection.
+    """
+    device = torch.device("cuda", rank)
+    state = initialize_parallel_state(cp_size=world)
+    for kind in "WCHM":
+        for comm in ("p2p", "all_gather"):
+            config = cp_config(kind, "zigzag", comm, dsa_indexer_topk=128)
+            torch.manual_seed(3)
+            ref = HybridAttention(config, kind=kind).to(device)
+            if hasattr(ref, "core_attention"):
+                with torch.no_grad():
+                    ref.core_attention.attn_sink.normal_()
+            x = torch.randn(512, 2, config.hidden_size, device=device, requires_grad=True)
+            upstream = torch.randn_like(x)
+            ref_out, _ = ref(x)
+            (ref_out * upstream).sum().backward()
+            layer = HybridAttention(config, kind=kind, parallel_state=state).to(device)
+            layer.load_state_dict(ref.state_dict())
+            layer = layer.bfloat16()
+            mine = lambda t: shard_sequence(t, world, rank, "zigzag")  # noqa: E731
+            x_local = mine(x.detach()).bfloat16().requires_grad_()
+            out, _ = layer(x_local)
+            (out.float() * mine(upstream)).sum().backward()
+            pairs = [("output", out, mine(ref_out)), ("input grad", x_local.grad, mine(x.grad))]
+            for name, param in layer.named_parameters():
+                grad = param.grad.float()
+                dist.all_reduce(grad, group=state.cp_group)
+                pairs.append((f"grad {name}", grad, dict(ref.named_parameters())[name].grad))
+            for what, actual, expected in pairs:
+                actual, expected = actual.float(), expected.float()
+                tag = f"{kind}/{comm} rank={rank} {what}"
+                assert torch.isfinite(actual).all(), f"{tag} not finite"
+                assert cosine(actual, expected) > 0.999, f"{tag}: cosine {cosine(actual, expected)}"
+                ratio = abs(actual.norm() / expected.norm().clamp_min(1e-30) - 1)
+                assert ratio < 2e-2, f"{tag}: norm ratio off by {ratio:.2e}"
+
+
+@pytest.mark.multigpu
+def test_context_parallel_nccl_bf16_matches_fp32():
+    run_distributed(nccl_bf16_body, 2, backend="nccl", timeout_s=300)
