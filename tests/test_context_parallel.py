@@ -159,11 +159,11 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def nccl_bf16_body(rank: int, world: int) -> None:
-    """bf16 CP-2 on two GPUs (NCCL, both comm types) vs the fp32 single-GPU layer, SBHD S=512.
+    """bf16 CP-2 on two GPUs (NCCL, both comm types) vs the bf16 single-GPU layer, SBHD S=512.
 
-    Tolerance: cosine > 0.999 and norm ratio within 2e-2 for outputs, input grads and CP-summed
-    parameter grads (bf16 rounding, see the TP test for the reasoning). The C layer keeps every
-    visible entry (top-k ≥ entries) so that bf16 near-ties cannot change the selection.
+    Same tolerances and reasons as the TP test (tests/test_tensor_parallel.py): cosine > 0.999 and
+    norm ratio within 2e-2, cosine > 0.99 for the KL-trained indexer parameters; the C layer keeps
+    every visible entry so that bf16 near-ties cannot change the selection.
     """
     device = torch.device("cuda", rank)
     state = initialize_parallel_state(cp_size=world)
@@ -175,15 +175,16 @@ def nccl_bf16_body(rank: int, world: int) -> None:
             if hasattr(ref, "core_attention"):
                 with torch.no_grad():
                     ref.core_attention.attn_sink.normal_()
-            x = torch.randn(512, 2, config.hidden_size, device=device, requires_grad=True)
-            upstream = torch.randn_like(x)
+            ref = ref.bfloat16()
+            x = torch.randn(512, 2, config.hidden_size, device=device).bfloat16().requires_grad_()
+            upstream = torch.randn(512, 2, config.hidden_size, device=device)
             ref_out, _ = ref(x)
-            (ref_out * upstream).sum().backward()
+            (ref_out.float() * upstream).sum().backward()
             layer = HybridAttention(config, kind=kind, parallel_state=state).to(device)
-            layer.load_state_dict(ref.state_dict())
             layer = layer.bfloat16()
+            layer.load_state_dict(ref.state_dict())
             mine = lambda t: shard_sequence(t, world, rank, "zigzag")  # noqa: E731
-            x_local = mine(x.detach()).bfloat16().requires_grad_()
+            x_local = mine(x.detach()).clone().requires_grad_()
             out, _ = layer(x_local)
             (out.float() * mine(upstream)).sum().backward()
             pairs = [("output", out, mine(ref_out)), ("input grad", x_local.grad, mine(x.grad))]
@@ -192,14 +193,15 @@ def nccl_bf16_body(rank: int, world: int) -> None:
                 dist.all_reduce(grad, group=state.cp_group)
                 pairs.append((f"grad {name}", grad, dict(ref.named_parameters())[name].grad))
             for what, actual, expected in pairs:
-                actual, expected = actual.float(), expected.float()
+                actual, expected = actual.detach().float(), expected.detach().float()
                 tag = f"{kind}/{comm} rank={rank} {what}"
+                bound = 0.99 if "indexer" in what else 0.999
                 assert torch.isfinite(actual).all(), f"{tag} not finite"
-                assert cosine(actual, expected) > 0.999, f"{tag}: cosine {cosine(actual, expected)}"
+                assert cosine(actual, expected) > bound, f"{tag}: cosine {cosine(actual, expected)}"
                 ratio = abs(actual.norm() / expected.norm().clamp_min(1e-30) - 1)
                 assert ratio < 2e-2, f"{tag}: norm ratio off by {ratio:.2e}"
 
 
 @pytest.mark.multigpu
-def test_context_parallel_nccl_bf16_matches_fp32():
+def test_context_parallel_nccl_bf16_matches_single_gpu():
     run_distributed(nccl_bf16_body, 2, backend="nccl", timeout_s=300)

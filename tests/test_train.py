@@ -1,0 +1,134 @@
+"""Fast tests of the language model, the data and the training job (CPU, fp32)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from megatron_dsa import train
+from megatron_dsa.config import HybridAttentionConfig
+from megatron_dsa.data import RetrievalTask, make_batch, seeded_generator
+from megatron_dsa.model import HybridLM, ModelConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = REPO_ROOT / "configs" / "tiny.yaml"
+
+
+def small_job_yaml(tmp_path: Path, **train_values) -> Path:
+    """configs/tiny.yaml shrunk to seconds: short sequences, small batches, a small corpus."""
+    job = yaml.safe_load(TINY_YAML.read_text())
+    job["model"]["max_seq_len"] = 64
+    job["train"].update(dict(batch_size=2, seq_len=64, retrieval_pairs=2, corpus_max_bytes=200_000,
+                             warmup_steps=1, eval_batches=1, log_interval=1, eval_interval=2,
+                             checkpoint_interval=2, out_dir=str(tmp_path / "run")), **train_values)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_model_forward_backward_shapes():
+    attention = HybridAttentionConfig.from_preset("tiny")
+    model = HybridLM(attention, ModelConfig(max_seq_len=48))
+    tokens = torch.randint(0, 256, (3, 48))
+    logits = model(tokens)
+    assert logits.shape == (3, 48, 256) and logits.dtype == torch.float32
+    logits.logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert [layer.self_attention.kind.value for layer in model.layers] == list("WCHC")
+    assert set(model.indexer_losses()) == {2, 4}  # the two C layers
+
+
+def test_untied_head_and_too_long_input():
+    model = HybridLM(HybridAttentionConfig.from_preset("tiny"), ModelConfig(max_seq_len=32,
+                                                                          tie_embeddings=False))
+    assert model.output_layer is not None
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_training_run_writes_checkpoint_and_plot(tmp_path):
+    history = train.main(["--config", str(small_job_yaml(tmp_path)), "--steps", "3"])
+    run_dir = tmp_path / "run"
+    assert [s.step for s in history.steps] == [0, 1, 2]
+    assert (run_dir / train.CHECKPOINT_NAME).is_file()
+    assert (run_dir / train.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    state = torch.load(run_dir / train.CHECKPOINT_NAME, weights_only=True)
+    assert state["step"] == 3 and set(state) >= {"model", "optimizer", "rng", "config", "history"}
+    assert all(set(s.indexer_losses) == {2, 4} for s in history.steps)
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    # The LR horizon is pinned so the 2-step first leg follows the same schedule as a 4-step run.
+    full = train.main(["--config", str(small_job_yaml(straight, lr_decay_steps=4)), "--steps", "4"])
+    config = str(small_job_yaml(interrupted, lr_decay_steps=4))
+    train.main(["--config", config, "--steps", "2"])
+    resumed = train.main(["--config", config, "--steps", "4", "--resume"])
+    assert [s.loss for s in resumed.steps] == [s.loss for s in full.steps]  # bitwise
+    assert [s.indexer_losses for s in resumed.steps] == [s.indexer_losses for s in full.steps]
+
+
+def test_retrieval_task_is_deterministic_and_reaches_beyond_the_window():
+    window = HybridAttentionConfig.from_preset("tiny").csa_window_size
+    task = RetrievalTask(seq_len=256, num_pairs=8, min_distance=window)
+    text = torch.randint(32, 127, (4096,), dtype=torch.uint8)
+    first = task.sample(text, 5, seeded_generator(7, "test", 0))
+    again = task.sample(text, 5, seeded_generator(7, "test", 0))
+    other = task.sample(text, 5, seeded_generator(7, "test", 1))
+    assert torch.equal(first.tokens, again.tokens) and not torch.equal(first.tokens, other.tokens)
+    assert first.tokens.shape == (5, 257)
+    assert (first.answer_positions - first.source_positions > window).all()
+    answers = first.tokens.gather(1, first.answer_positions)
+    assert torch.equal(answers, first.tokens.gather(1, first.source_positions))
+    assert ((answers >= ord("0")) & (answers <= ord("9"))).all()
+
+    batch = make_batch(text, task, 4, 2, seeded_generator(7, "test", 0))
+    assert batch.loss_mask[:2].all() and batch.is_retrieval.tolist() == [False, False, True, True]
+    assert batch.loss_mask[2:, -2:].all() and batch.loss_mask[2:].sum() == 4  # answer bytes only
+
+
+def test_example_script_runs(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "train_tiny.py"), "--steps", "2"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "step 2: loss" in result.stdout
+
+
+@pytest.mark.parametrize("section, field, value", [
+    ("train", "batch_size", 0),
+    ("train", "lr", -1.0),
+    ("train", "retrieval_fraction", 1.5),
+    ("train", "dtype", "fp16"),
+    ("model", "ffn_hidden_size", 0),
+    ("model", "vocab_size", "256"),
+    ("attention", "hca_compress_ratio", 4),
+])
+def test_bad_config_values_name_the_field(section, field, value):
+    job = yaml.safe_load(TINY_YAML.read_text())
+    job[section][field] = value
+    with pytest.raises(ValueError, match=field):
+        train.JobConfig.from_dict(job)
+
+
+def test_sequence_too_short_for_retrieval_or_model_is_rejected():
+    job = yaml.safe_load(TINY_YAML.read_text())
+    job["train"]["seq_len"] = 512
+    with pytest.raises(ValueError, match="max_seq_len"):
+        train.JobConfig.from_dict(job)
+    job["train"].update(seq_len=40, retrieval_pairs=8)
+    with pytest.raises(ValueError, match="seq_len"):
+        train.JobConfig.from_dict(job)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")
+def test_cuda_request_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        train.resolve_device("cuda")
