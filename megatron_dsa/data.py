@@ -201,3 +201,23 @@ def make_batch(text: Tensor, task: RetrievalTask, batch_size: int, retrieval_row
     loss_mask[lm.shape[0]:].scatter_(1, retrieval.answer_positions - 1, True)
     is_retrieval = torch.arange(batch_size) >= lm.shape[0]
     return Batch(tokens[:, :-1], tokens[:, 1:], loss_mask, is_retrieval)
+
+
+def pack_documents(batch: Batch, generator: torch.Generator) -> tuple[Batch, Tensor]:
+    """Cut every LM row into two documents at a random point and lay all rows end to end.
+
+    Returns the batch (same `[B, S]` tensors; the target that would cross a cut is masked out) and
+    `cu_seqlens` (int32, `[ndocs + 1]`) of the documents in the flattened `[B·S]` token stream.
+    Retrieval rows stay whole documents.
+    """
+    rows, seq_len = batch.inputs.shape
+    boundaries, loss_mask = [0], batch.loss_mask.clone()
+    for row in range(rows):
+        start = row * seq_len
+        if not bool(batch.is_retrieval[row]) and seq_len >= 4:
+            cut = int(torch.randint(seq_len // 4, 3 * seq_len // 4, (1,), generator=generator))
+            boundaries.append(start + cut)
+            loss_mask[row, cut - 1] = False  # the next token belongs to another document
+        boundaries.append(start + seq_len)
+    packed = Batch(batch.inputs, batch.targets, loss_mask, batch.is_retrieval)
+    return packed, torch.tensor(boundaries, dtype=torch.int32)

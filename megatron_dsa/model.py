@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,13 @@ from torch import Tensor, nn
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.layers.common import RMSNorm, linear, output_init_std
 from megatron_dsa.layers.hybrid_attention import HybridAttention
+from megatron_dsa.packed_seq import PackedSeqParams
+from megatron_dsa.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from megatron_dsa.parallel.mappings import (gather_from_sequence_parallel_region,
+                                            scatter_to_sequence_parallel_region)
+from megatron_dsa.parallel.state import ParallelState
+
+SEQUENCE_PARALLEL_GRAD = "sequence_parallel_grad"  # weight gradient is partial over TP under SP
 
 BYTE_VOCAB_SIZE = 256
 
@@ -54,34 +61,56 @@ class ModelConfig:
 
 
 class SwiGLUMLP(nn.Module):
-    """`x [..., d]` → `W2 (silu(x W_gate) ⊙ x W_up)` `[..., d]`; gate and up share one fc1 matmul."""
+    """`x [S, B, d]` → `W2 (silu(x W_gate) ⊙ x W_up)`; gate/up column-parallel, W2 row-parallel.
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, std: float, num_layers: int):
+    Gate and up are separate linears so that tensor parallelism splits each of them into matching
+    blocks. Under sequence parallelism `x` is this rank's slice of S: it is gathered first and the
+    output reduce-scattered.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, std: float, num_layers: int,
+                 state: ParallelState, sequence_parallel: bool):
         super().__init__()
-        self.linear_fc1 = linear(hidden_size, 2 * ffn_hidden_size, std)
-        self.linear_fc2 = linear(ffn_hidden_size, hidden_size, output_init_std(std, num_layers))
+        tp = state.tp_group
+        self.sp_group = tp if sequence_parallel else None
+        self.linear_fc1_gate = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp, std, "ffn_hidden_size")
+        self.linear_fc1_up = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp, std, "ffn_hidden_size")
+        self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, tp,
+                                            output_init_std(std, num_layers), sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate) * up)
+        # The column-parallel linears sum their input gradients over TP, so every rank's gradient of
+        # the gathered input is complete: the gather's backward keeps the own slice.
+        x = gather_from_sequence_parallel_region(x, self.sp_group, grad_is_partial=False)
+        return self.linear_fc2(F.silu(self.linear_fc1_gate(x)) * self.linear_fc1_up(x))
 
 
 class TransformerLayer(nn.Module):
     """Pre-norm block: `h [S, B, d]` → `h + attn(norm(h))` → `+ mlp(norm(·))`, `[S, B, d]`."""
 
-    def __init__(self, attention: HybridAttentionConfig, model: ModelConfig, layer_number: int):
+    def __init__(self, attention: HybridAttentionConfig, model: ModelConfig, layer_number: int,
+                 state: ParallelState):
         super().__init__()
         eps = attention.layernorm_epsilon
-        self.input_layernorm = RMSNorm(attention.hidden_size, eps)
-        self.self_attention = HybridAttention(attention, layer_number=layer_number)
-        self.pre_mlp_layernorm = RMSNorm(attention.hidden_size, eps)
+        self.input_layernorm = sequence_parallel_norm(attention, eps)
+        self.self_attention = HybridAttention(attention, layer_number=layer_number, parallel_state=state)
+        self.pre_mlp_layernorm = sequence_parallel_norm(attention, eps)
         self.mlp = SwiGLUMLP(attention.hidden_size, model.ffn_hidden_size, attention.init_method_std,
-                             attention.num_layers)
+                             attention.num_layers, state, attention.sequence_parallel)
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        attended, _ = self.self_attention(self.input_layernorm(hidden))
+    def forward(self, hidden: Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> Tensor:
+        attended, _ = self.self_attention(self.input_layernorm(hidden), packed_seq_params=packed_seq_params)
         hidden = hidden + attended
         return hidden + self.mlp(self.pre_mlp_layernorm(hidden))
+
+
+def sequence_parallel_norm(attention: HybridAttentionConfig, eps: float) -> RMSNorm:
+    """An RMSNorm; under sequence parallelism it sees only this rank's rows, so its weight gradient
+    is partial and must be summed over TP (`SEQUENCE_PARALLEL_GRAD` marks it)."""
+    norm = RMSNorm(attention.hidden_size, eps)
+    if attention.sequence_parallel:
+        setattr(norm.weight, SEQUENCE_PARALLEL_GRAD, True)
+    return norm
 
 
 class HybridLM(nn.Module):
@@ -90,26 +119,33 @@ class HybridLM(nn.Module):
     forward(tokens `[B, S]` int64) → logits `[B, S, vocab_size]` (float32 under autocast too).
     """
 
-    def __init__(self, attention: HybridAttentionConfig, model: ModelConfig):
+    def __init__(self, attention: HybridAttentionConfig, model: ModelConfig,
+                 parallel_state: Optional[ParallelState] = None):
         super().__init__()
-        self.attention_config, self.model_config = attention, model
+        state = parallel_state or ParallelState()
+        self.attention_config, self.model_config, self.parallel_state = attention, model, state
         std = attention.init_method_std
         self.word_embeddings = nn.Embedding(model.vocab_size, attention.hidden_size)
         nn.init.normal_(self.word_embeddings.weight, std=std)
-        self.layers = nn.ModuleList(TransformerLayer(attention, model, layer_number=i + 1)
+        self.layers = nn.ModuleList(TransformerLayer(attention, model, layer_number=i + 1, state=state)
                                     for i in range(attention.num_layers))
-        self.final_layernorm = RMSNorm(attention.hidden_size, attention.layernorm_epsilon)
+        self.final_layernorm = sequence_parallel_norm(attention, attention.layernorm_epsilon)
         self.output_layer = (None if model.tie_embeddings
                              else linear(attention.hidden_size, model.vocab_size, std))
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        self._check_tokens(tokens)
+    def forward(self, tokens: Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> Tensor:
+        """tokens `[B, S]` (under context parallelism: this rank's part of S) → logits `[B, S, V]`."""
+        self._check_tokens(tokens, packed_seq_params)
+        sp_group = self.parallel_state.tp_group if self.attention_config.sequence_parallel else None
         hidden = self.word_embeddings(tokens.t())  # [S, B, d]
+        hidden = scatter_to_sequence_parallel_region(hidden, sp_group)
         for layer in self.layers:
-            hidden = layer(hidden)
-        hidden = self.final_layernorm(hidden).transpose(0, 1)  # [B, S, d]
+            hidden = layer(hidden, packed_seq_params)
+        hidden = self.final_layernorm(hidden)
+        # Every rank computes all logits with the replicated head: its gradient is complete.
+        hidden = gather_from_sequence_parallel_region(hidden, sp_group, grad_is_partial=False)
         head = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        return F.linear(hidden, head).float()
+        return F.linear(hidden.transpose(0, 1), head).float()
 
     def indexer_losses(self) -> dict[int, float]:
         """`{layer_number: coefficient-scaled indexer KL}` of the last training forward (C layers only)."""
@@ -120,9 +156,11 @@ class HybridLM(nn.Module):
                 losses[attention.layer_number] = float(attention.last_indexer_loss)
         return losses
 
-    def _check_tokens(self, tokens: Tensor) -> None:
+    def _check_tokens(self, tokens: Tensor, packed: Optional[PackedSeqParams]) -> None:
         if tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(f"tokens must be int64 [B, S], got {tokens.dtype} {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.model_config.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len "
+        # Packed input is one [1, T] stream: its documents, not the stream, must fit.
+        longest = tokens.shape[1] * self.parallel_state.cp_size if packed is None else packed.max_seqlen_q
+        if longest is not None and longest > self.model_config.max_seq_len:
+            raise ValueError(f"sequence length {longest} exceeds model.max_seq_len "
                              f"{self.model_config.max_seq_len}")

@@ -27,11 +27,17 @@ import torch.nn.functional as F
 import yaml
 from tqdm import tqdm
 
+import torch.distributed as dist
+
 from megatron_dsa.backends import call_counts, reset_call_counts
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
-                               seeded_generator, split_corpus)
-from megatron_dsa.model import HybridLM, ModelConfig
+                               pack_documents, seeded_generator, split_corpus)
+from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
+from megatron_dsa.packed_seq import PackedSeqParams
+from megatron_dsa.parallel import ParallelState, initialize_parallel_state
+from megatron_dsa.parallel.context import shard_sequence
+from megatron_dsa.parallel.sharding import PARTITION_ATTR, gather_full_state_dict, load_full_state_dict
 
 CHECKPOINT_NAME = "checkpoint.pt"
 PLOT_NAME = "loss_curve.png"
@@ -65,6 +71,7 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     device: str = "cpu"
     dtype: str = "fp32"
+    pack: bool = False  # pack documents into one THD sequence per batch (cu_seqlens)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "retrieval_pairs", "corpus_max_bytes",
@@ -192,10 +199,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_model(job: JobConfig, device: torch.device) -> HybridLM:
-    """A freshly initialised model; the init is a function of `train.seed` only."""
+def build_model(job: JobConfig, device: torch.device, state: Optional[ParallelState] = None) -> HybridLM:
+    """A freshly initialised model; the init is a function of `train.seed` only, whatever the
+    parallel layout: the TP = 1 model is built first and each rank loads its shard of it."""
     torch.manual_seed(job.train.seed)
-    return HybridLM(job.attention, job.model).to(device)
+    full = HybridLM(job.attention, job.model)
+    if state is None or (state.tp_size == 1 and state.cp_size == 1):
+        return full.to(device)
+    model = HybridLM(job.attention, job.model, parallel_state=state)
+    load_full_state_dict(model, full.state_dict(), state)
+    return model.to(device)
 
 
 def build_optimizer(model: HybridLM, train: TrainConfig) -> torch.optim.AdamW:
@@ -222,17 +235,28 @@ class LossParts:
     retrieval: Optional[float]
 
 
-def compute_loss(logits: torch.Tensor, batch: Batch) -> LossParts:
+def compute_loss(logits: torch.Tensor, batch: Batch, cp_group: Optional[dist.ProcessGroup] = None
+                 ) -> LossParts:
     """Cross entropy averaged per row over its masked targets, then over rows.
 
     Per-row averaging gives a retrieval row (a couple of answer bytes) the weight of an LM row.
+    Under context parallelism `logits`/`batch` hold this rank's part of every row: the per-row
+    target counts are summed over CP, so the CP ranks' losses add up to the full-sequence loss.
     """
     token_loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none")
     mask = batch.loss_mask.to(token_loss.dtype)
-    per_row = (token_loss.view_as(mask) * mask).sum(1) / mask.sum(1)
+    sums, counts = (token_loss.view_as(mask) * mask).sum(1), mask.sum(1)
+    if cp_group is not None:
+        dist.all_reduce(counts, group=cp_group)
+    per_row = sums / counts.clamp_min(1)
 
     def mean_over(rows: torch.Tensor) -> Optional[float]:
-        return float(per_row[rows].detach().mean()) if bool(rows.any()) else None
+        if not bool(rows.any()):
+            return None
+        value = per_row[rows].detach().mean().clone()
+        if cp_group is not None:
+            dist.all_reduce(value, group=cp_group)
+        return float(value)
 
     return LossParts(per_row.mean(), mean_over(~batch.is_retrieval), mean_over(batch.is_retrieval))
 
@@ -243,29 +267,100 @@ def autocast(device: torch.device, dtype: str) -> torch.autocast:
 
 
 def train_step(model: HybridLM, optimizer: torch.optim.Optimizer, batch: Batch, step: int,
-               train: TrainConfig, device: torch.device) -> StepStats:
+               train: TrainConfig, device: torch.device,
+               packed: Optional[PackedSeqParams] = None) -> StepStats:
     """One optimizer step on `batch`; the indexer KL joins the backward inside the C layers."""
     started = time.perf_counter()
+    state = model.parallel_state
     lr = learning_rate(step, train)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    local = shard_for_context_parallel(batch, model)
     with autocast(device, train.dtype):
-        logits = model(batch.inputs)
-    parts = compute_loss(logits, batch)
+        logits = model(local.inputs, packed)
+    # A packed batch is one [1, B·S] sequence: view its logits as the [B, S] rows it was made of.
+    parts = compute_loss(logits.reshape(*local.targets.shape, -1), local,
+                         state.cp_group if state.cp_size > 1 else None)
     optimizer.zero_grad(set_to_none=True)
     parts.total.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip or float("inf"))
+    finalize_grads(model)
+    grad_norm = clip_grad_norm(model, train.grad_clip or float("inf"))
     optimizer.step()
     elapsed = time.perf_counter() - started
-    return StepStats(step=step, loss=float(parts.total.detach()), lm_loss=parts.lm,
-                     retrieval_loss=parts.retrieval, indexer_losses=model.indexer_losses(),
-                     grad_norm=float(grad_norm), lr=lr, tokens_per_s=batch.inputs.numel() / elapsed)
+    loss = parts.total.detach().clone()
+    indexer = model.indexer_losses()
+    if state.cp_size > 1:  # each CP rank holds part of every row: the pieces add up
+        dist.all_reduce(loss, group=state.cp_group)
+        indexer = {k: float(all_reduced(torch.tensor(v), state.cp_group)) for k, v in indexer.items()}
+    return StepStats(step=step, loss=float(loss), lm_loss=parts.lm,
+                     retrieval_loss=parts.retrieval, indexer_losses=indexer,
+                     grad_norm=float(grad_norm), lr=lr,
+                     tokens_per_s=batch.inputs.numel() / elapsed)
 
 
-def train_batch(job: JobConfig, text: torch.Tensor, step: int) -> Batch:
+def all_reduced(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    value = value.clone()
+    dist.all_reduce(value, group=group)
+    return value
+
+
+def shard_for_context_parallel(batch: Batch, model: HybridLM) -> Batch:
+    """This CP rank's part of every row (the model's partition); the whole batch without CP."""
+    state, config = model.parallel_state, model.attention_config
+    if state.cp_size == 1:
+        return batch
+    shard = lambda t: shard_sequence(t, state.cp_size, state.cp_rank, config.cp_partition, dim=1)  # noqa: E731
+    return Batch(shard(batch.inputs), shard(batch.targets), shard(batch.loss_mask), batch.is_retrieval)
+
+
+def finalize_grads(model: HybridLM) -> None:
+    """Make every rank's gradients the full-batch gradients of its parameters.
+
+    CP: each rank saw part of every sequence, so gradients are summed over CP. SP: norm weights saw
+    only this rank's rows, so their gradients are summed over TP (the rest is already complete).
+    """
+    state = model.parallel_state
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        if state.cp_size > 1:
+            dist.all_reduce(param.grad, group=state.cp_group)
+        if state.tp_size > 1 and getattr(param, SEQUENCE_PARALLEL_GRAD, False):
+            dist.all_reduce(param.grad, group=state.tp_group)
+
+
+def clip_grad_norm(model: HybridLM, max_norm: float) -> torch.Tensor:
+    """Clip by the norm of the whole (unsharded) gradient: TP-split parameters contribute their
+    squares summed over TP, replicated ones once."""
+    state = model.parallel_state
+    grads = [(p.grad, getattr(p, PARTITION_ATTR, None) is not None) for p in model.parameters()
+             if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    device = grads[0][0].device
+    split = sum((g.float().pow(2).sum() for g, is_split in grads if is_split), torch.zeros((), device=device))
+    whole = sum((g.float().pow(2).sum() for g, is_split in grads if not is_split), torch.zeros((), device=device))
+    if state.tp_size > 1:
+        dist.all_reduce(split, group=state.tp_group)
+    norm = (split + whole).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for grad, _ in grads:
+        grad.mul_(scale)
+    return norm
+
+
+def train_batch(job: JobConfig, text: torch.Tensor, step: int) -> tuple[Batch, Optional[PackedSeqParams]]:
+    """The step's batch; with `train.pack` also the documents' boundaries in the packed stream."""
     train = job.train
-    return make_batch(text, job.retrieval_task(), train.batch_size, train.retrieval_rows,
-                      seeded_generator(train.seed, "train", step))
+    generator = seeded_generator(train.seed, "train", step)
+    batch = make_batch(text, job.retrieval_task(), train.batch_size, train.retrieval_rows, generator)
+    if not train.pack:
+        return batch, None
+    batch, cu_seqlens = pack_documents(batch, generator)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    packed = PackedSeqParams(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=int(lengths.max()), max_seqlen_kv=int(lengths.max()))
+    return Batch(batch.inputs.reshape(1, -1), batch.targets, batch.loss_mask, batch.is_retrieval), packed
 
 
 @torch.no_grad()
@@ -273,22 +368,29 @@ def evaluate(model: HybridLM, job: JobConfig, validation_text: torch.Tensor, dev
              completed_steps: int) -> EvalStats:
     """Validation LM loss and retrieval answer accuracy on fixed (seed-derived) batches."""
     train, task = job.train, job.retrieval_task()
+    state = model.parallel_state
+    cp_group = state.cp_group if state.cp_size > 1 else None
     model.eval()
-    lm_losses, correct, answered = [], 0, 0
+    lm_losses, correct, answered = [], torch.zeros(()), torch.zeros(())
     for index in range(train.eval_batches):
         lm = make_batch(validation_text, task, train.batch_size, 0,
                         seeded_generator(train.seed, "val-lm", index)).to(device)
+        lm = shard_for_context_parallel(lm, model)
         with autocast(device, train.dtype):
-            lm_losses.append(compute_loss(model(lm.inputs), lm).total.item())
+            loss = compute_loss(model(lm.inputs), lm, cp_group).total.detach()
+        lm_losses.append(float(all_reduced(loss, cp_group) if cp_group is not None else loss))
         retrieval = make_batch(validation_text, task, train.batch_size, train.batch_size,
                                seeded_generator(train.seed, "val-retrieval", index)).to(device)
+        retrieval = shard_for_context_parallel(retrieval, model)
         with autocast(device, train.dtype):
             predicted = model(retrieval.inputs).argmax(-1)
-        correct += int((predicted == retrieval.targets)[retrieval.loss_mask].sum())
-        answered += int(retrieval.loss_mask.sum())
+        correct += ((predicted == retrieval.targets) & retrieval.loss_mask).sum().cpu()
+        answered += retrieval.loss_mask.sum().cpu()
+    if cp_group is not None:
+        correct, answered = all_reduced(correct, cp_group), all_reduced(answered, cp_group)
     model.train()
     return EvalStats(step=completed_steps, val_lm_loss=sum(lm_losses) / len(lm_losses),
-                     retrieval_accuracy=correct / answered)
+                     retrieval_accuracy=float(correct / answered))
 
 
 # ---------------------------------------------------------------- checkpoints and plots
@@ -388,53 +490,104 @@ def load_corpus(train: TrainConfig) -> CorpusSplit:
     return split_corpus(load_stdlib_corpus(train.corpus_max_bytes))
 
 
-def run(job: JobConfig, resume: Optional[Path] = None) -> History:
-    """Train to `job.train.steps` (continuing from `resume` if given); returns the full history."""
+def setup_parallel(tp: int, cp: int, device: torch.device) -> Optional[ParallelState]:
+    """Process groups for a torchrun launch (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        if tp * cp != 1:
+            raise ValueError(f"--tp {tp} --cp {cp} needs {tp * cp} processes: launch with "
+                             f"torchrun --nproc-per-node {tp * cp} -m megatron_dsa.train ...")
+        return None
+    if world != tp * cp:
+        raise ValueError(f"WORLD_SIZE={world} but --tp {tp} × --cp {cp} = {tp * cp} (no data parallelism "
+                         f"in this job)")
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return initialize_parallel_state(tp_size=tp, cp_size=cp)
+
+
+def checkpoint_name(state: Optional[ParallelState]) -> str:
+    """One file per rank when the model is split (each holds its shards and optimizer state)."""
+    if state is None:
+        return CHECKPOINT_NAME
+    return f"checkpoint-tp{state.tp_size}-cp{state.cp_size}-rank{dist.get_rank()}.pt"
+
+
+def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1) -> History:
+    """Train to `job.train.steps` (continuing from `resume` if given); returns the full history.
+
+    Under torchrun with `tp`/`cp` > 1 every rank trains its shard; rank 0 prints and plots.
+    """
     train = job.train
     device = resolve_device(train.device)
+    if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    state = setup_parallel(tp, cp, device)
+    if train.pack and cp > 1:
+        raise ValueError("--pack with --cp is not supported by the training job yet "
+                         "(the layer supports it: pass global PackedSeqParams with host cu_seqlens)")
+    leader = state is None or dist.get_rank() == 0
+    say = print if leader else (lambda *args, **kwargs: None)
     out_dir = Path(train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
+    if leader:
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
     corpus = load_corpus(train)
     validation_text = corpus.validation
 
-    model = build_model(job, device)
+    model = build_model(job, device, state)
     optimizer = build_optimizer(model, train)
+    checkpoint = out_dir / checkpoint_name(state)
+    if resume is not None and state is not None:
+        resume = resume.parent / checkpoint_name(state)
     start, history = (load_checkpoint(resume, model, optimizer, job) if resume is not None
                       else (0, History()))
-    print(f"HybridLM: {sum(p.numel() for p in model.parameters()):,} parameters, pattern "
-          f"{job.attention.layer_pattern}, window {job.attention.csa_window_size} | device {device}, "
-          f"{train.dtype} | corpus {corpus.train.numel():,} train / {validation_text.numel():,} "
-          f"validation bytes | batch {train.batch_size}x{train.seq_len} "
-          f"({train.retrieval_rows} retrieval rows)" + (f" | resumed at step {start}" if start else ""))
+    layout = "" if state is None else f" | tp {state.tp_size}{' + sp' if job.attention.sequence_parallel else ''}, cp {state.cp_size} ({job.attention.cp_comm_type})"
+    say(f"HybridLM: {sum(p.numel() for p in model.parameters()):,} parameters"
+        f"{' on this rank' if state is not None else ''}, pattern "
+        f"{job.attention.layer_pattern}, window {job.attention.csa_window_size} | device {device}, "
+        f"{train.dtype}{layout} | corpus {corpus.train.numel():,} train / {validation_text.numel():,} "
+        f"validation bytes | batch {train.batch_size}x{train.seq_len} "
+        f"({train.retrieval_rows} retrieval rows{', packed documents' if train.pack else ''})"
+        + (f" | resumed at step {start}" if start else ""))
     if not history.evals:
         history.evals.append(evaluate(model, job, validation_text, device, start))
-        print(format_eval(history.evals[-1]))
+        say(format_eval(history.evals[-1]))
 
     reset_call_counts()
     began = time.perf_counter()
     progress = tqdm(range(start, train.steps), initial=start, total=train.steps, desc="train",
-                    dynamic_ncols=True)
+                    dynamic_ncols=True, disable=not leader)
+    write = tqdm.write if leader else (lambda *args, **kwargs: None)
     for step in progress:
-        stats = train_step(model, optimizer, train_batch(job, corpus.train, step).to(device), step,
-                           train, device)
+        batch, packed = train_batch(job, corpus.train, step)
+        packed = packed if packed is None else dataclasses.replace(
+            packed, cu_seqlens_q=packed.cu_seqlens_q.to(device), cu_seqlens_kv=packed.cu_seqlens_kv.to(device))
+        stats = train_step(model, optimizer, batch.to(device), step, train, device, packed)
         history.steps.append(stats)
         progress.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}")
         if step == start:
-            tqdm.write("backend per op (first step):\n" + format_backends(call_counts()))
+            write("backend per op (first step):\n" + format_backends(call_counts()))
         completed = step + 1
         if completed % train.log_interval == 0 or step == start:
-            tqdm.write(format_step(stats))
+            write(format_step(stats))
         if completed % train.eval_interval == 0 or completed == train.steps:
             history.evals.append(evaluate(model, job, validation_text, device, completed))
-            tqdm.write(format_eval(history.evals[-1]))
+            write(format_eval(history.evals[-1]))
         if completed % train.checkpoint_interval == 0 or completed == train.steps:
-            save_checkpoint(out_dir / CHECKPOINT_NAME, model, optimizer, completed, job, history)
+            save_checkpoint(checkpoint, model, optimizer, completed, job, history)
     progress.close()
 
-    plot_history(history, out_dir / PLOT_NAME)
-    print(f"done: {train.steps} steps ({len(history.steps) - start} this run) in {time.perf_counter() - began:.1f} s | "
-          f"checkpoint {out_dir / CHECKPOINT_NAME} | plot {out_dir / PLOT_NAME}")
+    if state is not None:  # a TP = 1, Megatron-named copy of the weights for interchange
+        full = gather_full_state_dict(model, state)
+        if leader:
+            torch.save(full, out_dir / "model-tp1.pt")
+    if leader:
+        plot_history(history, out_dir / PLOT_NAME)
+    say(f"done: {train.steps} steps ({len(history.steps) - start} this run) in {time.perf_counter() - began:.1f} s | "
+        f"checkpoint {checkpoint} | plot {out_dir / PLOT_NAME}")
     return history
 
 
@@ -449,6 +602,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--dtype", choices=DTYPES, help="fp32, or bf16 autocast (overrides train.dtype)")
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="CHECKPOINT",
                         help=f"continue from CHECKPOINT (default: <out>/{CHECKPOINT_NAME})")
+    parser.add_argument("--pack", action="store_true", default=None,
+                        help="pack each batch's documents into one THD sequence (overrides train.pack)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
+    parser.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), help="context-parallel communication")
     return parser, parser.parse_args(argv)
 
 
@@ -456,14 +615,20 @@ def main(argv: Optional[Sequence[str]] = None) -> History:
     parser, args = parse_args(argv)
     try:  # configuration mistakes become a usage message, not a traceback
         job = JobConfig.from_yaml(args.config, steps=args.steps, out_dir=args.out_dir,
-                                  device=args.device, seed=args.seed, dtype=args.dtype)
+                                  device=args.device, seed=args.seed, dtype=args.dtype, pack=args.pack)
+        parallel = {"sequence_parallel": args.sp or job.attention.sequence_parallel}
+        if args.cp_comm_type:
+            parallel["cp_comm_type"] = args.cp_comm_type
+        job = dataclasses.replace(job, attention=job.attention.replace(**parallel))
+        if job.attention.sequence_parallel and args.tp == 1:
+            raise ValueError("--sp needs --tp > 1 (sequence parallelism splits over the TP group)")
         resolve_device(job.train.device)
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     resume = None
     if args.resume is not None:
         resume = Path(args.resume) if args.resume else Path(job.train.out_dir) / CHECKPOINT_NAME
-    return run(job, resume)
+    return run(job, resume, tp=args.tp, cp=args.cp)
 
 
 if __name__ == "__main__":
