@@ -221,11 +221,7 @@ class HybridAttentionConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "HybridAttentionConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown HybridAttentionConfig field(s): {unknown}")
-        return cls(**values)
+        return construct_strict(cls, values)
 
     def to_yaml(self, path: Union[str, Path]) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
@@ -245,6 +241,14 @@ class HybridAttentionConfig:
 
     def replace(self, **changes: Any) -> "HybridAttentionConfig":
         return dataclasses.replace(self, **changes)
+
+
+def construct_strict(cls: type, values: dict[str, Any]) -> Any:
+    """`cls(**values)` for a dataclass, rejecting unknown keys by name (a YAML typo is an error)."""
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s): {unknown}")
+    return cls(**values)
 
 
 def _require_positive(config: HybridAttentionConfig, *names: str) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron_dsa.config import HybridAttentionConfig
+from megatron_dsa.config import HybridAttentionConfig, construct_strict
 from megatron_dsa.layers.common import RMSNorm, linear, output_init_std
 from megatron_dsa.layers.hybrid_attention import HybridAttention
 from megatron_dsa.packed_seq import PackedSeqParams
@@ -53,11 +53,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig field(s): {unknown}")
-        return cls(**values)
+        return construct_strict(cls, values)
 
 
 class SwiGLUMLP(nn.Module):

@@ -78,3 +78,26 @@ def run_distributed(body: Callable[..., Any], world_size: int, *args: Any, backe
         if crashed:
             report.append(f"ranks {crashed} exited with codes {[procs[r].exitcode for r in crashed]}")
         raise AssertionError("distributed test failed:\n" + "\n".join(report))
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().flatten(), b.detach().double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def assert_bf16_parity(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], tag: str) -> None:
+    """bf16 parallel run vs bf16 single-device run (spec tolerance tier T5).
+
+    Both sides are bf16, so only the order of reductions differs: cosine > 0.999 and a norm ratio
+    within 2e-2. A sharding error (a missing head, a doubled gradient) gives a cosine far below 0.99
+    or a norm off by 2×. Indexer parameters are trained only by the KL loss, whose gradient
+    `pred − target` is a difference of nearly equal bf16-rounded probabilities, so its relative
+    error is amplified: cosine > 0.99 there.
+    """
+    for what, actual, expected in pairs:
+        actual, expected = actual.detach().float(), expected.detach().float()
+        bound = 0.99 if "indexer" in what else 0.999
+        assert torch.isfinite(actual).all(), f"{tag} {what}: not finite"
+        assert cosine(actual, expected) > bound, f"{tag} {what}: cosine {cosine(actual, expected)}"
+        ratio = abs(actual.norm() / expected.norm().clamp_min(1e-30) - 1)
+        assert ratio < 2e-2, f"{tag} {what}: norm ratio off by {ratio:.2e}"
