@@ -20,15 +20,18 @@ from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import initialize_parallel_state
 from megatron_dsa.parallel.context import shard_packed, shard_sequence, unshard_sequence
+from megatron_dsa.parallel.sharding import load_full_state_dict, partition_dims
 
 ATOL = 1e-12
 RAGGED = [5, 27, 100, 3, 29]  # lengths not multiples of the ratio, one shorter than the window
 
 
 def cp_config(kind: str, partition: str, comm: str, **overrides) -> HybridAttentionConfig:
+    # M: GQA with qk_head_dim + P = 48 != v_head_dim = 32, so a ring that shapes its output like K
+    # instead of (query heads, v_head_dim) fails (bug class A6.1).
     values = dict(num_layers=1, layer_pattern=kind, csa_window_size=8, hca_compress_ratio=8,
                   dsa_indexer_topk=3, dsa_indexer_loss_coeff=0.5, cp_partition=partition,
-                  cp_comm_type=comm, o_groups=2, num_query_groups=2)
+                  cp_comm_type=comm, o_groups=2, num_query_groups=2, qk_head_dim=40)
     return HybridAttentionConfig.from_preset("tiny", **{**values, **overrides})
 
 
@@ -68,9 +71,11 @@ def close(actual, expected, what):
     assert err <= ATOL, f"{what}: max abs error {err:.3e}"
 
 
-def cp_parity_body(rank: int, world: int, partition: str, comm: str, packed: bool, kinds: str) -> None:
-    state = initialize_parallel_state(cp_size=world)
-    chunks = 2 * world if partition == "zigzag" else world
+def cp_parity_body(rank: int, world: int, partition: str, comm: str, packed: bool, kinds: str,
+                   tp: int = 1) -> None:
+    state = initialize_parallel_state(tp_size=tp, cp_size=world // tp)
+    cp, cp_rank = state.cp_size, state.cp_rank
+    chunks = 2 * cp if partition == "zigzag" else cp
     for kind in kinds:
         for sparse in ((True, False) if kind == "C" else (True,)):
             config = cp_config(kind, partition, comm, dsa_indexer_use_sparse_loss=sparse)
@@ -78,20 +83,25 @@ def cp_parity_body(rank: int, world: int, partition: str, comm: str, packed: boo
             batch = make_batch(config, chunks, packed)
             ref, x, ref_out = reference(config, kind, batch)
             if packed:
-                mine = lambda t: shard_packed(t, batch.cu_padded, world, rank, partition)  # noqa: E731
+                mine = lambda t: shard_packed(t, batch.cu_padded, cp, cp_rank, partition)  # noqa: E731
             else:
-                mine = lambda t: shard_sequence(t, world, rank, partition)  # noqa: E731
+                mine = lambda t: shard_sequence(t, cp, cp_rank, partition)  # noqa: E731
             layer = HybridAttention(config, kind=kind, parallel_state=state).double()
-            layer.load_state_dict(ref.state_dict())
+            load_full_state_dict(layer, ref.state_dict(), state)
             x_local = mine(batch.hidden).clone().requires_grad_()
             out, _ = layer(x_local, packed_seq_params=batch.packed)
             (out * mine(batch.upstream)).sum().backward()
             tag = f"{kind} sparse={sparse} {partition}/{comm} packed={packed} rank={rank}"
             close(out, mine(ref_out), f"{tag} output")
             close(x_local.grad, mine(x.grad), f"{tag} input grad")
+            dims = partition_dims(layer)
             for name, param in layer.named_parameters():
                 grad = param.grad.clone()
                 dist.all_reduce(grad, group=state.cp_group)
+                if dims[name] is not None and tp > 1:  # TP-split: gather to the TP = 1 layout
+                    parts = [torch.empty_like(grad) for _ in range(tp)]
+                    dist.all_gather(parts, grad, group=state.tp_group)
+                    grad = torch.cat(parts, dim=dims[name])
                 close(grad, dict(ref.named_parameters())[name].grad, f"{tag} grad of {name}")
             if kind == "C":
                 loss = layer.last_indexer_loss.clone()
@@ -124,6 +134,32 @@ def assert_same_selection(layer, ref, mine, packed: bool) -> None:
 ])
 def test_context_parallel_matches_single_process(world, partition, comm, packed):
     run_distributed(cp_parity_body, world, partition, comm, packed, "WCHM", timeout_s=300)
+
+
+def test_tensor_and_context_parallel_grid():
+    """TP 2 × CP 2 (4 ranks): heads split over TP, sequence pieces over CP, ragged packed input."""
+    run_distributed(cp_parity_body, 4, "zigzag", "p2p", True, "WCHM", 2, timeout_s=300)
+
+
+def wrong_section_body(rank: int, world: int) -> None:
+    """A6.3 negative control: a ring that treats the diagonal block as fully visible leaks the
+    future, and the parity check catches it (so the CP tests have power)."""
+    import megatron_dsa.layers.context_parallel as context_parallel
+
+    original = context_parallel.block_relation
+    context_parallel.block_relation = lambda q, k: "full" if original(q, k) == "causal" else original(q, k)
+    try:
+        cp_parity_body(rank, world, "zigzag", "p2p", False, "M")
+    except AssertionError as error:
+        assert "output" in str(error)
+    else:
+        raise AssertionError("the wrong-section ring passed the parity check")
+    finally:
+        context_parallel.block_relation = original
+
+
+def test_wrong_ring_section_is_caught():
+    run_distributed(wrong_section_body, 2)
 
 
 def unshard_body(rank: int, world: int) -> None:
