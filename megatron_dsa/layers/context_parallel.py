@@ -4,8 +4,8 @@ Each CP rank holds pieces (chunks) of every sequence. This module turns the host
 the tensors a rank needs, with differentiable communication so backward sends every gradient home:
 
 * W/C/H: every piece is extended by the `halo` rows that precede it in its sequence (the window and
-  the compressor groups of its first tokens reach back that far). Those rows are gathered from the
-  ranks that own them. Every compressed entry is pooled exactly once, by the rank holding its last
+  the compressor groups of its first tokens reach back that far). Those rows come from the ranks
+  that own them: point to point (`p2p`) or by an all-gather of piece tails (`all_gather`). Every compressed entry is pooled exactly once, by the rank holding its last
   token; the entries (and the indexer keys) are then all-gathered, so each query sees exactly its
   ratio-causal set of global entries.
 * M: the keys and values of the other ranks arrive one ring step at a time (`p2p`, isend/irecv)
@@ -27,7 +27,8 @@ from torch.distributed import ProcessGroup
 from megatron_dsa.ops.dense_attention import attention_block, merge_attention
 from megatron_dsa.ops.indices import INVALID
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
-from megatron_dsa.parallel.context import ContextParallelPlan, Piece, all_gather_rows, ring_shift
+from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, all_gather_rows, exchange_blocks,
+                                           ring_shift)
 
 CP_COMM_TYPES = ("p2p", "all_gather")
 
@@ -49,6 +50,7 @@ class ContextParallelRows:
     group: ProcessGroup
     halo: int
     device: torch.device
+    comm_type: str = "p2p"
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -82,10 +84,25 @@ class ContextParallelRows:
                            halo_lengths=as_tensor(self.halo_lengths))
 
     def extend(self, rows: Tensor) -> Tensor:
-        """Local rows `[N, F]` (pieces in order) → extended rows `[N_ext, F]` (halo rows fetched)."""
+        """Local rows `[N, F]` (pieces in order) → extended rows `[N_ext, F]` (halo rows fetched).
+
+        Every rank offers the last `halo` rows of each of its pieces. `p2p` sends each tail only to
+        the ranks whose halos read it (point to point, several preceding pieces when a piece is
+        shorter than the halo); `all_gather` gathers all tails. Both give the same rank-major layout.
+        """
         tails = torch.cat((rows, rows.new_zeros(1, rows.shape[1]))).index_select(0, self._tail_index)
-        gathered = all_gather_rows(tails, self.group)  # every rank's piece tails, rank-major
+        if self.comm_type == "p2p":
+            blocks = tails.view(len(self.pieces), self.halo, -1)
+            gathered = exchange_blocks(blocks, self.group, self._wanted_tails).flatten(0, 1)
+        else:
+            gathered = all_gather_rows(tails, self.group)
         return torch.cat((rows, gathered)).index_select(0, self._extend_index)
+
+    @cached_property
+    def _wanted_tails(self) -> tuple:
+        """For every rank: the `(owner rank, piece slot)` tails its halos read (host plan)."""
+        return tuple(tuple(sorted({(rank, slot) for rank, slot, _ in _halo_owners(self.plan, dst, self.halo).values()}))
+                     for dst in range(self.plan.cp_size))
 
     @cached_property
     def _tail_index(self) -> Tensor:
@@ -114,16 +131,7 @@ class ContextParallelRows:
 
     @cached_property
     def _piece_owners(self) -> dict[tuple[int, int], tuple[int, int, Piece]]:
-        """(sequence, position) → (rank, piece slot on that rank, piece) for the rows halos need."""
-        needed = {(p.sequence, pos) for h, p in zip(self.halo_lengths, self.pieces)
-                  for pos in range(p.start - h, p.start)}
-        owners = {}
-        for rank, pieces in enumerate(self.plan.all_pieces):
-            for slot, piece in enumerate(pieces):
-                for pos in range(piece.start, piece.start + piece.length):
-                    if (piece.sequence, pos) in needed:
-                        owners[(piece.sequence, pos)] = (rank, slot, piece)
-        return owners
+        return _halo_owners(self.plan, self.rank, self.halo)
 
     def outputs(self, extended: Tensor) -> Tensor:
         """Extended rows → this rank's piece rows (halo rows dropped)."""
@@ -200,6 +208,19 @@ class ContextParallelRows:
     def real_query_count(self) -> int:
         """Real query rows of the whole (global) batch: the divisor of the mean indexer loss."""
         return sum(self.plan.real_lengths)
+
+
+def _halo_owners(plan: ContextParallelPlan, rank: int, halo: int) -> dict[tuple[int, int], tuple[int, int, Piece]]:
+    """(sequence, position) → (owner rank, piece slot there, piece) for every row `rank`'s halos read."""
+    needed = {(p.sequence, pos) for p in plan.pieces(rank)
+              for pos in range(p.start - min(halo, p.start), p.start)}
+    owners = {}
+    for owner, pieces in enumerate(plan.all_pieces):
+        for slot, piece in enumerate(pieces):
+            for pos in range(piece.start, piece.start + piece.length):
+                if (piece.sequence, pos) in needed:
+                    owners[(piece.sequence, pos)] = (owner, slot, piece)
+    return owners
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ContextParallelPlan, rank: int,

@@ -150,7 +150,7 @@ class HybridAttention(HighPrecisionModule):
         plan, rows, to_output = self._context_parallel_rows(full, packed)
         ratio = c.compress_ratio(self.kind)
         halo = 0 if self.kind is LayerKind.MLA else context_halo(c.csa_window_size, ratio)
-        cp = ContextParallelRows(plan, state.cp_rank, state.cp_group, halo, full.device)
+        cp = ContextParallelRows(plan, state.cp_rank, state.cp_group, halo, full.device, c.cp_comm_type)
         extended = cp.extend(rows) if halo else rows
         real = cp.layout.row_valid.unsqueeze(1)
         latent = self._attend(torch.where(real, extended, 0.0), cp.layout, cp)

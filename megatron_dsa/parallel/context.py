@@ -181,5 +181,64 @@ def ring_shift(x: Tensor, group: Optional[ProcessGroup]) -> Tensor:
     return _RingShift.apply(x, group) if group_size(group) > 1 else x
 
 
-def cp_rank_of(group: Optional[ProcessGroup]) -> int:
-    return group_rank(group)
+class _ExchangeBlocks(torch.autograd.Function):
+    """Point-to-point block exchange laid out like an all-gather of equal blocks.
+
+    Forward: block `b` of rank `src` lands at block `src·n + b` of the output on every rank that
+    needs it (`wanted`); blocks nobody needs stay zero. Backward: each received block's gradient goes
+    back to its sender and is added to the sender's block gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, blocks: Tensor, group: ProcessGroup, wanted: tuple) -> Tensor:
+        ctx.group, ctx.wanted = group, wanted
+        return _exchange(blocks, group, wanted, reverse=False)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _exchange(grad, ctx.group, ctx.wanted, reverse=True), None, None
+
+
+def _exchange(x: Tensor, group: ProcessGroup, wanted: tuple, reverse: bool) -> Tensor:
+    """`wanted[dst]` = the `(src, block)` pairs rank `dst` reads. Forward fills an
+    `[size·n, ...]` buffer from `[n, ...]` blocks; reverse sums the buffer gradients back."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = x.shape[0] // size if reverse else x.shape[0]
+    shape = x.shape[1:]
+    out = torch.zeros((n if reverse else size * n, *shape), dtype=x.dtype, device=x.device)
+    ops, pending = [], []
+    for dst, pairs in enumerate(wanted):
+        for src, block in pairs:
+            if reverse:  # gradient of block (src, block) held by dst travels back to src
+                if dst == rank and src == rank:
+                    out[block] += x[src * n + block]
+                elif dst == rank:
+                    ops.append(dist.P2POp(dist.isend, x[src * n + block].contiguous(),
+                                          dist.get_global_rank(group, src), group))
+                elif src == rank:
+                    buffer = torch.empty(shape, dtype=x.dtype, device=x.device)
+                    ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, dst), group))
+                    pending.append((block, buffer))
+            else:
+                if dst == rank and src == rank:
+                    out[src * n + block] = x[block]
+                elif src == rank:
+                    ops.append(dist.P2POp(dist.isend, x[block].contiguous(),
+                                          dist.get_global_rank(group, dst), group))
+                elif dst == rank:
+                    buffer = out[src * n + block]
+                    ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, src), group))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    for block, buffer in pending:
+        out[block] += buffer
+    return out
+
+
+def exchange_blocks(blocks: Tensor, group: Optional[ProcessGroup], wanted: tuple) -> Tensor:
+    """`[n, ...]` blocks per rank → `[cp·n, ...]` where only the blocks in `wanted[this rank]`
+    (pairs `(src rank, block)`) are filled, sent point to point; differentiable."""
+    if group_size(group) == 1:
+        return blocks
+    return _ExchangeBlocks.apply(blocks, group, wanted)
