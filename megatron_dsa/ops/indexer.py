@@ -1,9 +1,67 @@
-"""Lightning-indexer scores (spec §4.2)."""
+"""Lightning-indexer scores (spec §4.2), memory-bounded.
+
+`I(t, c) = Σ_h w[t,h] · scale · ReLU(<q[t,h], k[c]>)` needs the per-head dots `[T, HI, C]` — 64×
+larger than the scores for the DSv4 dims. The autograd Function below computes them one row chunk
+at a time in forward and recomputes them in backward, saving only its inputs.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+CHUNK_ELEMENTS = 1 << 24  # per-head dot elements per chunk (64 MiB in float32)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunks(rows: int, width: int, heads: int, dim: int):
+    step = max(1, CHUNK_ELEMENTS // max(1, width * max(heads, dim)))
+    return (slice(start, start + step) for start in range(0, rows, step))
+
+
+def _gathered_keys(k: Tensor, candidates: Tensor, compute: torch.dtype) -> Tensor:
+    """`[n, C, DI]` keys of the candidates; invalid candidates read an appended zero row."""
+    padded = torch.cat((k, k.new_zeros(1, k.shape[-1])))
+    rows = torch.where(candidates >= 0, candidates, k.shape[0])
+    return padded.index_select(0, rows.flatten()).view(*rows.shape, k.shape[-1]).to(compute)
+
+
+class IndexerScoresFunction(torch.autograd.Function):
+    """`(q [T,HI,DI], k [Tc,DI], weights [T,HI], candidates [T,C], scale) → scores [T,C]`."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float) -> Tensor:
+        compute = _compute_dtype(q.dtype)
+        scores = torch.empty(candidates.shape, dtype=compute, device=q.device)
+        for chunk in _chunks(q.shape[0], candidates.shape[1], q.shape[1], q.shape[2]):
+            keys = _gathered_keys(k, candidates[chunk], compute)
+            dots = torch.relu(torch.einsum("thd,tcd->thc", q[chunk].to(compute), keys))
+            scores[chunk] = torch.einsum("th,thc->tc", weights[chunk].to(compute) * scale, dots)
+        ctx.save_for_backward(q, k, weights, candidates)
+        ctx.scale = scale
+        return scores.masked_fill(candidates < 0, float("-inf"))
+
+    @staticmethod
+    def backward(ctx, grad_scores: Tensor):
+        q, k, weights, candidates = ctx.saved_tensors
+        scale, compute = ctx.scale, _compute_dtype(q.dtype)
+        grad_q = torch.empty_like(q)
+        grad_w = torch.empty_like(weights)
+        grad_k = torch.zeros((k.shape[0] + 1, k.shape[1]), dtype=compute, device=k.device)
+        grad_scores = torch.where(candidates >= 0, grad_scores.to(compute), 0.0)
+        for chunk in _chunks(q.shape[0], candidates.shape[1], q.shape[1], q.shape[2]):
+            keys = _gathered_keys(k, candidates[chunk], compute)
+            q_c, w_c, g = q[chunk].to(compute), weights[chunk].to(compute) * scale, grad_scores[chunk]
+            dots = torch.einsum("thd,tcd->thc", q_c, keys)
+            grad_w[chunk] = (torch.einsum("tc,thc->th", g, torch.relu(dots)) * scale).to(weights.dtype)
+            grad_dots = g.unsqueeze(1) * w_c.unsqueeze(-1) * (dots > 0)
+            grad_q[chunk] = torch.einsum("thc,tcd->thd", grad_dots, keys).to(q.dtype)
+            rows = torch.where(candidates[chunk] >= 0, candidates[chunk], k.shape[0])
+            grad_k.index_add_(0, rows.flatten(), torch.einsum("thc,thd->tcd", grad_dots, q_c).flatten(0, 1))
+        return grad_q, grad_k[:-1].to(k.dtype), grad_w, None, None
 
 
 def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float) -> Tensor:
@@ -19,14 +77,4 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
     if weights.shape != q.shape[:2] or candidates.shape[0] != q.shape[0]:
         raise ValueError(f"indexer weights {tuple(weights.shape)} / candidates {tuple(candidates.shape)} "
                          f"do not match q {tuple(q.shape)}")
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    valid = candidates >= 0
-    # Invalid candidates read an appended zero row: no out-of-range gather, even when `k` is empty.
-    padded = torch.cat((k, k.new_zeros(1, k.shape[-1])))
-    rows = torch.where(valid, candidates, k.shape[0])
-    # index_select's backward is an index_add (fast with the many repeated rows here); advanced
-    # indexing's backward sorts the indices and is orders of magnitude slower on GPUs.
-    keys = padded.index_select(0, rows.flatten()).view(*rows.shape, k.shape[-1]).to(compute)
-    dots = torch.relu(torch.einsum("thd,tcd->thc", q.to(compute), keys))
-    scores = torch.einsum("th,thc->tc", weights.to(compute) * scale, dots)
-    return scores.masked_fill(~valid, float("-inf"))
+    return IndexerScoresFunction.apply(q, k, weights, candidates.long(), float(scale))
