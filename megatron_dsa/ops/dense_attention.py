@@ -71,7 +71,11 @@ def merge_attention(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]
     `out = Σ_i exp(lse_i − lse)·out_i`. Blocks with `lse = −inf` (no visible key) contribute 0, and a
     row with no key at all gives `out = 0`, `lse = −inf` (never NaN)."""
     lses = torch.stack([lse for _, lse in parts])
-    total = torch.logsumexp(lses, dim=0)
+    # logsumexp's backward is exp(x − result): NaN where every block is −inf, so such rows take a
+    # finite stand-in and are set back to −inf outside the graph of the others.
+    empty = torch.isneginf(lses).all(0)
+    total = torch.where(empty, float("-inf"),
+                        torch.logsumexp(torch.where(empty.unsqueeze(0), 0.0, lses), dim=0))
     safe_total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
     weights = torch.where(torch.isfinite(lses), torch.exp(lses - safe_total), torch.zeros_like(lses))
     out = sum(w.unsqueeze(-1) * o for w, (o, _) in zip(weights, parts))
