@@ -10,40 +10,98 @@ from megatron_dsa.ops.layout import TokenLayout
 CHUNK_ELEMENTS = 1 << 24
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _query_chunks(rows: int, heads: int, longest: int):
+    """`(start, stop, first_key)`: chunks of at most `longest` query rows. A row's segment starts at
+    most `longest − 1` rows earlier, so its keys lie in the host-known range `[first_key, stop)`."""
+    step = max(1, min(longest, CHUNK_ELEMENTS // (2 * longest * heads)))
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows), max(0, start - longest + 1)
+
+
+def _chunk_logits(q: Tensor, k: Tensor, segments: Tensor, start: int, stop: int, first_key: int,
+                  scale: float) -> Tensor:
+    """Masked logits `[n, H, m]` of query rows `[start, stop)` over key rows `[first_key, stop)`."""
+    query_rows = torch.arange(start, stop, device=q.device)
+    key_rows = torch.arange(first_key, stop, device=q.device)
+    allowed = (segments[start:stop].unsqueeze(1) == segments[first_key:stop].unsqueeze(0)) & (
+        key_rows <= query_rows.unsqueeze(1))
+    logits = torch.einsum("nhd,mhd->nhm", q[start:stop], k[first_key:stop]) * scale
+    return logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+
+
+class CausalAttentionFunction(torch.autograd.Function):
+    """Chunked causal attention that saves only its inputs and the LSE and recomputes the
+    probabilities per query chunk in backward: memory O(T·H·D) beyond one chunk, never `[T, T]`.
+
+    Every row sees at least itself, so each LSE is finite.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, segments: Tensor, longest: int, scale: float):
+        heads, groups = q.shape[1], k.shape[1]
+        compute = _compute_dtype(q.dtype)
+        q_c = q.to(compute)
+        k_c = k.to(compute).repeat_interleave(heads // groups, dim=1)
+        v_c = v.to(compute).repeat_interleave(heads // groups, dim=1)
+        out = q.new_empty(q.shape[0], heads, v.shape[-1])
+        lse = torch.empty(q.shape[0], heads, dtype=compute, device=q.device)
+        for start, stop, first_key in _query_chunks(q.shape[0], heads, longest):
+            logits = _chunk_logits(q_c, k_c, segments, start, stop, first_key, scale)
+            lse[start:stop] = torch.logsumexp(logits, dim=-1)
+            probs = torch.exp(logits - lse[start:stop].unsqueeze(-1))
+            out[start:stop] = torch.einsum("nhm,mhd->nhd", probs, v_c[first_key:stop]).to(out.dtype)
+        ctx.save_for_backward(q, k, v, segments, lse)
+        ctx.longest, ctx.scale = longest, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, grad_lse: Tensor):
+        q, k, v, segments, lse = ctx.saved_tensors
+        heads, groups = q.shape[1], k.shape[1]
+        compute, scale = _compute_dtype(q.dtype), ctx.scale
+        q_c = q.to(compute)
+        k_c = k.to(compute).repeat_interleave(heads // groups, dim=1)
+        v_c = v.to(compute).repeat_interleave(heads // groups, dim=1)
+        grad_q = torch.empty_like(q)
+        grad_k = torch.zeros_like(k_c)
+        grad_v = torch.zeros_like(v_c)
+        for start, stop, first_key in _query_chunks(q.shape[0], heads, ctx.longest):
+            logits = _chunk_logits(q_c, k_c, segments, start, stop, first_key, scale)
+            probs = torch.exp(logits - lse[start:stop].unsqueeze(-1))
+            d_out = grad_out[start:stop].to(compute)
+            d_probs = torch.einsum("nhd,mhd->nhm", d_out, v_c[first_key:stop])
+            # Σ_m p·dP (= <dO, O> in exact arithmetic) from the recomputed probabilities, so a row
+            # with a single key gets an exactly zero logit gradient.
+            delta = (probs * d_probs).sum(-1, keepdim=True)
+            d_logits = probs * (d_probs - delta + grad_lse[start:stop].to(compute).unsqueeze(-1))
+            grad_q[start:stop] = (torch.einsum("nhm,mhd->nhd", d_logits, k_c[first_key:stop]) * scale).to(q.dtype)
+            grad_k[first_key:stop] += torch.einsum("nhm,nhd->mhd", d_logits, q_c[start:stop]) * scale
+            grad_v[first_key:stop] += torch.einsum("nhm,nhd->mhd", probs, d_out)
+        # GQA: the query heads of one KV group share its K/V, so their gradients add up.
+        per_group = heads // groups
+        grad_k = grad_k.view(k.shape[0], groups, per_group, -1).sum(2).to(k.dtype)
+        grad_v = grad_v.view(v.shape[0], groups, per_group, -1).sum(2).to(v.dtype)
+        return grad_q, grad_k, grad_v, None, None, None
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale: float) -> tuple[Tensor, Tensor]:
     """Causal attention within each segment.
 
     q `[T, H, Dqk]`, k `[T, G, Dqk]`, v `[T, G, Dv]` with `G | H` (GQA: query head `h` reads KV head
     `h // (H/G)`). Returns `out [T, H, Dv]` (q dtype) and `lse [T, H]` (float32/64).
-    Softmax in float32 (float64 for float64 input); computed in query-row chunks.
+    Softmax in float32 (float64 for float64 input); query-row chunks in forward and backward.
     """
     rows, heads, _ = q.shape
     groups = k.shape[1]
     if heads % groups or k.shape[:2] != v.shape[:2] or k.shape[0] != rows or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"causal_attention shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    k = k.to(compute).repeat_interleave(heads // groups, dim=1)
-    v = v.to(compute).repeat_interleave(heads // groups, dim=1)
-    seg = layout.segment_ids
-    # Chunks of at most max_seqlen rows see at most 2·max_seqlen keys.
-    longest = max(layout.max_seqlen, 1)
-    step = max(1, min(longest, CHUNK_ELEMENTS // (2 * longest * heads)))
-    outs, lses = [], []
-    for start in range(0, rows, step):
-        stop = min(start + step, rows)
-        # A row's segment starts at most max_seqlen - 1 rows earlier: a host-known key range.
-        first_key = max(0, start - longest + 1)
-        query_rows = torch.arange(start, stop, device=q.device)
-        key_rows = torch.arange(first_key, stop, device=q.device)
-        allowed = (seg[start:stop].unsqueeze(1) == seg[first_key:stop].unsqueeze(0)) & (
-            key_rows <= query_rows.unsqueeze(1))
-        logits = torch.einsum("nhd,mhd->nhm", q[start:stop].to(compute), k[first_key:stop]) * scale
-        logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        lse = torch.logsumexp(logits, dim=-1)
-        outs.append(torch.einsum("nhm,mhd->nhd", torch.exp(logits - lse.unsqueeze(-1)), v[first_key:stop]))
-        lses.append(lse)
-    return torch.cat(outs).to(q.dtype), torch.cat(lses)
+    return CausalAttentionFunction.apply(q, k, v, layout.segment_ids, max(layout.max_seqlen, 1),
+                                         float(scale))
 
 
 def attention_block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
