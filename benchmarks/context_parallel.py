@@ -1,0 +1,125 @@
+"""Context-parallel scaling of one attention layer: step time and per-rank peak memory vs CP-1.
+
+    python benchmarks/context_parallel.py --cp 2 --seq-len 32768 --kind C --preset dsv4-flash
+
+Runs the single-GPU layer (CP-1) and then CP-N on N GPUs (NCCL, one process per GPU) on the same
+global sequence, and prints a markdown table of median fwd+bwd step times and per-rank peak
+memory, with the CP-N / CP-1 ratios. An out-of-memory run is reported as such. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
+from megatron_dsa.parallel import initialize_parallel_state  # noqa: E402
+from megatron_dsa.parallel.context import shard_sequence  # noqa: E402
+
+
+def measure(layer: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int) -> tuple[float, float]:
+    """Median fwd+bwd milliseconds and peak MiB above the memory held before the steps."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(warmup + repeats):
+        x.grad = None
+        start = time.perf_counter()
+        out, _ = layer(x)
+        out.float().square().mean().backward()
+        torch.cuda.synchronize()
+        if step >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def build(args: argparse.Namespace, state=None) -> torch.nn.Module:
+    config = HybridAttentionConfig.from_preset(args.preset, num_layers=1, layer_pattern=args.kind,
+                                               cp_comm_type=args.comm)
+    torch.manual_seed(0)
+    return HybridAttention(config, kind=args.kind, parallel_state=state).cuda().bfloat16()
+
+
+def run_single(args: argparse.Namespace) -> tuple[float, float]:
+    layer = build(args)
+    x = torch.randn(args.seq_len, 1, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    return measure(layer, x, args.warmup, args.repeats)
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=args.cp)
+    state = initialize_parallel_state(cp_size=args.cp)
+    layer = build(args, state)
+    full = torch.randn(args.seq_len, 1, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    x = shard_sequence(full, args.cp, rank, "zigzag").clone().requires_grad_()
+    del full
+    try:
+        results.put((rank, *measure(layer, x, args.warmup, args.repeats)))
+    except torch.cuda.OutOfMemoryError:
+        results.put((rank, float("nan"), float("nan")))
+    dist.destroy_process_group()
+
+
+def run_parallel(args: argparse.Namespace) -> tuple[float, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=rank_main, args=(rank, args, port, results)) for rank in range(args.cp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    rows = [results.get() for _ in range(args.cp)] if not results.empty() else []
+    if len(rows) != args.cp:
+        return float("nan"), float("nan")
+    return max(r[1] for r in rows), max(r[2] for r in rows)  # the slowest / fullest rank
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, nargs="+", default=[32768])
+    parser.add_argument("--kind", default="C", choices=list("WCHM"))
+    parser.add_argument("--preset", default="dsv4-flash")
+    parser.add_argument("--comm", default="p2p", choices=("p2p", "all_gather"))
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if torch.cuda.device_count() < args.cp:
+        sys.exit(f"needs {args.cp} CUDA GPUs, found {torch.cuda.device_count()}")
+    print(f"kind {args.kind}, preset {args.preset}, bf16, B=1, CP-{args.cp} {args.comm} zigzag; "
+          f"median of {args.repeats} fwd+bwd steps; peak = largest per-rank peak above the inputs")
+    print(f"\n| S | CP-1 ms | CP-{args.cp} ms | time ratio | CP-1 peak MiB | CP-{args.cp} peak MiB | memory ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for seq_len in args.seq_len:
+        args.seq_len = seq_len
+        try:
+            single = run_single(args)
+        except torch.cuda.OutOfMemoryError:
+            single = (float("nan"), float("nan"))
+        torch.cuda.empty_cache()
+        parallel = run_parallel(args)
+        ratio = lambda a, b: f"{a / b:.2f}" if b == b and a == a else "n/a"  # noqa: E731
+        print(f"| {seq_len} | {single[0]:.0f} | {parallel[0]:.0f} | {ratio(parallel[0], single[0])} | "
+              f"{single[1]:.0f} | {parallel[1]:.0f} | {ratio(parallel[1], single[1])} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
