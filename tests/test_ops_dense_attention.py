@@ -129,3 +129,15 @@ def test_causal_attention_function_gradcheck_and_chunking(monkeypatch):
     monkeypatch.setattr(dense, "CHUNK_ELEMENTS", 1)
     chunked = dense.causal_attention(q, k, v, layout, 0.7)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-14) for a, b in zip(whole, chunked))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_block_gradcheck(causal):
+    """The CP ring's block op (same chunked Function): gradcheck through out and lse, GQA."""
+    from megatron_dsa.ops.dense_attention import attention_block
+
+    torch.manual_seed(1)
+    q = torch.randn(4, 4, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(4 if causal else 6, 2, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(k.shape[0], 2, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: attention_block(q, k, v, 0.6, causal), (q, k, v))

@@ -28,7 +28,7 @@ from megatron_dsa.ops.dense_attention import attention_block, merge_attention
 from megatron_dsa.ops.indices import INVALID
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, all_gather_rows, exchange_blocks,
-                                           ring_shift)
+                                           finish_ring_shift, start_ring_shift)
 
 CP_COMM_TYPES = ("p2p", "all_gather")
 
@@ -261,14 +261,16 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ContextParallelPlan, r
 
 def _ring_blocks(k: Tensor, v: Tensor, rank: int, cp: int, group: ProcessGroup, tail: list[Tensor]):
     """Yield `(source rank, k, v)`: first the own block, then each ring step's arrival; the last
-    arrival is appended to `tail`."""
+    arrival is appended to `tail`. The next step's transfer is posted before the current block is
+    handed out, so communication overlaps the attention of the block (forward)."""
     kv = torch.cat((k.flatten(1), v.flatten(1)), dim=1)
     split = k[0].numel()
     for step in range(cp):
-        if step:
-            kv = ring_shift(kv, group)
+        in_flight = start_ring_shift(kv, group) if step + 1 < cp else None
         source = (rank - step) % cp
         yield source, kv[:, :split].reshape(k.shape), kv[:, split:].reshape(v.shape)
+        if in_flight is not None:
+            kv = finish_ring_shift(*in_flight)
     tail.append(kv)
 
 
