@@ -145,12 +145,12 @@ class CompressedSparseAttention(HighPrecisionModule):
             if cp is None:
                 compressed_layout = layout.compressed(self.ratio)
                 candidates = visible_compressed_indices(compressed_layout)
-                visible = offset_valid(candidates, layout.num_rows)
             else:
                 compressed_layout = cp.compressed_layout(self.ratio)
-                candidates = cp.candidate_entries(self.ratio)
-                visible = cp.visible_entries(self.ratio, offset=layout.num_rows)
+                candidates = cp.visible_entries(self.ratio)
                 gather = lambda rows: cp.gather_entries(rows, self.ratio)  # noqa: E731
+            # Compressed rows follow the token rows in kv_full.
+            visible = offset_valid(candidates, layout.num_rows)
             kv_full = torch.cat((kv, gather(self.compressor(x, compressed_layout, inv_freq))))
         # The shared KV rows feed this rank's heads only: their gradient is summed over TP.
         kv_full = copy_to_tensor_parallel_region(kv_full, self.tp_group)

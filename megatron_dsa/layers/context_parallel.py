@@ -190,19 +190,15 @@ class ContextParallelRows:
                 table[piece.sequence, first:stop] = rows
         return table.to(self.device)
 
-    def visible_entries(self, ratio: int, offset: int) -> Tensor:
-        """`[N_ext, C_max]` kv rows (`offset` + gathered row) of the entries each extended row may
-        see: `j < floor((pos+1)/r)` of its own sequence; −1 elsewhere."""
+    def visible_entries(self, ratio: int) -> Tensor:
+        """`[N_ext, C_max]` rows of the gathered entry buffer that each extended row may see:
+        `j < floor((pos+1)/r)` of its own sequence; −1 elsewhere (column `j` is entry `j`)."""
         table = self.entry_table(ratio)
         sequences = torch.tensor([p.sequence for p in self.pieces], device=self.device)
         rows = table[sequences[self.layout.segment_ids]]
         visible = torch.arange(table.shape[1], device=self.device) < torch.div(
             self.layout.positions + 1, ratio, rounding_mode="floor").unsqueeze(1)
-        return torch.where(visible & (rows >= 0), rows + offset, INVALID)
-
-    def candidate_entries(self, ratio: int) -> Tensor:
-        """Like `visible_entries` but as rows of the gathered buffer itself (indexer candidates)."""
-        return self.visible_entries(ratio, offset=0)
+        return torch.where(visible & (rows >= 0), rows, INVALID)
 
     @cached_property
     def real_query_count(self) -> int:

@@ -44,6 +44,12 @@ def resolve_kind(config: HybridAttentionConfig, layer_number: Optional[int],
     return kind
 
 
+def _check_packed_shape(hidden_states: Tensor) -> None:
+    if hidden_states.shape[1] != 1:
+        raise ValueError(f"packed (THD) hidden_states must be [T, 1, hidden], got "
+                         f"{tuple(hidden_states.shape)}")
+
+
 class HybridAttention(HighPrecisionModule):
     """One attention layer of kind W, C, H or M.
 
@@ -165,8 +171,7 @@ class HybridAttention(HighPrecisionModule):
             plan = ContextParallelPlan.build([local * state.cp_size] * batch, state.cp_size, c.cp_partition)
             rows = full.transpose(0, 1).reshape(batch * local, -1)
             return plan, rows, lambda out: out.view(batch, local, -1).transpose(0, 1)
-        if full.shape[1] != 1:
-            raise ValueError(f"packed (THD) hidden_states must be [T, 1, hidden], got {tuple(full.shape)}")
+        _check_packed_shape(full)
         cu = packed.cu_seqlens_q
         if cu.device.type != "cpu":
             raise ValueError("context parallelism with packed input needs packed_seq_params.cu_seqlens_q "
@@ -181,9 +186,7 @@ class HybridAttention(HighPrecisionModule):
         return plan, full[:, 0], lambda out: out.unsqueeze(1)
 
     def _packed_layout(self, hidden_states: Tensor, params: PackedSeqParams) -> TokenLayout:
-        if hidden_states.shape[1] != 1:
-            raise ValueError(f"packed (THD) hidden_states must be [T, 1, hidden], got "
-                             f"{tuple(hidden_states.shape)}")
+        _check_packed_shape(hidden_states)
         validate_packed_seq_params(params, hidden_states.shape[0])
         return TokenLayout.packed(params.cu_seqlens_q, hidden_states.shape[0], hidden_states.device,
                                   params.cu_seqlens_q_padded, params.max_seqlen_q)
