@@ -8,7 +8,6 @@ The pooling weights are an independent softmax per channel over the slots.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import Tensor

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megatron_dsa.parallel.state import group_rank, group_size
+from megatron_dsa.parallel.state import group_size
 
 
 def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
