@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -14,46 +16,66 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _query_chunks(rows: int, heads: int, longest: int):
-    """`(start, stop, first_key)`: chunks of at most `longest` query rows. A row's segment starts at
-    most `longest − 1` rows earlier, so its keys lie in the host-known range `[first_key, stop)`."""
-    step = max(1, min(longest, CHUNK_ELEMENTS // (2 * longest * heads)))
+def _chunk_budget(device: torch.device) -> int:
+    """Logit elements per chunk: larger on GPUs, where tiny chunks would be launch-bound."""
+    return CHUNK_ELEMENTS * (16 if device.type == "cuda" else 1)
+
+
+def _query_chunks(rows: int, keys: int, heads: int, longest: int, causal: bool, budget: int):
+    """`(start, stop, first_key, stop_key)` per chunk of query rows.
+
+    Causal (segments): a chunk holds at most `longest` rows; a row's segment starts at most
+    `longest − 1` rows earlier, so its keys lie in the host-known range `[start − longest + 1, stop)`.
+    Not causal: every chunk sees all `keys` key rows.
+    """
+    span = 2 * longest if causal else keys
+    step = max(1, budget // max(1, span * heads))
+    if causal:
+        step = min(step, longest)
     for start in range(0, rows, step):
-        yield start, min(start + step, rows), max(0, start - longest + 1)
+        stop = min(start + step, rows)
+        yield (start, stop, max(0, start - longest + 1), stop) if causal else (start, stop, 0, keys)
 
 
-def _chunk_logits(q: Tensor, k: Tensor, segments: Tensor, start: int, stop: int, first_key: int,
-                  scale: float) -> Tensor:
-    """Masked logits `[n, H, m]` of query rows `[start, stop)` over key rows `[first_key, stop)`."""
+def _chunk_logits(q: Tensor, k: Tensor, segments: Optional[Tensor], bounds: tuple, scale: float) -> Tensor:
+    """Logits `[n, H, m]` of query rows `[start, stop)` over key rows `[first_key, stop_key)`,
+    masked to the same segment and to keys at or before the query when `segments` is given."""
+    start, stop, first_key, stop_key = bounds
+    logits = torch.einsum("nhd,mhd->nhm", q[start:stop], k[first_key:stop_key]) * scale
+    if segments is None:
+        return logits
     query_rows = torch.arange(start, stop, device=q.device)
-    key_rows = torch.arange(first_key, stop, device=q.device)
-    allowed = (segments[start:stop].unsqueeze(1) == segments[first_key:stop].unsqueeze(0)) & (
+    key_rows = torch.arange(first_key, stop_key, device=q.device)
+    allowed = (segments[start:stop].unsqueeze(1) == segments[first_key:stop_key].unsqueeze(0)) & (
         key_rows <= query_rows.unsqueeze(1))
-    logits = torch.einsum("nhd,mhd->nhm", q[start:stop], k[first_key:stop]) * scale
     return logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
 
 
-class CausalAttentionFunction(torch.autograd.Function):
-    """Chunked causal attention that saves only its inputs and the LSE and recomputes the
-    probabilities per query chunk in backward: memory O(T·H·D) beyond one chunk, never `[T, T]`.
+class ChunkedAttentionFunction(torch.autograd.Function):
+    """Attention in query-row chunks that saves only its inputs and the LSE and recomputes the
+    probabilities per chunk in backward: memory O(rows·H·D) beyond one chunk, never `[rows, keys]`.
 
-    Every row sees at least itself, so each LSE is finite.
+    `segments` given: causal attention within segments (q and k share rows; every row sees at least
+    itself). `segments=None`: every key is visible (a past block of the context-parallel ring).
+    Returns `out [n, H, Dv]` and `lse [n, H]` in the compute dtype (float32, float64 for float64).
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, segments: Tensor, longest: int, scale: float):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tensor], longest: int, scale: float):
         heads, groups = q.shape[1], k.shape[1]
         compute = _compute_dtype(q.dtype)
         q_c = q.to(compute)
         k_c = k.to(compute).repeat_interleave(heads // groups, dim=1)
         v_c = v.to(compute).repeat_interleave(heads // groups, dim=1)
-        out = q.new_empty(q.shape[0], heads, v.shape[-1])
+        out = torch.empty(q.shape[0], heads, v.shape[-1], dtype=compute, device=q.device)
         lse = torch.empty(q.shape[0], heads, dtype=compute, device=q.device)
-        for start, stop, first_key in _query_chunks(q.shape[0], heads, longest):
-            logits = _chunk_logits(q_c, k_c, segments, start, stop, first_key, scale)
+        for bounds in _query_chunks(q.shape[0], k.shape[0], heads, longest, segments is not None,
+                                    _chunk_budget(q.device)):
+            start, stop, first_key, stop_key = bounds
+            logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
             lse[start:stop] = torch.logsumexp(logits, dim=-1)
             probs = torch.exp(logits - lse[start:stop].unsqueeze(-1))
-            out[start:stop] = torch.einsum("nhm,mhd->nhd", probs, v_c[first_key:stop]).to(out.dtype)
+            out[start:stop] = torch.einsum("nhm,mhd->nhd", probs, v_c[first_key:stop_key])
         ctx.save_for_backward(q, k, v, segments, lse)
         ctx.longest, ctx.scale = longest, scale
         return out, lse
@@ -69,23 +91,31 @@ class CausalAttentionFunction(torch.autograd.Function):
         grad_q = torch.empty_like(q)
         grad_k = torch.zeros_like(k_c)
         grad_v = torch.zeros_like(v_c)
-        for start, stop, first_key in _query_chunks(q.shape[0], heads, ctx.longest):
-            logits = _chunk_logits(q_c, k_c, segments, start, stop, first_key, scale)
+        for bounds in _query_chunks(q.shape[0], k.shape[0], heads, ctx.longest, segments is not None,
+                                    _chunk_budget(q.device)):
+            start, stop, first_key, stop_key = bounds
+            logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
             probs = torch.exp(logits - lse[start:stop].unsqueeze(-1))
             d_out = grad_out[start:stop].to(compute)
-            d_probs = torch.einsum("nhd,mhd->nhm", d_out, v_c[first_key:stop])
+            d_probs = torch.einsum("nhd,mhd->nhm", d_out, v_c[first_key:stop_key])
             # Σ_m p·dP (= <dO, O> in exact arithmetic) from the recomputed probabilities, so a row
             # with a single key gets an exactly zero logit gradient.
             delta = (probs * d_probs).sum(-1, keepdim=True)
             d_logits = probs * (d_probs - delta + grad_lse[start:stop].to(compute).unsqueeze(-1))
-            grad_q[start:stop] = (torch.einsum("nhm,mhd->nhd", d_logits, k_c[first_key:stop]) * scale).to(q.dtype)
-            grad_k[first_key:stop] += torch.einsum("nhm,nhd->mhd", d_logits, q_c[start:stop]) * scale
-            grad_v[first_key:stop] += torch.einsum("nhm,nhd->mhd", probs, d_out)
+            grad_q[start:stop] = (torch.einsum("nhm,mhd->nhd", d_logits, k_c[first_key:stop_key]) * scale).to(q.dtype)
+            grad_k[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", d_logits, q_c[start:stop]) * scale
+            grad_v[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", probs, d_out)
         # GQA: the query heads of one KV group share its K/V, so their gradients add up.
         per_group = heads // groups
-        grad_k = grad_k.view(k.shape[0], groups, per_group, -1).sum(2).to(k.dtype)
-        grad_v = grad_v.view(v.shape[0], groups, per_group, -1).sum(2).to(v.dtype)
+        grad_k = grad_k.view(k.shape[0], groups, per_group, k.shape[-1]).sum(2).to(k.dtype)
+        grad_v = grad_v.view(v.shape[0], groups, per_group, v.shape[-1]).sum(2).to(v.dtype)
         return grad_q, grad_k, grad_v, None, None, None
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.shape[1] % k.shape[1] or k.shape[:2] != v.shape[:2] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"attention shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale: float) -> tuple[Tensor, Tensor]:
@@ -95,13 +125,12 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale
     `h // (H/G)`). Returns `out [T, H, Dv]` (q dtype) and `lse [T, H]` (float32/64).
     Softmax in float32 (float64 for float64 input); query-row chunks in forward and backward.
     """
-    rows, heads, _ = q.shape
-    groups = k.shape[1]
-    if heads % groups or k.shape[:2] != v.shape[:2] or k.shape[0] != rows or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"causal_attention shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
-    return CausalAttentionFunction.apply(q, k, v, layout.segment_ids, max(layout.max_seqlen, 1),
-                                         float(scale))
+    _check_shapes(q, k, v)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"causal_attention needs one key row per query row, got {q.shape[0]} and {k.shape[0]}")
+    out, lse = ChunkedAttentionFunction.apply(q, k, v, layout.segment_ids, max(layout.max_seqlen, 1),
+                                              float(scale))
+    return out.to(q.dtype), lse
 
 
 def attention_block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
@@ -109,19 +138,15 @@ def attention_block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool)
 
     `causal=True` is the diagonal block (query `i` sees keys `≤ i`, `n == m`); otherwise every key is
     visible. Returns `out [n, H, Dv]` and natural-log `lse [n, H]` in the compute dtype (float32, or
-    float64 for float64 input), for `merge_attention`.
+    float64 for float64 input), for `merge_attention`. Memory-bounded like `causal_attention`.
     """
-    heads, groups = q.shape[1], k.shape[1]
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    k = k.to(compute).repeat_interleave(heads // groups, dim=1)
-    v = v.to(compute).repeat_interleave(heads // groups, dim=1)
-    logits = torch.einsum("nhd,mhd->nhm", q.to(compute), k) * scale
-    if causal:
-        future = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).triu(1)
-        logits = logits.masked_fill(future.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.einsum("nhm,mhd->nhd", torch.exp(logits - safe.unsqueeze(-1)), v), lse
+    _check_shapes(q, k, v)
+    if not causal:
+        return ChunkedAttentionFunction.apply(q, k, v, None, 1, float(scale))
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"a causal (diagonal) block needs n == m, got {q.shape[0]} and {k.shape[0]}")
+    one_segment = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+    return ChunkedAttentionFunction.apply(q, k, v, one_segment, max(q.shape[0], 1), float(scale))
 
 
 def merge_attention(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
