@@ -30,8 +30,11 @@ def _import_problem() -> Optional[str]:
     return None
 
 
-def triton_decline_reason(device: Optional[torch.device]) -> Optional[str]:
-    """None when Triton kernels can run on `device`, else why not (for the dispatcher's log)."""
+def triton_decline_reason(device: Optional[torch.device], explicit: bool = False) -> Optional[str]:
+    """None when Triton kernels can run on `device`, else why not (for the dispatcher's log).
+
+    The CPU interpreter is for tests: it serves only calls that asked for `triton` by name
+    (`explicit`), so `auto` on a CPU never picks it."""
     problem = _import_problem()
     if problem is not None:
         return problem
@@ -41,5 +44,5 @@ def triton_decline_reason(device: Optional[torch.device]) -> Optional[str]:
     if device.type == "cuda":
         return None
     if device.type == "cpu" and interpreting():
-        return None
+        return None if explicit else "CPU interpreter runs only when 'triton' is requested by name"
     return f"tensors on {device.type}, Triton needs CUDA (or TRITON_INTERPRET=1 on CPU)"
