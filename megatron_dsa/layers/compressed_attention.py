@@ -18,13 +18,16 @@ from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indexer_loss import reduce_indexer_loss, teacher_target
-from megatron_dsa.ops.indices import gather_valid, offset_valid, visible_compressed_indices, window_indices
+from megatron_dsa.ops.indices import VisibleEntries, offset_valid, visible_compressed_entries, window_indices
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.sparse_attention import full_normaliser
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region
 from megatron_dsa.parallel.sharding import mark_tensor_parallel
 from megatron_dsa.parallel.state import group_size
+
+# Indexer scores held at once while selecting the top-k (256 MiB of float32).
+SELECTION_CHUNK_ELEMENTS = 1 << 26
 
 if TYPE_CHECKING:
     from megatron_dsa.layers.context_parallel import ContextParallelRows
@@ -64,20 +67,40 @@ class LightningIndexer(nn.Module):
         self.linear_weights_proj = linear(c.hidden_size, self.heads, c.init_method_std)
         self.compressor = Compressor(c, self.head_dim, c.compress_ratio(LayerKind.CSA), rotate=True)
 
-    def forward(self, x: Tensor, qr: Tensor, layout: CompressedLayout, inv_freq: Tensor,
-                candidates: Tensor, gather_keys: Callable[[Tensor], Tensor] = lambda k: k) -> Tensor:
-        """Scores `[T, C]` (float32/64, −inf at invalid) of `candidates [T, C]` (rows of the keys).
+    def features(self, x: Tensor, qr: Tensor, layout: CompressedLayout, inv_freq: Tensor,
+                 gather_keys: Callable[[Tensor], Tensor] = lambda k: k) -> tuple[Tensor, Tensor, Tensor]:
+        """Indexer queries `[T, HI, DI]`, keys `[Tc, DI]` and head weights `[T, HI]` (inputs detached).
 
-        `gather_keys` maps the locally pooled keys to the rows `candidates` index (context
+        `gather_keys` maps the locally pooled keys to the buffer the candidates index (context
         parallelism all-gathers them; identity otherwise)."""
-        backend = self.config.attention_backend
-        rope = dispatch(OpFamily.ROPE, backend, device=x.device, dtype=x.dtype)
+        rope = dispatch(OpFamily.ROPE, self.config.attention_backend, device=x.device, dtype=x.dtype)
         q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
         q = hadamard_transform(rope(q, layout.tokens.positions, inv_freq))
         k = gather_keys(self.compressor(x, layout, inv_freq))
         weights = self.linear_weights_proj(x) * self.heads ** -0.5
-        op = dispatch(OpFamily.INDEXER_SCORES, backend, device=x.device, dtype=x.dtype)
+        return q, k, weights
+
+    def scores(self, features: tuple[Tensor, Tensor, Tensor], candidates: Tensor) -> Tensor:
+        """Scores `[n, C]` (float32/64, −inf at invalid) of `candidates [n, C]` (rows of the keys) for
+        the query rows the features hold."""
+        q, k, weights = features
+        op = dispatch(OpFamily.INDEXER_SCORES, self.config.attention_backend, device=q.device, dtype=q.dtype)
         return op(q, k, weights, candidates, self.head_dim ** -0.5)
+
+    def select(self, features: tuple[Tensor, Tensor, Tensor], entries: VisibleEntries, topk: int) -> Tensor:
+        """`[T, min(topk, C)]` entry numbers of each row's top-k visible entries (−1 = none).
+
+        Scored in row chunks without autograd, so the `[T, C]` scores never exist at once."""
+        q, k, weights = features
+        pick = dispatch(OpFamily.TOPK, self.config.attention_backend, device=q.device)
+        chunks = []
+        with torch.no_grad():
+            for rows in entries.row_chunks(SELECTION_CHUNK_ELEMENTS):
+                candidates = entries.rows(rows)
+                chunks.append(pick(self.scores((q[rows], k, weights[rows]), candidates), candidates >= 0, topk))
+        if not chunks:
+            return torch.empty(0, min(topk, entries.width), dtype=torch.long, device=q.device)
+        return torch.cat(chunks)
 
 
 class IndexerLossAutoScaler(torch.autograd.Function):
@@ -139,33 +162,31 @@ class CompressedSparseAttention(HighPrecisionModule):
         With `cp` (context parallelism) the rows are this rank's halo-extended pieces and the
         compressed entries of the whole sequence come from every rank."""
         c = self.config
-        kv_full, compressed_layout, visible, candidates = kv, None, None, None
+        kv_full, compressed_layout, entries = kv, None, None
         gather = lambda rows: rows  # noqa: E731
         if self.compressor is not None:
             if cp is None:
                 compressed_layout = layout.compressed(self.ratio)
-                candidates = visible_compressed_indices(compressed_layout)
+                entries = visible_compressed_entries(compressed_layout)
             else:
                 compressed_layout = cp.compressed_layout(self.ratio)
-                candidates = cp.visible_entries(self.ratio)
+                entries = cp.visible_entries(self.ratio)
                 gather = lambda rows: cp.gather_entries(rows, self.ratio)  # noqa: E731
             # Compressed rows follow the token rows in kv_full.
-            visible = offset_valid(candidates, layout.num_rows)
             kv_full = torch.cat((kv, gather(self.compressor(x, compressed_layout, inv_freq))))
         # The shared KV rows feed this rank's heads only: their gradient is summed over TP.
         kv_full = copy_to_tensor_parallel_region(kv_full, self.tp_group)
         window = window_indices(layout, c.csa_window_size)
 
-        scores = columns = None
+        features = None
         if self.indexer is None:
-            selection = IndexSelection(window, visible)
+            selection = IndexSelection(window, None if entries is None else
+                                       offset_valid(entries.rows(), layout.num_rows))
         else:
-            scores = self.indexer(x.detach(), qr.detach(), compressed_layout, inv_freq, candidates,
-                                  gather)
-            topk = dispatch(OpFamily.TOPK, c.attention_backend, device=x.device)
-            columns = topk(scores, candidates >= 0, c.dsa_indexer_topk)
-            # Candidate column j is entry j of the query's sequence, in every layout (CP included).
-            selection = IndexSelection(window, gather_valid(visible, columns), columns)
+            features = self.indexer.features(x.detach(), qr.detach(), compressed_layout, inv_freq, gather)
+            columns = self.indexer.select(features, entries, c.dsa_indexer_topk)
+            # Column j is entry j of the query's sequence, in every layout (CP included).
+            selection = IndexSelection(window, offset_valid(entries.pick(columns), layout.num_rows), columns)
         self.last_selection = selection if cp is None else selection.rows(cp.outputs)
 
         attend = dispatch(OpFamily.SPARSE_ATTENTION, c.attention_backend, device=query.device,
@@ -173,31 +194,37 @@ class CompressedSparseAttention(HighPrecisionModule):
         out, lse = attend(query, kv_full, selection.all(), self.attn_sink, c.softmax_scale)
 
         self.last_indexer_loss = None
-        if scores is not None and self.training and torch.is_grad_enabled():
-            loss = self._indexer_loss(query, kv_full, layout, selection, visible, scores, columns, lse,
+        if features is not None and self.training and torch.is_grad_enabled():
+            loss = self._indexer_loss(query, kv_full, layout, selection, entries, features, lse,
                                       None if cp is None else cp.real_query_count)
             self.last_indexer_loss = loss.detach()
             out = IndexerLossAutoScaler.apply(out, loss, c.indexer_loss_backward_scale)
         return out
 
     def _indexer_loss(self, query: Tensor, kv_full: Tensor, layout: TokenLayout,
-                      selection: IndexSelection, visible: Tensor, scores: Tensor, columns: Tensor,
-                      lse: Tensor, global_rows: Optional[int]) -> Tensor:
+                      selection: IndexSelection, entries: VisibleEntries,
+                      features: tuple[Tensor, Tensor, Tensor], lse: Tensor,
+                      global_rows: Optional[int]) -> Tensor:
         """Coefficient-scaled KL between the indexer and the main attention (spec §4.4).
 
-        Under context parallelism (`global_rows` given) the mean divides this rank's KL sum by the
-        real query rows of the whole batch, so the losses of the CP ranks add up to the global mean."""
+        The sparse loss scores only the selected entries (`[T, K]`); the dense loss scores every
+        visible entry (`[T, C]`, as its definition needs). Under context parallelism (`global_rows`
+        given) the mean divides this rank's KL sum by the real query rows of the whole batch, so the
+        losses of the CP ranks add up to the global mean."""
         c = self.config
         query, kv_full = query.detach(), kv_full.detach()
         sink = self.attn_sink.detach()
         if c.dsa_indexer_use_sparse_loss:
-            candidates, valid = selection.compressed, columns >= 0
-            student = torch.gather(scores, 1, columns.clamp_min(0))
+            entry_rows = entries.pick(selection.entries)
+            candidates = selection.compressed
             full_lse = torch.logaddexp(lse.detach(), sink.to(lse.dtype))  # = the layer's real normaliser
         else:
-            candidates, valid, student = visible, visible >= 0, scores
-            full_lse = full_normaliser(query, kv_full, torch.cat((selection.window, visible), 1), sink,
+            entry_rows = entries.rows()
+            candidates = offset_valid(entry_rows, layout.num_rows)
+            full_lse = full_normaliser(query, kv_full, torch.cat((selection.window, candidates), 1), sink,
                                        c.softmax_scale)
+        student = self.indexer.scores(features, entry_rows)
+        valid = candidates >= 0
         target = teacher_target(query, kv_full, candidates, full_lse, c.softmax_scale, self.tp_group)
         kl = dispatch(OpFamily.INDEXER_LOSS, c.attention_backend, device=query.device)
         per_row = kl(student, target.to(student.dtype), valid)

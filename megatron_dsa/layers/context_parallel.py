@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_dsa.ops.dense_attention import attention_block, merge_attention
-from megatron_dsa.ops.indices import INVALID
+from megatron_dsa.ops.indices import INVALID, VisibleEntries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, all_gather_rows, exchange_blocks,
                                            finish_ring_shift, start_ring_shift)
@@ -190,15 +190,12 @@ class ContextParallelRows:
                 table[piece.sequence, first:stop] = rows
         return table.to(self.device)
 
-    def visible_entries(self, ratio: int) -> Tensor:
-        """`[N_ext, C_max]` rows of the gathered entry buffer that each extended row may see:
-        `j < floor((pos+1)/r)` of its own sequence; −1 elsewhere (column `j` is entry `j`)."""
-        table = self.entry_table(ratio)
+    def visible_entries(self, ratio: int) -> VisibleEntries:
+        """Entries of the gathered buffer each extended row may see: column `j` is entry `j` of the
+        row's sequence, visible when `j < floor((pos+1)/r)`."""
         sequences = torch.tensor([p.sequence for p in self.pieces], device=self.device)
-        rows = table[sequences[self.layout.segment_ids]]
-        visible = torch.arange(table.shape[1], device=self.device) < torch.div(
-            self.layout.positions + 1, ratio, rounding_mode="floor").unsqueeze(1)
-        return torch.where(visible & (rows >= 0), rows, INVALID)
+        count = torch.div(self.layout.positions + 1, ratio, rounding_mode="floor")
+        return VisibleEntries(self.entry_table(ratio), sequences[self.layout.segment_ids], count)
 
     @cached_property
     def real_query_count(self) -> int:

@@ -6,6 +6,9 @@ window entry is a token row id and compressed entry `c` is row `T + c`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Iterator
+
 import torch
 from torch import Tensor
 
@@ -22,16 +25,59 @@ def window_indices(layout: TokenLayout, window: int) -> Tensor:
     return torch.where(rows <= t.unsqueeze(1), rows, INVALID)
 
 
-def visible_compressed_indices(layout: CompressedLayout) -> Tensor:
-    """`[T, max_entries]` compressed row ids visible to each token, −1 padded.
+@dataclass(frozen=True, eq=False)
+class VisibleEntries:
+    """The compressed entries each query row may see, without a `[T, C]` matrix.
 
-    Token `t` sees entries `j < floor((pos_t+1)/r)` of its own segment, i.e. those whose last token
-    `(j+1)·r − 1 ≤ pos_t` (ratio-causal).
+    Column `j` of row `t` is entry `j` of row `t`'s sequence, kept at row `table[group[t], j]` of the
+    compressed buffer; it is visible when `j < count[t]` (ratio-causal, spec §3.3). The `[T, C]` id
+    matrix is `O(S²/r)` (16 GiB of int64 at 64k rows × 32k entries), so it is only ever built in
+    row chunks (`rows`).
+
+    table: `[G, C]` buffer rows of each group's entries (−1 past its entries).
+    group: `[T]` group (sequence) of each query row.  count: `[T]` visible entries of each row.
     """
+
+    table: Tensor
+    group: Tensor
+    count: Tensor
+
+    @property
+    def width(self) -> int:
+        """`C`, the column count (the most entries any group has)."""
+        return self.table.shape[1]
+
+    def rows(self, chunk: slice = slice(None)) -> Tensor:
+        """`[n, C]` buffer rows visible to the query rows `chunk`, −1 elsewhere."""
+        ids = self.table[self.group[chunk]]
+        visible = torch.arange(self.width, device=ids.device) < self.count[chunk].unsqueeze(1)
+        return torch.where(visible & (ids >= 0), ids, INVALID)
+
+    def pick(self, columns: Tensor) -> Tensor:
+        """Buffer rows of the chosen `columns [T, K]` (entry numbers, −1 = none), −1 kept."""
+        if self.width == 0:
+            return torch.full_like(columns, INVALID)
+        ids = self.table[self.group.unsqueeze(1), columns.clamp_min(0)]
+        return torch.where(columns >= 0, ids, INVALID)
+
+    def row_chunks(self, elements: int) -> Iterator[slice]:
+        """Query-row chunks holding about `elements` (row, column) pairs each."""
+        step = max(1, elements // max(1, self.width))
+        return (slice(start, start + step) for start in range(0, self.group.shape[0], step))
+
+
+def visible_compressed_entries(layout: CompressedLayout) -> VisibleEntries:
+    """Visible entries of a single-device layout: segment `b`'s entry `j` is compressed row
+    `cu_compressed[b] + j`; token `t` sees `j < floor((pos_t+1)/r)` (its last token `(j+1)·r − 1 ≤ pos_t`)."""
     j = torch.arange(layout.max_entries, device=layout.tokens.device)
-    visible = j < layout.visible_counts().unsqueeze(1)
-    first = layout.cu_compressed[layout.tokens.segment_ids].unsqueeze(1)
-    return torch.where(visible, first + j, INVALID)
+    entries = layout.cu_compressed[1:] - layout.cu_compressed[:-1]
+    table = torch.where(j < entries.unsqueeze(1), layout.cu_compressed[:-1].unsqueeze(1) + j, INVALID)
+    return VisibleEntries(table, layout.tokens.segment_ids, layout.visible_counts())
+
+
+def visible_compressed_indices(layout: CompressedLayout) -> Tensor:
+    """`[T, max_entries]` compressed row ids visible to each token, −1 padded (see `VisibleEntries`)."""
+    return visible_compressed_entries(layout).rows()
 
 
 def topk_columns(scores: Tensor, valid: Tensor, k: int) -> Tensor:
