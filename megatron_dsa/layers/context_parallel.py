@@ -24,11 +24,12 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megatron_dsa.ops.dense_attention import attention_block, merge_attention
+from megatron_dsa.ops.dense_attention import (attention_backward, attention_block, attention_forward, block_mask,
+                                              merge_attention)
 from megatron_dsa.ops.indices import INVALID, VisibleEntries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, all_gather_rows, exchange_blocks,
-                                           finish_ring_shift, start_ring_shift)
+                                           RingTransfer)
 
 CP_COMM_TYPES = ("p2p", "all_gather")
 
@@ -221,50 +222,142 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ContextParallelPlan, r
     """Causal attention of this rank's query pieces over every rank's key pieces (dense `M` kind).
 
     q `[N, H, Dqk]`, k `[N, G, Dqk]`, v `[N, G, Dv]` are this rank's rows (pieces in order).
-    Returns `[N, H, Dv]`.
+    Returns `[N, H, Dv]` (sized by the query heads and V's head dim, never by V's shape).
     """
-    cp = plan.cp_size
-    my_pieces = plan.pieces(rank)
-    bounds = _piece_bounds(my_pieces)
-    partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in my_pieces]
-    ring_tail: list[Tensor] = []
     if comm_type == "all_gather":
-        keys, values = all_gather_rows(k, group).chunk(cp), all_gather_rows(v, group).chunk(cp)
-        arriving = [(source, keys[source], values[source]) for source in range(cp)]
-    else:
-        arriving = _ring_blocks(k, v, rank, cp, group, ring_tail)
-    for source, k_src, v_src in arriving:
-        src_pieces = plan.pieces(source)
-        src_bounds = _piece_bounds(src_pieces)
-        for i, q_piece in enumerate(my_pieces):
-            for j, k_piece in enumerate(src_pieces):
-                relation = block_relation(q_piece, k_piece) if k_piece.sequence == q_piece.sequence else "skip"
-                if relation == "skip":
+        return _all_gather_attention(q, k, v, plan, rank, group, scale)
+    return RingAttentionFunction.apply(q, k, v, _RingSchedule(plan, rank), group, float(scale))
+
+
+def _all_gather_attention(q: Tensor, k: Tensor, v: Tensor, plan: ContextParallelPlan, rank: int,
+                          group: ProcessGroup, scale: float) -> Tensor:
+    """`all_gather` comm type: every rank's K/V at once (reduce-scattered gradients), then the same
+    per-block attention and LSE merge as the ring."""
+    cp, schedule = plan.cp_size, _RingSchedule(plan, rank)
+    keys, values = all_gather_rows(k, group).chunk(cp), all_gather_rows(v, group).chunk(cp)
+    partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in schedule.query_bounds]
+    for source in range(cp):
+        for i, key_rows, causal in schedule.blocks(source):
+            partial[i].append(attention_block(q[schedule.query_bounds[i]], keys[source][key_rows],
+                                              values[source][key_rows], scale, causal))
+    return torch.cat([merge_attention(parts)[0] for parts in partial]).to(q.dtype)
+
+
+class _RingSchedule:
+    """Which (query piece, key rows) blocks meet when rank `source`'s K/V visit this rank."""
+
+    def __init__(self, plan: ContextParallelPlan, rank: int):
+        self.plan, self.rank = plan, rank
+        self.query_pieces = plan.pieces(rank)
+        self.query_bounds = _piece_bounds(self.query_pieces)
+
+    def blocks(self, source: int) -> list[tuple[int, slice, bool]]:
+        """`(query piece i, key rows of the source block, causal)` for every block that is not
+        skipped (other sequence, or keys all in the future)."""
+        key_pieces = self.plan.pieces(source)
+        found = []
+        for i, q_piece in enumerate(self.query_pieces):
+            for key_piece, key_rows in zip(key_pieces, _piece_bounds(key_pieces)):
+                if key_piece.sequence != q_piece.sequence:
                     continue
-                partial[i].append(attention_block(q[bounds[i]], k_src[src_bounds[j]], v_src[src_bounds[j]],
-                                                  scale, causal=relation == "causal"))
-    out = torch.cat([merge_attention(parts)[0] for parts in partial]).to(q.dtype)
-    if ring_tail:
-        # Every rank must run every ring step's backward (each one is a send/receive pair), even a
-        # rank whose queries used none of the arrivals (rank 0 of a contiguous partition): a zero
-        # dependency on the last arrival keeps the whole chain in its graph.
-        out = out + 0.0 * ring_tail[0].sum()
-    return out
+                relation = block_relation(q_piece, key_piece)
+                if relation != "skip":
+                    found.append((i, key_rows, relation == "causal"))
+        return found
 
 
-def _ring_blocks(k: Tensor, v: Tensor, rank: int, cp: int, group: ProcessGroup, tail: list[Tensor]):
-    """Yield `(source rank, k, v)`: first the own block, then each ring step's arrival; the last
-    arrival is appended to `tail`. The next step's transfer is posted before the current block is
-    handed out, so communication overlaps the attention of the block (forward)."""
-    kv = torch.cat((k.flatten(1), v.flatten(1)), dim=1)
-    split = k[0].numel()
-    for step in range(cp):
-        in_flight = start_ring_shift(kv, group) if step + 1 < cp else None
-        source = (rank - step) % cp
-        yield source, kv[:, :split].reshape(k.shape), kv[:, split:].reshape(v.shape)
-        if in_flight is not None:
-            kv = finish_ring_shift(*in_flight)
-    tail.append(kv)
+class RingAttentionFunction(torch.autograd.Function):
+    """The `p2p` ring (TransformerEngine's algorithm, spec kernels.md §4) as one autograd Function.
+
+    Forward: K/V (packed as one `[N, G·(Dqk+Dv)]` buffer) travel to the next rank `cp − 1` times;
+    each step's transfer is posted before the step's blocks are computed, so it overlaps them. The
+    block results merge by LSE in the compute dtype. Saved: q, k, v, out, lse only.
+    Backward: K/V travel again, and each visiting block's partial dK/dV is summed into a buffer that
+    travels one step behind it, so after the last step every rank holds its own block's full dK/dV.
+    The receive of the arriving dK/dV is posted before that step's compute, and the K/V transfer for
+    the next step too, so both overlap the block gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, schedule: _RingSchedule, group: ProcessGroup,
+                scale: float) -> Tensor:
+        cp = schedule.plan.cp_size
+        split = (k.shape[1], k.shape[2])
+        kv = _pack(k, v)
+        partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in schedule.query_bounds]
+        for step in range(cp):
+            transfer = RingTransfer(kv, torch.empty_like(kv), group) if step + 1 < cp else None
+            k_src, v_src = _unpack(kv, split)
+            for i, key_rows, causal in schedule.blocks((schedule.rank - step) % cp):
+                q_i = q[schedule.query_bounds[i]]
+                segments, longest = block_mask(q_i, k_src[key_rows], causal)
+                partial[i].append(attention_forward(q_i, k_src[key_rows], v_src[key_rows], segments,
+                                                    longest, scale))
+            if transfer is not None:
+                kv = transfer.wait()
+        merged = [merge_attention(parts) for parts in partial]  # each piece sees its diagonal block
+        out, lse = torch.cat([o for o, _ in merged]), torch.cat([l for _, l in merged])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.schedule, ctx.group, ctx.scale = schedule, group, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        schedule, group, scale = ctx.schedule, ctx.group, ctx.scale
+        cp, split = schedule.plan.cp_size, (k.shape[1], k.shape[2])
+        grad_out = grad_out.to(out.dtype)
+        delta = (grad_out * out).sum(-1)  # <dO, O> of the merged output
+        grad_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+        kv, sends = _pack(k, v), []
+        for step in range(cp):
+            # Order matters: every rank receives from its predecessor in the order the predecessor
+            # sends (dK/dV of step − 1, then K/V of step + 1), so NCCL/gloo pair them correctly.
+            arriving = RingTransfer(None, _grad_buffer(kv, out), group) if step > 0 else None
+            transfer = RingTransfer(kv, torch.empty_like(kv), group) if step + 1 < cp else None
+            grad_kv = _block_grads(q, kv, split, schedule, step, scale, lse, grad_out, delta, grad_q)
+            if arriving is not None:
+                grad_kv += arriving.wait()
+            sends.append(RingTransfer(grad_kv, None, group))
+            if transfer is not None:
+                kv = transfer.wait()
+        # The last visitor of this rank's block is its predecessor: its sum arrives last.
+        home = RingTransfer(None, _grad_buffer(kv, out), group).wait() if cp > 1 else grad_kv
+        for sent in sends:
+            sent.wait()
+        grad_k, grad_v = _unpack(home, split)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+
+
+def _block_grads(q: Tensor, kv: Tensor, split: tuple[int, int], schedule: _RingSchedule, step: int,
+                 scale: float, lse: Tensor, grad_out: Tensor, delta: Tensor, grad_q: Tensor) -> Tensor:
+    """This rank's share of the gradient of the visiting K/V block (packed like `kv`, compute dtype);
+    adds the block's dQ into `grad_q`."""
+    k_src, v_src = _unpack(kv, split)
+    grad_k, grad_v = torch.zeros_like(k_src, dtype=lse.dtype), torch.zeros_like(v_src, dtype=lse.dtype)
+    for i, key_rows, causal in schedule.blocks((schedule.rank - step) % schedule.plan.cp_size):
+        rows = schedule.query_bounds[i]
+        segments, longest = block_mask(q[rows], k_src[key_rows], causal)
+        d_q, d_k, d_v = attention_backward(q[rows], k_src[key_rows], v_src[key_rows], segments, longest,
+                                           scale, lse[rows], grad_out[rows], delta=delta[rows])
+        grad_q[rows] += d_q
+        grad_k[key_rows] += d_k
+        grad_v[key_rows] += d_v
+    return _pack(grad_k, grad_v)
+
+
+def _pack(k: Tensor, v: Tensor) -> Tensor:
+    return torch.cat((k.flatten(1), v.flatten(1)), dim=1).contiguous()
+
+
+def _unpack(kv: Tensor, split: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    groups, head_dim = split
+    width = groups * head_dim
+    return kv[:, :width].view(-1, groups, head_dim), kv[:, width:].view(kv.shape[0], groups, -1)
+
+
+def _grad_buffer(kv: Tensor, like: Tensor) -> Tensor:
+    return torch.empty(kv.shape, dtype=like.dtype, device=kv.device)
 
 
 def _piece_bounds(pieces: list[Piece]) -> list[slice]:

@@ -51,31 +51,82 @@ def _chunk_logits(q: Tensor, k: Tensor, segments: Optional[Tensor], bounds: tupl
     return logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
 
 
-class ChunkedAttentionFunction(torch.autograd.Function):
-    """Attention in query-row chunks that saves only its inputs and the LSE and recomputes the
-    probabilities per chunk in backward: memory O(rows·H·D) beyond one chunk, never `[rows, keys]`.
+def _expanded(k: Tensor, v: Tensor, heads: int, compute: torch.dtype) -> tuple[Tensor, Tensor]:
+    """GQA: K/V of each group repeated for its query heads, `[m, H, D]` in the compute dtype."""
+    per_group = heads // k.shape[1]
+    return (k.to(compute).repeat_interleave(per_group, dim=1),
+            v.to(compute).repeat_interleave(per_group, dim=1))
 
-    `segments` given: causal attention within segments (q and k share rows; every row sees at least
-    itself). `segments=None`: every key is visible (a past block of the context-parallel ring).
-    Returns `out [n, H, Dv]` and `lse [n, H]` in the compute dtype (float32, float64 for float64).
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tensor], longest: int,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    """Chunked attention without autograd: `out [n, H, Dv]`, natural-log `lse [n, H]`, both in the
+    compute dtype (float32, float64 for float64 input).
+
+    `segments` given: causal within segments (q and k share rows, segments at most `longest` rows).
+    `segments=None`: every key is visible. A row without keys gets `out = 0`, `lse = −inf`.
     """
+    compute = _compute_dtype(q.dtype)
+    q_c = q.to(compute)
+    k_c, v_c = _expanded(k, v, q.shape[1], compute)
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=compute, device=q.device)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=compute, device=q.device)
+    for bounds in _query_chunks(q.shape[0], k.shape[0], q.shape[1], longest, segments is not None,
+                                _chunk_budget(q.device)):
+        start, stop, first_key, stop_key = bounds
+        logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
+        lse[start:stop] = torch.logsumexp(logits, dim=-1)
+        safe = torch.where(torch.isfinite(lse[start:stop]), lse[start:stop], 0.0)
+        probs = torch.exp(logits - safe.unsqueeze(-1))
+        out[start:stop] = torch.einsum("nhm,mhd->nhd", probs, v_c[first_key:stop_key])
+    return out, lse
+
+
+def attention_backward(q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tensor], longest: int,
+                       scale: float, lse: Tensor, grad_out: Tensor, delta: Optional[Tensor] = None,
+                       grad_lse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients `(dq, dk, dv)` (compute dtype) of `attention_forward`, probabilities recomputed per
+    chunk as `exp(logit − lse)`.
+
+    `lse [n, H]` may be the normaliser of a larger key set than `k` holds (a context-parallel ring
+    block normalised by the merged LSE); then `delta [n, H] = <dO, O>` of the merged output must be
+    given. Without `delta` it is taken as `Σ p·dP` of the recomputed probabilities (equal in exact
+    arithmetic), so a row with a single key gets an exactly zero logit gradient.
+    """
+    compute = _compute_dtype(q.dtype)
+    q_c = q.to(compute)
+    k_c, v_c = _expanded(k, v, q.shape[1], compute)
+    grad_q = torch.empty_like(q_c)
+    grad_k, grad_v = torch.zeros_like(k_c), torch.zeros_like(v_c)
+    for bounds in _query_chunks(q.shape[0], k.shape[0], q.shape[1], longest, segments is not None,
+                                _chunk_budget(q.device)):
+        start, stop, first_key, stop_key = bounds
+        logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
+        row_lse = lse[start:stop]
+        probs = torch.exp(logits - torch.where(torch.isfinite(row_lse), row_lse, 0.0).unsqueeze(-1))
+        d_out = grad_out[start:stop].to(compute)
+        d_probs = torch.einsum("nhd,mhd->nhm", d_out, v_c[first_key:stop_key])
+        row_delta = (probs * d_probs).sum(-1) if delta is None else delta[start:stop]
+        shift = row_delta if grad_lse is None else row_delta - grad_lse[start:stop].to(compute)
+        d_logits = probs * (d_probs - shift.unsqueeze(-1))
+        grad_q[start:stop] = torch.einsum("nhm,mhd->nhd", d_logits, k_c[first_key:stop_key]) * scale
+        grad_k[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", d_logits, q_c[start:stop]) * scale
+        grad_v[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", probs, d_out)
+    # GQA: the query heads of one KV group share its K/V, so their gradients add up.
+    groups, per_group = k.shape[1], q.shape[1] // k.shape[1]
+    grad_k = grad_k.view(k.shape[0], groups, per_group, k.shape[-1]).sum(2)
+    grad_v = grad_v.view(v.shape[0], groups, per_group, v.shape[-1]).sum(2)
+    return grad_q, grad_k, grad_v
+
+
+class ChunkedAttentionFunction(torch.autograd.Function):
+    """`attention_forward` with autograd: saves only its inputs and the LSE and recomputes the
+    probabilities per chunk in backward, so memory is O(rows·H·D) beyond one chunk, never
+    `[rows, keys]`. Returns `out [n, H, Dv]` and `lse [n, H]` in the compute dtype."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tensor], longest: int, scale: float):
-        heads, groups = q.shape[1], k.shape[1]
-        compute = _compute_dtype(q.dtype)
-        q_c = q.to(compute)
-        k_c = k.to(compute).repeat_interleave(heads // groups, dim=1)
-        v_c = v.to(compute).repeat_interleave(heads // groups, dim=1)
-        out = torch.empty(q.shape[0], heads, v.shape[-1], dtype=compute, device=q.device)
-        lse = torch.empty(q.shape[0], heads, dtype=compute, device=q.device)
-        for bounds in _query_chunks(q.shape[0], k.shape[0], heads, longest, segments is not None,
-                                    _chunk_budget(q.device)):
-            start, stop, first_key, stop_key = bounds
-            logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
-            lse[start:stop] = torch.logsumexp(logits, dim=-1)
-            probs = torch.exp(logits - lse[start:stop].unsqueeze(-1))
-            out[start:stop] = torch.einsum("nhm,mhd->nhd", probs, v_c[first_key:stop_key])
+        out, lse = attention_forward(q, k, v, segments, longest, scale)
         ctx.save_for_backward(q, k, v, segments, lse)
         ctx.longest, ctx.scale = longest, scale
         return out, lse
@@ -83,33 +134,9 @@ class ChunkedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor, grad_lse: Tensor):
         q, k, v, segments, lse = ctx.saved_tensors
-        heads, groups = q.shape[1], k.shape[1]
-        compute, scale = _compute_dtype(q.dtype), ctx.scale
-        q_c = q.to(compute)
-        k_c = k.to(compute).repeat_interleave(heads // groups, dim=1)
-        v_c = v.to(compute).repeat_interleave(heads // groups, dim=1)
-        grad_q = torch.empty_like(q)
-        grad_k = torch.zeros_like(k_c)
-        grad_v = torch.zeros_like(v_c)
-        for bounds in _query_chunks(q.shape[0], k.shape[0], heads, ctx.longest, segments is not None,
-                                    _chunk_budget(q.device)):
-            start, stop, first_key, stop_key = bounds
-            logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
-            probs = torch.exp(logits - lse[start:stop].unsqueeze(-1))
-            d_out = grad_out[start:stop].to(compute)
-            d_probs = torch.einsum("nhd,mhd->nhm", d_out, v_c[first_key:stop_key])
-            # Σ_m p·dP (= <dO, O> in exact arithmetic) from the recomputed probabilities, so a row
-            # with a single key gets an exactly zero logit gradient.
-            delta = (probs * d_probs).sum(-1, keepdim=True)
-            d_logits = probs * (d_probs - delta + grad_lse[start:stop].to(compute).unsqueeze(-1))
-            grad_q[start:stop] = (torch.einsum("nhm,mhd->nhd", d_logits, k_c[first_key:stop_key]) * scale).to(q.dtype)
-            grad_k[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", d_logits, q_c[start:stop]) * scale
-            grad_v[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", probs, d_out)
-        # GQA: the query heads of one KV group share its K/V, so their gradients add up.
-        per_group = heads // groups
-        grad_k = grad_k.view(k.shape[0], groups, per_group, k.shape[-1]).sum(2).to(k.dtype)
-        grad_v = grad_v.view(v.shape[0], groups, per_group, v.shape[-1]).sum(2).to(v.dtype)
-        return grad_q, grad_k, grad_v, None, None, None
+        grad_q, grad_k, grad_v = attention_backward(q, k, v, segments, ctx.longest, ctx.scale, lse, grad_out,
+                                                    grad_lse=grad_lse)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -133,6 +160,16 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale
     return out.to(q.dtype), lse
 
 
+def block_mask(q: Tensor, k: Tensor, causal: bool) -> tuple[Optional[Tensor], int]:
+    """`(segments, longest)` for `attention_forward/backward` of one ring block: the diagonal block
+    (`causal`, query `i` sees keys `≤ i`) is one causal segment; a past block has no mask."""
+    if not causal:
+        return None, 1
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"a causal (diagonal) block needs n == m, got {q.shape[0]} and {k.shape[0]}")
+    return torch.zeros(q.shape[0], dtype=torch.long, device=q.device), max(q.shape[0], 1)
+
+
 def attention_block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """One block of a context-parallel ring: `q [n, H, Dqk]` against `k [m, G, Dqk]`, `v [m, G, Dv]`.
 
@@ -141,12 +178,8 @@ def attention_block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool)
     float64 for float64 input), for `merge_attention`. Memory-bounded like `causal_attention`.
     """
     _check_shapes(q, k, v)
-    if not causal:
-        return ChunkedAttentionFunction.apply(q, k, v, None, 1, float(scale))
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"a causal (diagonal) block needs n == m, got {q.shape[0]} and {k.shape[0]}")
-    one_segment = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-    return ChunkedAttentionFunction.apply(q, k, v, one_segment, max(q.shape[0], 1), float(scale))
+    segments, longest = block_mask(q, k, causal)
+    return ChunkedAttentionFunction.apply(q, k, v, segments, longest, float(scale))
 
 
 def merge_attention(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

@@ -150,73 +150,28 @@ def all_gather_rows(x: Tensor, group: Optional[ProcessGroup]) -> Tensor:
     return _AllGatherRows.apply(x, group) if group_size(group) > 1 else x
 
 
-def _shift(x: Tensor, group: ProcessGroup, forward: bool) -> Tensor:
-    """Blocking ring step: to the next rank (`forward`) or to the previous one."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    step = 1 if forward else -1
-    to_rank = dist.get_global_rank(group, (rank + step) % size)
-    from_rank = dist.get_global_rank(group, (rank - step) % size)
-    x = x.contiguous()
-    received = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, to_rank, group), dist.P2POp(dist.irecv, received, from_rank, group)]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
+class RingTransfer:
+    """One ring transfer in flight, outside autograd: `send` goes to the next CP rank, `receive` is
+    filled from the previous one. The tensors stay referenced until `wait`, which on NCCL makes the
+    current stream wait for the transfer (the host does not block), so compute queued before `wait`
+    overlaps it."""
 
-
-class PendingShift:
-    """Requests of a ring step in flight, and the sent tensor, kept alive until they complete."""
-
-    def __init__(self) -> None:
-        self.requests: list = []
-        self.sent: Optional[Tensor] = None
-
-    def wait(self) -> None:
-        for request in self.requests:
-            request.wait()  # NCCL: the current stream waits, the host does not
-        self.requests, self.sent = [], None
-
-
-class _StartRingShift(torch.autograd.Function):
-    """Forward posts the step's isend/irecv and returns the (not yet filled) receive buffer;
-    `finish_ring_shift` waits. Backward is the blocking reverse step."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup, pending: PendingShift) -> Tensor:
-        ctx.group = group
+    def __init__(self, send: Optional[Tensor], receive: Optional[Tensor], group: ProcessGroup):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        pending.sent = x.contiguous()
-        received = torch.empty_like(pending.sent)
-        ops = [dist.P2POp(dist.isend, pending.sent, dist.get_global_rank(group, (rank + 1) % size), group),
-               dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % size), group)]
-        pending.requests = dist.batch_isend_irecv(ops)
-        return received
+        self.send, self.receive = send, receive
+        ops = []
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group))
+        if receive is not None:
+            ops.append(dist.P2POp(dist.irecv, receive, dist.get_global_rank(group, (rank - 1) % size), group))
+        self.requests = dist.batch_isend_irecv(ops) if ops else []
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _shift(grad, ctx.group, forward=False), None, None
-
-
-class _FinishRingShift(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, received: Tensor, pending: PendingShift) -> Tensor:
-        pending.wait()
-        return received.view_as(received)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
-
-
-def start_ring_shift(x: Tensor, group: ProcessGroup) -> tuple[Tensor, PendingShift]:
-    """Begin passing `x` to the next CP rank; compute may run until `finish_ring_shift`."""
-    pending = PendingShift()
-    return _StartRingShift.apply(x, group, pending), pending
-
-
-def finish_ring_shift(received: Tensor, pending: PendingShift) -> Tensor:
-    """Wait for the step begun by `start_ring_shift`; returns the received tensor."""
-    return _FinishRingShift.apply(received, pending)
+    def wait(self) -> Optional[Tensor]:
+        """Complete the transfer; returns the received tensor (None if this transfer only sent)."""
+        for request in self.requests:
+            request.wait()
+        self.requests, self.send = [], None
+        return self.receive
 
 
 class _ExchangeBlocks(torch.autograd.Function):
