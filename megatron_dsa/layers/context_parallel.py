@@ -272,10 +272,9 @@ class RingAttentionFunction(torch.autograd.Function):
     Forward: K/V (packed as one `[N, G·(Dqk+Dv)]` buffer) travel to the next rank `cp − 1` times;
     each step's transfer is posted before the step's blocks are computed, so it overlaps them. The
     block results merge by LSE in the compute dtype. Saved: q, k, v, out, lse only.
-    Backward: K/V travel again, and each visiting block's partial dK/dV is summed into a buffer that
-    travels one step behind it, so after the last step every rank holds its own block's full dK/dV.
-    The receive of the arriving dK/dV is posted before that step's compute, and the K/V transfer for
-    the next step too, so both overlap the block gradients.
+    Backward: K/V travel again, and each block's partial dK/dV sums travel with it one step behind
+    (exchanged after the step's compute, awaited only after the next step's compute), so after the
+    last step every rank holds its own block's full dK/dV. Both transfers overlap block gradients.
     """
 
     @staticmethod
@@ -286,7 +285,7 @@ class RingAttentionFunction(torch.autograd.Function):
         kv = _pack(k, v)
         partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in schedule.query_bounds]
         for step in range(cp):
-            transfer = RingTransfer(kv, torch.empty_like(kv), group) if step + 1 < cp else None
+            transfer = RingTransfer(kv, group) if step + 1 < cp else None
             k_src, v_src = _unpack(kv, split)
             for i, key_rows, causal in schedule.blocks((schedule.rank - step) % cp):
                 q_i = q[schedule.query_bounds[i]]
@@ -309,22 +308,18 @@ class RingAttentionFunction(torch.autograd.Function):
         grad_out = grad_out.to(out.dtype)
         delta = (grad_out * out).sum(-1)  # <dO, O> of the merged output
         grad_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
-        kv, sends = _pack(k, v), []
+        kv, arriving = _pack(k, v), None
         for step in range(cp):
-            # Order matters: every rank receives from its predecessor in the order the predecessor
-            # sends (dK/dV of step − 1, then K/V of step + 1), so NCCL/gloo pair them correctly.
-            arriving = RingTransfer(None, _grad_buffer(kv, out), group) if step > 0 else None
-            transfer = RingTransfer(kv, torch.empty_like(kv), group) if step + 1 < cp else None
+            transfer = RingTransfer(kv, group) if step + 1 < cp else None
             grad_kv = _block_grads(q, kv, split, schedule, step, scale, lse, grad_out, delta, grad_q)
-            if arriving is not None:
+            if arriving is not None:  # the predecessor's sum for this block, from its previous step
                 grad_kv += arriving.wait()
-            sends.append(RingTransfer(grad_kv, None, group))
+            # Send the sum on with the block's next visitor; receive the sum for our next block.
+            # After the last step that is the sum for this rank's own block: dK/dV are home.
+            arriving = RingTransfer(grad_kv, group) if cp > 1 else None
             if transfer is not None:
                 kv = transfer.wait()
-        # The last visitor of this rank's block is its predecessor: its sum arrives last.
-        home = RingTransfer(None, _grad_buffer(kv, out), group).wait() if cp > 1 else grad_kv
-        for sent in sends:
-            sent.wait()
+        home = arriving.wait() if arriving is not None else grad_kv
         grad_k, grad_v = _unpack(home, split)
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
 
@@ -354,10 +349,6 @@ def _unpack(kv: Tensor, split: tuple[int, int]) -> tuple[Tensor, Tensor]:
     groups, head_dim = split
     width = groups * head_dim
     return kv[:, :width].view(-1, groups, head_dim), kv[:, width:].view(kv.shape[0], groups, -1)
-
-
-def _grad_buffer(kv: Tensor, like: Tensor) -> Tensor:
-    return torch.empty(kv.shape, dtype=like.dtype, device=kv.device)
 
 
 def _piece_bounds(pieces: list[Piece]) -> list[slice]:

@@ -151,27 +151,29 @@ def all_gather_rows(x: Tensor, group: Optional[ProcessGroup]) -> Tensor:
 
 
 class RingTransfer:
-    """One ring transfer in flight, outside autograd: `send` goes to the next CP rank, `receive` is
-    filled from the previous one. The tensors stay referenced until `wait`, which on NCCL makes the
-    current stream wait for the transfer (the host does not block), so compute queued before `wait`
-    overlaps it."""
+    """One ring step in flight, outside autograd: `send` goes to the next CP rank while a tensor of
+    the same shape and dtype arrives from the previous one.
 
-    def __init__(self, send: Optional[Tensor], receive: Optional[Tensor], group: ProcessGroup):
+    Every ring step is one symmetric group (a send and a receive), so the k-th group of each rank
+    pairs with the k-th group of its neighbours: on NCCL, where a communicator's groups run in
+    order on one stream, a lone send would wait for a receive queued behind the neighbour's own
+    lone send (a deadlock once messages exceed NCCL's buffers). `wait` makes the current stream wait
+    for the transfer (the host does not block), so compute queued before it overlaps the transfer.
+    """
+
+    def __init__(self, send: Tensor, group: ProcessGroup):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.send, self.receive = send, receive
-        ops = []
-        if send is not None:
-            ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group))
-        if receive is not None:
-            ops.append(dist.P2POp(dist.irecv, receive, dist.get_global_rank(group, (rank - 1) % size), group))
-        self.requests = dist.batch_isend_irecv(ops) if ops else []
+        self.send, self.received = send.contiguous(), torch.empty_like(send, memory_format=torch.contiguous_format)
+        self.requests = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, self.send, dist.get_global_rank(group, (rank + 1) % size), group),
+            dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % size), group)])
 
-    def wait(self) -> Optional[Tensor]:
-        """Complete the transfer; returns the received tensor (None if this transfer only sent)."""
+    def wait(self) -> Tensor:
+        """Complete the step; returns the tensor received from the previous rank."""
         for request in self.requests:
             request.wait()
         self.requests, self.send = [], None
-        return self.receive
+        return self.received
 
 
 class _ExchangeBlocks(torch.autograd.Function):
