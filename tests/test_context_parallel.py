@@ -239,7 +239,8 @@ def nccl_large_ring_body(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
     state = initialize_parallel_state(cp_size=world)
     config = cp_config("M", "zigzag", "p2p", hidden_size=1024, num_attention_heads=16,
-                       num_query_groups=16, qk_head_dim=128, v_head_dim=128, qk_pos_emb_head_dim=64)
+                       num_query_groups=16, qk_head_dim=128, v_head_dim=128, qk_pos_emb_head_dim=64,
+                       dsa_indexer_head_dim=64)
     torch.manual_seed(5)
     ref = HybridAttention(config, kind="M").to(device).bfloat16()
     seqlen = 4096 * world
