@@ -87,7 +87,7 @@ def _check_inputs(x: Tensor, positions: Tensor, inv_freq: Tensor) -> None:
         raise ValueError(f"rotary dims (2*{inv_freq.shape[0]}) exceed the head dim {x.shape[-1]}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"triton rope needs x of dtype among {SUPPORTED_DTYPES}, got {x.dtype}")
-    if positions.is_floating_point() is False and positions.dtype not in (torch.int32, torch.int64):
+    if not positions.is_floating_point() and positions.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"rope positions must be int32, int64 or floating, got {positions.dtype}")
     if positions.device != x.device:
         raise ValueError(f"rope positions on {positions.device} but x on {x.device}")
