@@ -1,0 +1,112 @@
+"""Forward and backward time of the Triton lightning-indexer scores against the unfused reference op.
+
+Inputs have the dsv4 indexer dims (HI heads of DI dims) and causal-range candidates: row t of a
+sequence of T tokens sees compressed entries j < (t + 1) / 4 of C = T / 4 slots, −1 after. TFLOPS count
+the per-head dots alone, 2·HI·DI per valid candidate in forward; backward is reported against the
+same count (it recomputes those dots and does two more products of the same size).
+
+Run from the repository root: `python benchmarks/indexer.py --help`. Needs CUDA; exits cleanly without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megatron_dsa.backends.triton_kernels.indexer import indexer_scores as triton_scores  # noqa: E402
+from megatron_dsa.ops.indexer import indexer_scores as unfused_scores  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RATIO = 4
+
+
+def make_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype):
+    entries = tokens // RATIO
+    q = torch.randn(tokens, heads, dim, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(entries, dim, device="cuda", dtype=dtype, requires_grad=True)
+    w = (torch.randn(tokens, heads, device="cuda") * heads ** -0.5).to(dtype).requires_grad_()
+    j = torch.arange(entries, device="cuda")
+    candidates = torch.where(j < ((torch.arange(tokens, device="cuda") + 1) // RATIO)[:, None], j, -1)
+    return q, k, w, candidates
+
+
+def median_ms(step: Callable[[], None], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def time_op(fn, inputs, scale: float, repeats: int, warmup: int) -> tuple[float, float]:
+    """(forward ms, backward ms) medians; backward alone = forward + backward − forward."""
+    q, k, w, candidates = inputs
+    grad = torch.randn(candidates.shape, device="cuda")
+
+    def forward() -> None:
+        with torch.no_grad():
+            fn(q, k, w, candidates, scale)
+
+    def forward_backward() -> None:
+        scores = fn(q, k, w, candidates, scale)
+        torch.autograd.grad(scores, (q, k, w), grad.masked_fill(candidates < 0, 0))
+
+    fwd = median_ms(forward, repeats, warmup)
+    return fwd, max(median_ms(forward_backward, repeats, warmup) - fwd, 0.0)
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (includes compilation)")
+    args = parser.parse_args(argv)
+    if min(args.seq_lens) < RATIO or args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--seq-lens must be >= {RATIO}, --repeats >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/indexer.py: needs a CUDA GPU; nothing to measure here")
+        return 0
+    torch.manual_seed(0)
+    print(f"indexer scores, HI={args.heads}, DI={args.dim}, {args.dtype}, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}; median of {args.repeats} after {args.warmup} warm-up\n"
+          f"ratio = triton / unfused (< 1: triton is faster); TFLOPS = 2·HI·DI·valid candidates / time\n")
+    print("| T | C | pass | triton ms | unfused ms | ratio | triton TFLOPS | unfused TFLOPS |")
+    print("|--:|--:|------|----------:|-----------:|------:|--------------:|---------------:|")
+    for tokens in args.seq_lens:
+        inputs = make_inputs(tokens, args.heads, args.dim, DTYPES[args.dtype])
+        flops = 2 * args.heads * args.dim * int((inputs[3] >= 0).sum())
+        scale = args.dim ** -0.5
+        fast = time_op(triton_scores, inputs, scale, args.repeats, args.warmup)
+        slow = time_op(unfused_scores, inputs, scale, args.repeats, args.warmup)
+        for name, t_ms, u_ms in (("fwd", fast[0], slow[0]), ("bwd", fast[1], slow[1])):
+            tflops = [flops / (ms * 1e9) if ms > 0 else float("nan") for ms in (t_ms, u_ms)]
+            print(f"| {tokens} | {tokens // RATIO} | {name} | {t_ms:.3f} | {u_ms:.3f} | {t_ms / u_ms:.2f} | "
+                  f"{tflops[0]:.1f} | {tflops[1]:.1f} |")
+        del inputs
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

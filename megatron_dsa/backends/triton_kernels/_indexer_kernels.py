@@ -1,0 +1,120 @@
+"""Triton kernels of the lightning-indexer scores (see `indexer.py` for the entry point and the math).
+
+Plain functions: `lazy_jit.jitted` decorates them on first launch. All tensors are contiguous:
+q `[T, HI, DI]`, k `[Tc, DI]`, weights `[T, HI]`, candidates / scores / grad `[T, C]`.
+
+Tiles: a program owns `BLOCK_C` candidate columns; per query row it computes the per-head dots
+`[BLOCK_H, BLOCK_C] = q[t] [BLOCK_H, BLOCK_D] @ keys^T` with one `tl.dot`, so the `[T, HI, C]` dots
+never reach memory. Rows whose candidate block is entirely −1 (the causal future: about half of the
+blocks) skip the dot after loading the ids. Consecutive rows of a program usually select the same
+keys for the same columns (candidates are mostly `base + j`), so the gathered key tile is reused
+until the ids change.
+"""
+
+import triton.language as tl
+
+
+def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI, scale,
+                           ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """scores[t, c] = Σ_h w[t,h]·scale·ReLU(<q[t,h], k[cand[t,c]]>), −inf where cand < 0.
+
+    Grid: (cdiv(T, ROWS), cdiv(C, BLOCK_C)); a program walks its ROWS rows for one column block."""
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    in_width = cols < C
+    q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
+    cached = tl.full([BLOCK_C], -2, tl.int64)  # the ids whose keys `keys` holds (none yet)
+    keys = tl.zeros([BLOCK_C, BLOCK_D], k_ptr.dtype.element_ty)
+    for r in range(ROWS):
+        t = first_row + r
+        ids = tl.load(cand_ptr + t * C + cols, mask=in_width & (t < T), other=-1).to(tl.int64)
+        valid = ids >= 0
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            if tl.max((ids != cached).to(tl.int32), axis=0) > 0:
+                keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :],
+                               mask=valid[:, None] & (dims[None, :] < DI), other=0.0)
+                cached = ids
+            q = tl.load(q_ptr + t * HI * DI + heads[:, None] * DI + dims[None, :], mask=q_mask, other=0.0)
+            w = tl.load(w_ptr + t * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+            dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+            scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+            scores = tl.where(valid, scores, float("-inf"))
+        else:
+            scores = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        tl.store(out_ptr + t * C + cols, scores, mask=in_width & (t < T))
+
+
+def indexer_backward_q_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dq_ptr, dw_ptr, C, HI, DI, scale,
+                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                              PRECISION: tl.constexpr):
+    """dq[t] and dw[t] of one row (grid: (T,)): the row's candidate blocks are reduced in registers.
+
+    With g = grad[t, c] (0 at invalid c) and dots recomputed:
+        dw[t,h] = scale·Σ_c g·ReLU(dots[h,c]),   dq[t,h] = Σ_c g·w[t,h]·scale·[dots[h,c] > 0]·k[cand]."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
+    q = tl.load(q_ptr + t * HI * DI + heads[:, None] * DI + dims[None, :], mask=q_mask, other=0.0)
+    w = tl.load(w_ptr + t * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+    acc_q = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc_w = tl.zeros([BLOCK_H], tl.float32)
+    start = 0
+    while start < C:  # not `for ... in range(0, C, ...)`: the interpreter cannot index with a runtime C
+        cols = start + tl.arange(0, BLOCK_C)
+        ids = tl.load(cand_ptr + t * C + cols, mask=cols < C, other=-1).to(tl.int64)
+        valid = ids >= 0
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :],
+                           mask=valid[:, None] & (dims[None, :] < DI), other=0.0)
+            g = tl.load(grad_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
+            dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+            acc_w += tl.sum(tl.maximum(dots, 0.0) * g[None, :], axis=1)
+            grad_dots = tl.where(dots > 0.0, g[None, :] * w[:, None], 0.0)
+            acc_q += tl.dot(grad_dots.to(keys.dtype), keys, input_precision=PRECISION)
+        start += BLOCK_C
+    tl.store(dq_ptr + t * HI * DI + heads[:, None] * DI + dims[None, :],
+             acc_q.to(dq_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(dw_ptr + t * HI + heads, (acc_w * scale).to(dw_ptr.dtype.element_ty), mask=heads < HI)
+
+
+def indexer_backward_k_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dk_ptr, T, C, HI, DI, scale,
+                              ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """dk[cand[t,c]] += Σ_h g·w[t,h]·scale·[dots[h,c] > 0]·q[t,h] into the float32 `dk_ptr`.
+
+    Grid: (cdiv(T, ROWS), cdiv(C, BLOCK_C)). Rows that select the same ids for this column block
+    accumulate in registers; the sum goes to memory with one atomic add per run of equal ids (for
+    `base + j` candidates: once per program instead of once per row)."""
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    in_width = cols < C
+    q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
+    cached = tl.full([BLOCK_C], -2, tl.int64)
+    keys = tl.zeros([BLOCK_C, BLOCK_D], k_ptr.dtype.element_ty)
+    acc_k = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
+    for r in range(ROWS):
+        t = first_row + r
+        ids = tl.load(cand_ptr + t * C + cols, mask=in_width & (t < T), other=-1).to(tl.int64)
+        valid = ids >= 0
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            if tl.max((ids != cached).to(tl.int32), axis=0) > 0:
+                tl.atomic_add(dk_ptr + cached[:, None] * DI + dims[None, :], acc_k,
+                              mask=(cached[:, None] >= 0) & (dims[None, :] < DI))
+                acc_k = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
+                keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :],
+                               mask=valid[:, None] & (dims[None, :] < DI), other=0.0)
+                cached = ids
+            q = tl.load(q_ptr + t * HI * DI + heads[:, None] * DI + dims[None, :], mask=q_mask, other=0.0)
+            w = tl.load(w_ptr + t * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+            g = tl.load(grad_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
+            dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+            grad_dots = tl.where(dots > 0.0, g[None, :] * w[:, None], 0.0)
+            acc_k += tl.dot(tl.trans(grad_dots.to(q.dtype)), q, input_precision=PRECISION)
+    tl.atomic_add(dk_ptr + cached[:, None] * DI + dims[None, :], acc_k,
+                  mask=(cached[:, None] >= 0) & (dims[None, :] < DI))

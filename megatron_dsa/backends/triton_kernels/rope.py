@@ -1,0 +1,96 @@
+"""Partial interleaved RoPE as a Triton kernel: a drop-in for `megatron_dsa.ops.rope.rope`.
+
+The last `P = 2·len(inv_freq)` dims of each head are `P/2` adjacent pairs rotated by
+`θ_i = pos·f_i` (amplitude `a` scales cos and sin); the first `Dh − P` dims are copied. The result is
+always fresh storage: the input is never written, so a tensor autograd saved cannot change.
+
+Backward: the Jacobian of a rotation by θ scaled by `a` is its transpose, `a`·(rotation by −θ), on
+the rotated dims and the identity elsewhere, so the gradient is the same kernel with `inverse`
+flipped. Nothing but the small `positions`/`inv_freq`/`amplitude` tensors is saved.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+BLOCK_ROWS = 32  # rows (token·head) per program
+BLOCK_COPY = 128  # pass-through dims copied per step
+
+
+def _pow2(size: int) -> int:
+    return max(1, 1 << (size - 1).bit_length())
+
+
+def _launch(x: Tensor, positions: Tensor, freq: Tensor, amplitude: Tensor, inverse: bool) -> Tensor:
+    """`x [R, Dh]` contiguous → rotated copy; `positions [R / heads]`; freq, amplitude in the angle dtype."""
+    from megatron_dsa.backends.triton_kernels import _rope_kernels as kernels
+    import triton.language as tl
+
+    out = torch.empty_like(x)
+    rows, half = x.shape[0], freq.shape[0]
+    if out.numel() == 0:
+        return out
+    heads = rows // positions.shape[0]
+    jitted(kernels.rope_kernel)[(-(-rows // BLOCK_ROWS),)](
+        x, out, positions, freq, amplitude, rows, heads,
+        NOPE=x.shape[1] - 2 * half, HALF=half, BLOCK_R=BLOCK_ROWS, BLOCK_N=min(BLOCK_COPY, _pow2(x.shape[1])),
+        BLOCK_HALF=_pow2(half), INVERSE=inverse,
+        COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32)
+    return out
+
+
+class TritonRope(torch.autograd.Function):
+    """`(x [R, Dh], positions, freq [P/2], amplitude [1], inverse) → rotated x [R, Dh]`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, positions: Tensor, freq: Tensor, amplitude: Tensor, inverse: bool) -> Tensor:
+        ctx.save_for_backward(positions, freq, amplitude)
+        ctx.inverse = inverse
+        return _launch(x, positions, freq, amplitude, inverse)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        positions, freq, amplitude = ctx.saved_tensors
+        grad_x = _launch(grad_out.contiguous(), positions, freq, amplitude, not ctx.inverse)
+        return grad_x, None, None, None, None
+
+
+def rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
+         amplitude: float = 1.0) -> Tensor:
+    """Rotate `x [T, Dh]` or `x [T, H, Dh]` at `positions [T]` (new storage; x is not modified).
+
+    `inv_freq [P/2]`: the pair frequencies (any float dtype/device; converted to the angle dtype as the
+    reference does). Same contract as `megatron_dsa.ops.rope.rope`; positions and inv_freq get no
+    gradient.
+    """
+    _check_inputs(x, positions, inv_freq)
+    angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    freq = inv_freq.to(x.device, angle_dtype).contiguous()
+    scalar = torch.tensor([amplitude], dtype=angle_dtype, device=x.device)  # a float64 amplitude stays exact
+    flat = x.contiguous().view(-1, x.shape[-1])
+    return TritonRope.apply(flat, positions.contiguous(), freq, scalar, bool(inverse)).view(x.shape)
+
+
+def _check_inputs(x: Tensor, positions: Tensor, inv_freq: Tensor) -> None:
+    if x.dim() not in (2, 3):
+        raise ValueError(f"rope expects x [T, Dh] or [T, H, Dh], got {tuple(x.shape)}")
+    if positions.dim() != 1 or positions.shape[0] != x.shape[0]:
+        raise ValueError(f"rope positions must be [T] with T = {x.shape[0]}, got {tuple(positions.shape)}")
+    if inv_freq.dim() != 1 or inv_freq.shape[0] == 0:
+        raise ValueError(f"rope inv_freq must be a non-empty [P/2] vector, got {tuple(inv_freq.shape)}")
+    if x.shape[-1] < 2 * inv_freq.shape[0]:
+        raise ValueError(f"rotary dims (2*{inv_freq.shape[0]}) exceed the head dim {x.shape[-1]}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"triton rope needs x of dtype among {SUPPORTED_DTYPES}, got {x.dtype}")
+    if not positions.is_floating_point() and positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"rope positions must be int32, int64 or floating, got {positions.dtype}")
+    if positions.device != x.device:
+        raise ValueError(f"rope positions on {positions.device} but x on {x.device}")
+    reason = triton_decline_reason(x.device, explicit=True)
+    if reason is not None:
+        raise ValueError(f"triton rope cannot run on x's device: {reason}")

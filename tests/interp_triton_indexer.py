@@ -1,0 +1,94 @@
+"""Triton lightning-indexer kernels in the CPU interpreter vs the unfused reference.
+
+Run by `test_triton_indexer.py::test_interpreted_kernels` in a child process with
+`TRITON_INTERPRET=1` (see `triton_support.py`). float32, tiny shapes; every comparison is against the
+reference on the same float32 inputs, so only the order of float32 additions differs (≤ 33
+candidates, ≤ 16 heads, ≤ 32 dims): rtol 1e-5 / atol 1e-5 for scores and grads.
+"""
+
+import pytest
+import torch
+
+from megatron_dsa.backends.triton_kernels import indexer as triton_indexer
+from megatron_dsa.backends.triton_kernels.availability import interpreting
+from megatron_dsa.ops.indexer import indexer_scores as reference_scores
+from indexer_cases import SCALE, causal_candidates, inputs, random_candidates, run
+
+if not interpreting():
+    pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_indexer.py)", allow_module_level=True)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _assert_matches_reference(q, k, w, cand, upstream=None):
+    upstream = torch.randn(cand.shape) if upstream is None else upstream
+    got, got_grads = run(triton_indexer.indexer_scores, q, k, w, cand, upstream)
+    ref, ref_grads = run(reference_scores, q, k, w, cand, upstream)
+    assert got.dtype == torch.float32 and got.shape == cand.shape
+    invalid = cand < 0
+    assert torch.isneginf(got[invalid]).all() and torch.isfinite(got[~invalid]).all()
+    torch.testing.assert_close(got[~invalid], ref[~invalid], **TOL)
+    for name, a, b in zip(("q", "k", "weights"), got_grads, ref_grads):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"grad {name}: {m}")
+    return got, got_grads
+
+
+@pytest.mark.parametrize("tokens,heads,dim,width", [(8, 1, 16, 5), (17, 4, 32, 16), (24, 16, 16, 33)])
+def test_random_candidates_match_reference(tokens, heads, dim, width):
+    q, k, w = inputs(tokens, heads, dim, entries=11)
+    _assert_matches_reference(q, k, w, random_candidates(tokens, width, 11))
+
+
+@pytest.mark.parametrize("dk_rows", [64, 5])
+def test_causal_range_candidates_match_reference(monkeypatch, dk_rows):
+    """Several forward row blocks; with 5 rows per dk program, runs of equal ids cross programs."""
+    monkeypatch.setattr(triton_indexer, "BACKWARD_K_ROWS", dk_rows)
+    q, k, w = inputs(24, 4, 16, entries=6)
+    _assert_matches_reference(q, k, w, causal_candidates(24, 6).to(torch.int32))
+
+
+def test_invalid_rows_give_neg_inf_and_zero_grads_even_with_nan_upstream():
+    """A row without candidates (e.g. the first tokens of a sequence) scores −inf everywhere; NaN
+    upstream gradients at invalid slots (a softmax over an all −inf row) must not leak."""
+    q, k, w = inputs(9, 4, 16, entries=7)
+    cand = random_candidates(9, 16, 7)
+    upstream = torch.randn(cand.shape).masked_fill(cand < 0, float("nan"))
+    got, (dq, _, dw) = _assert_matches_reference(q, k, w, cand, upstream)
+    assert torch.isneginf(got[1]).all()
+    assert torch.equal(dq[1], torch.zeros_like(dq[1])) and torch.equal(dw[1], torch.zeros_like(dw[1]))
+
+
+def test_relu_boundary_dot_exactly_zero():
+    """A zero key row gives dots exactly 0: ReLU'(0) = 0, so that key gets an exactly zero gradient
+    and contributes nothing to dq (a `>=` in place of `>` would give Σ g·w·q there)."""
+    q, k, w = inputs(10, 4, 16, entries=5)
+    with torch.no_grad():
+        k[3] = 0.0
+    cand = random_candidates(10, 16, 5)
+    cand[:, 0] = 3
+    _, (_, dk, _) = _assert_matches_reference(q, k, w, cand)
+    assert torch.equal(dk[3], torch.zeros_like(dk[3]))
+
+
+def test_inputs_are_not_mutated():
+    q, k, w = inputs(12, 4, 16, entries=6)
+    cand = random_candidates(12, 16, 6)
+    before = [t.detach().clone() for t in (q, k, w, cand)]
+    run(triton_indexer.indexer_scores, q, k, w, cand, torch.randn(cand.shape))
+    for name, old, new in zip(("q", "k", "weights", "candidates"), before, (q, k, w, cand)):
+        assert torch.equal(old, new), name
+
+
+def test_invalid_inputs_raise():
+    q, k, w = inputs(4, 2, 16, entries=3)
+    cand = random_candidates(4, 5, 3)
+    fn = triton_indexer.indexer_scores
+    with pytest.raises(ValueError, match="q \\[T, HI, DI\\]"):
+        fn(q[0], k, w, cand, SCALE)
+    with pytest.raises(ValueError, match="do not match q"):
+        fn(q, k, w[:3], cand, SCALE)
+    with pytest.raises(TypeError, match="one dtype"):
+        fn(q.double(), k.double(), w, cand, SCALE)
+    with pytest.raises(TypeError, match="candidates must be int32 or int64"):
+        fn(q, k, w, cand.float(), SCALE)

@@ -1,0 +1,57 @@
+"""Triton partial RoPE vs the unfused reference (`megatron_dsa.ops.rope.rope`).
+
+CPU: the kernel runs in the Triton interpreter in a child process (`interp_triton_rope.py`; see
+`triton_support.py` for why). GPU: dsv4 dims (T=4096, H=64, Dh=512, P=64), float32 and bfloat16.
+"""
+
+import pytest
+import torch
+
+from megatron_dsa.backends.triton_kernels import rope as triton_rope
+from megatron_dsa.ops.rope import rope as reference_rope, yarn_inv_freq
+from triton_support import run_interpreted
+
+
+def test_interpreted_kernels():
+    run_interpreted("interp_triton_rope.py")
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="cannot run on x's device"):
+        triton_rope.rope(torch.randn(4, 16), torch.arange(4), torch.ones(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dsv4_dims_on_gpu(dtype):
+    """Against the reference run in the same dtype: the kernel repeats its rounding steps (cos/sin in
+    float32 rounded to x's dtype, each product rounded, the sum rounded), and both use CUDA's libdevice
+    cosf/sinf, so the results should be bitwise equal. A last-ulp difference of cosf between torch's
+    and Triton's builds would flip a rounding now and then, so allow 0.1% of the elements to differ,
+    each by at most two ulps of the largest product (≤ 1.3·max|input|; ulp 2^-7 relative for bf16,
+    2^-23 for float32).
+    Against float32 (for bf16 input): the bf16 rounding of cos/sin, products and sum, cosine > 0.9999.
+    """
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    x = torch.randn(4096, 64, 512, device="cuda", dtype=dtype, requires_grad=True)
+    positions = torch.arange(4096, device="cuda") * 4  # compressed entries sit at j·r
+    inv_freq = yarn_inv_freq(64, base=10000.0, scaling_factor=16.0, original_max_position=65536)
+    upstream = torch.randn_like(x)
+    for inverse, amplitude in ((False, 1.0), (True, 0.8)):
+        got = triton_rope.rope(x, positions, inv_freq, inverse=inverse, amplitude=amplitude)
+        expected = reference_rope(x, positions, inv_freq, inverse=inverse, amplitude=amplitude)
+        grad_got, = torch.autograd.grad(got, x, upstream)
+        grad_expected, = torch.autograd.grad(expected, x, upstream)
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+        for what, a, b, source in (("out", got, expected, x), ("grad", grad_got, grad_expected, upstream)):
+            differ = a != b
+            assert differ.float().mean() < 1e-3, f"{what}: {differ.float().mean():.2e} of elements differ"
+            bound = 2 * ulp * 1.3 * source.detach().abs().max().float()
+            assert (a - b).abs().float().max() <= bound, f"{what}: a difference above two ulps"
+        assert torch.equal(got[..., :448], x.detach()[..., :448])
+        reference32 = reference_rope(x.detach().float(), positions, inv_freq, inverse=inverse, amplitude=amplitude)
+        cos = torch.nn.functional.cosine_similarity(got.float().flatten(), reference32.flatten(), dim=0)
+        assert cos > 0.9999, f"vs float32: cosine {cos}"

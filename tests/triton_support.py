@@ -1,0 +1,32 @@
+"""Running the Triton kernels on CPU in tests.
+
+The Triton interpreter cannot be switched on inside a running process: `triton.jit` fixes the mode
+when it decorates, and Triton decorates its own library functions when `triton.language` is first
+imported. So the interpreter tests live in `interp_*.py` files (not collected by the normal run) and
+a normal test runs each file in a child pytest with `TRITON_INTERPRET=1`. The rest of the suite never
+sees the variable. Run one such file directly with
+`TRITON_INTERPRET=1 python -m pytest -o python_files='interp_*.py' tests/interp_triton_indexer.py`.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHILD_TIMEOUT_S = 600
+
+
+def run_interpreted(test_file: str) -> None:
+    """Run `tests/<test_file>` in a child pytest under the Triton CPU interpreter; fail with its output."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))  # this checkout
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=interp_*.py",
+               str(REPO / "tests" / test_file)]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    report = done.stdout[-6000:] + done.stderr[-3000:]
+    assert done.returncode == 0, f"interpreted tests in {test_file} failed:\n{report}"
+    assert " passed" in done.stdout, f"no interpreted test ran in {test_file}:\n{report}"
