@@ -5,9 +5,11 @@ from megatron_dsa.backends.registry import (
     AUTO,
     Backend,
     BackendUnavailableError,
+    BackendSelector,
     OpFamily,
     availability_table,
     call_counts,
+    check_backend_choice,
     dispatch,
     register_backend,
     registered_backends,
@@ -16,6 +18,6 @@ from megatron_dsa.backends.registry import (
 )
 
 __all__ = [
-    "AUTO", "Backend", "BackendUnavailableError", "OpFamily", "availability_table", "call_counts",
-    "dispatch", "register_backend", "registered_backends", "reset_call_counts", "resolve",
+    "AUTO", "Backend", "BackendSelector", "BackendUnavailableError", "OpFamily", "availability_table",
+    "call_counts", "check_backend_choice", "dispatch", "register_backend", "registered_backends", "reset_call_counts", "resolve",
 ]

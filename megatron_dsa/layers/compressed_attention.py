@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from megatron_dsa.backends import OpFamily, dispatch
+from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
@@ -47,7 +48,7 @@ class Compressor(HighPrecisionModule):
 
     def forward(self, x: Tensor, layout: CompressedLayout, inv_freq: Tensor) -> Tensor:
         """`x [T, d]` → compressed entries `[capacity, Dc]` (RoPE at `j·r`, Hadamard if `rotate`)."""
-        op = dispatch(OpFamily.COMPRESSOR, self.config.attention_backend, device=x.device,
+        op = dispatch(OpFamily.COMPRESSOR, self.config, device=x.device,
                       dtype=x.dtype, ratio=self.ratio)
         return op(x, self.linear_wkv.weight, self.linear_wgate.weight, self.ape, self.norm.weight,
                   self.norm.eps, layout, inv_freq, self.rotate)
@@ -70,13 +71,13 @@ class LightningIndexer(nn.Module):
 
         `gather_keys` maps the locally pooled keys to the rows `candidates` index (context
         parallelism all-gathers them; identity otherwise)."""
-        backend = self.config.attention_backend
-        rope = dispatch(OpFamily.ROPE, backend, device=x.device, dtype=x.dtype)
+        c = self.config
+        rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
         q = hadamard_transform(rope(q, layout.tokens.positions, inv_freq))
         k = gather_keys(self.compressor(x, layout, inv_freq))
         weights = self.linear_weights_proj(x) * self.heads ** -0.5
-        op = dispatch(OpFamily.INDEXER_SCORES, backend, device=x.device, dtype=x.dtype)
+        op = dispatch(OpFamily.INDEXER_SCORES, c, device=x.device, dtype=x.dtype)
         return op(q, k, weights, candidates, self.head_dim ** -0.5)
 
 
@@ -162,15 +163,14 @@ class CompressedSparseAttention(HighPrecisionModule):
         else:
             scores = self.indexer(x.detach(), qr.detach(), compressed_layout, inv_freq, candidates,
                                   gather)
-            topk = dispatch(OpFamily.TOPK, c.attention_backend, device=x.device)
+            topk = dispatch(OpFamily.TOPK, c, device=x.device, dtype=scores.dtype, topk=c.dsa_indexer_topk)
             columns = topk(scores, candidates >= 0, c.dsa_indexer_topk)
             # Candidate column j is entry j of the query's sequence, in every layout (CP included).
             selection = IndexSelection(window, gather_valid(visible, columns), columns)
         self.last_selection = selection if cp is None else selection.rows(cp.outputs)
 
-        attend = dispatch(OpFamily.SPARSE_ATTENTION, c.attention_backend, device=query.device,
-                          dtype=query.dtype, head_dim=query.shape[-1], heads=query.shape[1])
-        out, lse = attend(query, kv_full, selection.all(), self.attn_sink, c.softmax_scale)
+        # Forward and backward kernels are dispatched separately (counted as sparse_attention_fwd/bwd).
+        out, lse = sparse_attention(query, kv_full, selection.all(), self.attn_sink, c.softmax_scale, c)
 
         self.last_indexer_loss = None
         if scores is not None and self.training and torch.is_grad_enabled():
@@ -199,7 +199,7 @@ class CompressedSparseAttention(HighPrecisionModule):
             full_lse = full_normaliser(query, kv_full, torch.cat((selection.window, visible), 1), sink,
                                        c.softmax_scale)
         target = teacher_target(query, kv_full, candidates, full_lse, c.softmax_scale, self.tp_group)
-        kl = dispatch(OpFamily.INDEXER_LOSS, c.attention_backend, device=query.device)
+        kl = dispatch(OpFamily.INDEXER_LOSS, c, device=query.device)
         per_row = kl(student, target.to(student.dtype), valid)
         if layout.has_padding:  # padding (and CP halo) rows never enter the loss or its divisor
             real = layout.query_valid
