@@ -1,6 +1,7 @@
 """Kernel backends and the dispatcher. Importing this package registers every backend module."""
 
-from megatron_dsa.backends import unfused  # noqa: F401  (registers the reference backend)
+# Importing a backend module registers it; vendor packages are imported only when probed.
+from megatron_dsa.backends import cudnn, flash_attn, flashmla, torch_sdpa, unfused  # noqa: F401
 from megatron_dsa.backends.registry import (
     AUTO,
     Backend,

@@ -298,6 +298,6 @@ class DenseMLAttention(HybridAttention):
             return out.flatten(1)
         attend = dispatch(OpFamily.DENSE_ATTENTION, c, device=x.device, dtype=x.dtype,
                           head_dim=nope + rope_dim, v_head_dim=c.v_head_dim, heads=heads, groups=groups,
-                          lse_grad=False)  # the layer uses only `out`
+                          layout=layout, lse_grad=False)  # the layer uses only `out`
         out, _ = attend(q, k, v, layout, self.softmax_scale)
         return out.flatten(1)
