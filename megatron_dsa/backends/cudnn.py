@@ -141,10 +141,10 @@ def _in_reference_order(picked: Tensor, ranked: Tensor, valid: Tensor) -> Tensor
     cols = valid.shape[1]
     in_range = (picked >= 0) & (picked < cols)
     ok = in_range & torch.gather(valid, 1, picked.clamp(0, cols - 1))
-    by_column = torch.where(ok, picked, cols).sort(1).values  # ascending columns, invalid last
+    by_column = torch.where(ok, picked, cols).sort(dim=1).values  # ascending columns, invalid last
     ids = torch.where(by_column < cols, by_column, -1)
     values = torch.where(ids >= 0, torch.gather(ranked, 1, ids.clamp_min(0)), float("-inf"))
-    order = values.sort(1, descending=True, stable=True).indices  # stable: ties keep column order
+    order = values.sort(dim=1, descending=True, stable=True).indices  # stable: ties keep column order
     return torch.gather(ids, 1, order)
 
 
