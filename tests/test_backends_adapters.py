@@ -10,7 +10,6 @@ padded kernels see is the only difference)."""
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 
 import pytest

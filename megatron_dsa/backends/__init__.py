@@ -20,5 +20,6 @@ from megatron_dsa.backends.registry import (
 
 __all__ = [
     "AUTO", "Backend", "BackendSelector", "BackendUnavailableError", "OpFamily", "availability_table",
-    "call_counts", "check_backend_choice", "dispatch", "register_backend", "registered_backends", "reset_call_counts", "resolve",
+    "call_counts", "check_backend_choice", "dispatch", "register_backend", "registered_backends",
+    "reset_call_counts", "resolve",
 ]
