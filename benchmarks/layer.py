@@ -74,6 +74,24 @@ def dense_masked_sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, si
     return as_rows(out).to(query.dtype), as_rows(lse.transpose(1, 2))
 
 
+def dense_masked_sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
+                                           scale: float, out: Tensor, lse: Tensor, grad_out: Tensor,
+                                           grad_lse: Optional[Tensor], *, batch: int
+                                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward kernel of the baseline: autograd through the dense-masked forward, recomputed here
+    because the dispatcher runs forward and backward kernels separately (one extra dense forward)."""
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (query, kv, sink)]
+        out_again, lse_again = dense_masked_sparse_attention(inputs[0], inputs[1], indices, inputs[2],
+                                                             scale, batch=batch)
+        outputs, grads = [out_again], [grad_out]
+        if grad_lse is not None:
+            outputs.append(lse_again)
+            grads.append(grad_lse)
+        grad_query, grad_kv, grad_sink = torch.autograd.grad(outputs, inputs, grads)
+    return grad_query, grad_kv, grad_sink
+
+
 def dense_masked_causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout,
                                   scale: float) -> tuple[Tensor, Tensor]:
     """The `M` kind's attention op computed densely: one full `[S, S]` causal-masked score matrix per
@@ -94,7 +112,8 @@ def dense_masked_causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: Token
 
 def register_baseline_backend(batch: int, device: torch.device, dtype: torch.dtype) -> None:
     """`naive-dense`: the dense-masked attention ops, every other op as `auto` picks it here."""
-    attention = {OpFamily.SPARSE_ATTENTION: partial(dense_masked_sparse_attention, batch=batch),
+    attention = {OpFamily.SPARSE_ATTENTION_FWD: partial(dense_masked_sparse_attention, batch=batch),
+                 OpFamily.SPARSE_ATTENTION_BWD: partial(dense_masked_sparse_attention_backward, batch=batch),
                  OpFamily.DENSE_ATTENTION: dense_masked_causal_attention}
     ops = {op: attention.get(op) or resolve(op, AUTO, device=device, dtype=dtype)[1] for op in OpFamily}
     register_backend(Backend(name=BASELINE_BACKEND, priority=-1, ops=ops))  # `auto` never picks it

@@ -43,7 +43,7 @@ def run_info(args: argparse.Namespace) -> int:
     for device in describe_devices():
         print(f"device: {device}")
     print()
-    print(format_table(("backend", "op family", "available"), availability_table()))
+    print(format_table(("backend", "versions", "op family", "available"), availability_table()))
     return 0
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -91,8 +91,11 @@ class HybridAttentionConfig:
     calculate_per_token_loss: bool = False
     indexer_loss_backward_scale: float = 1.0  # gradient the KL loss receives (spec §4.5)
 
-    # Kernels.
+    # Kernels: "auto" (fastest backend that accepts each call, else the unfused reference) or a
+    # backend name for every op; the overrides name one per op family (e.g. {"topk": "cudnn"}).
+    # Names are checked against the registered backends when a layer is built.
     attention_backend: str = "auto"
+    attention_backend_overrides: dict[str, str] = field(default_factory=dict)
 
     # Parallelism (the process groups themselves come with `ParallelState`).
     sequence_parallel: bool = False  # hidden states between layers split along the sequence over TP
@@ -146,7 +149,18 @@ class HybridAttentionConfig:
             raise ValueError(f"cp_partition must be 'zigzag' or 'contiguous', got {self.cp_partition!r}")
         if self.add_bias_linear:
             raise ValueError("add_bias_linear=True is not supported: the DSv4 layer has no biases")
+        self._validate_backend_fields()
         self._validate_mla()
+
+    def _validate_backend_fields(self) -> None:
+        if not isinstance(self.attention_backend, str) or not self.attention_backend:
+            raise ValueError(f"attention_backend must be a non-empty string ('auto' or a backend name), "
+                             f"got {self.attention_backend!r}")
+        overrides = self.attention_backend_overrides
+        if not isinstance(overrides, dict) or not all(
+                isinstance(key, str) and isinstance(value, str) and value for key, value in overrides.items()):
+            raise ValueError(f"attention_backend_overrides must map op family names to backend names "
+                             f"(strings), got {overrides!r}")
 
     def _expand_pattern(self, pattern: str) -> str:
         if not isinstance(pattern, str) or not pattern:
@@ -194,6 +208,10 @@ class HybridAttentionConfig:
     def softmax_scale(self) -> float:
         """Hybrid layers: D^-1/2, never YaRN-adjusted (spec §5)."""
         return self.v_head_dim ** -0.5
+
+    def backend_for(self, op: str) -> str:
+        """Backend requested for op family `op`: its override, else `attention_backend`."""
+        return self.attention_backend_overrides.get(op, self.attention_backend)
 
     def layer_kind(self, layer_number: int) -> LayerKind:
         """Kind of 1-indexed layer `layer_number` (Megatron numbering)."""

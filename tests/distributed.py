@@ -85,6 +85,12 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
 
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """`‖actual − expected‖ / ‖expected‖` in float64 (a norm-scale error shows here, not in cosine)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
+
+
 def assert_bf16_parity(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], tag: str) -> None:
     """bf16 parallel run vs bf16 single-device run (spec tolerance tier T5).
 

@@ -23,7 +23,7 @@ from megatron_dsa.backends import (
 )
 from megatron_dsa.backends import registry
 
-OP = OpFamily.SPARSE_ATTENTION
+OP = OpFamily.SPARSE_ATTENTION_FWD
 DECLINE_REASON = "head dim 96 unsupported"
 LOGGER = "megatron_dsa.backends"
 
@@ -98,9 +98,9 @@ def test_call_counters_count_per_backend_and_op_and_reset(fake_backend: Backend)
 
 # ---------------------------------------------------------------- a whole layer
 EXPECTED_OPS = {
-    "W": {"rope", "sparse_attention"},
-    "C": {"rope", "compressor", "indexer_scores", "topk", "sparse_attention", "indexer_loss"},
-    "H": {"rope", "compressor", "sparse_attention"},
+    "W": {"rope", "sparse_attention_fwd"},
+    "C": {"rope", "compressor", "indexer_scores", "topk", "sparse_attention_fwd", "indexer_loss"},
+    "H": {"rope", "compressor", "sparse_attention_fwd"},
     "M": {"rope", "dense_attention"},
 }
 
@@ -129,7 +129,6 @@ def test_csa_layer_computes_the_indexer_loss_only_in_training(clean_registry: No
     assert {op for _, op in counts} == EXPECTED_OPS["C"] - {"indexer_loss"}
 
 
-def test_unknown_config_backend_fails_at_forward(clean_registry: None) -> None:
-    layer = HybridAttention(tiny_config(attention_backend="nope"), kind="W")
-    with pytest.raises(ValueError, match=r"unknown backend 'nope'.*'unfused'"):
-        layer(torch.randn(8, 1, layer.config.hidden_size))
+def test_unknown_config_backend_fails_at_construction(clean_registry: None) -> None:
+    with pytest.raises(ValueError, match=r"unknown backend\(s\) \['nope'\].*'unfused'"):
+        HybridAttention(tiny_config(attention_backend="nope"), kind="W")

@@ -1,13 +1,16 @@
 """Kernel backends and the dispatcher. Importing this package registers every backend module."""
 
-from megatron_dsa.backends import unfused  # noqa: F401  (registers the reference backend)
+# Importing a backend module registers it; vendor packages are imported only when probed.
+from megatron_dsa.backends import cudnn, flash_attn, flashmla, torch_sdpa, unfused  # noqa: F401
 from megatron_dsa.backends.registry import (
     AUTO,
     Backend,
     BackendUnavailableError,
+    BackendSelector,
     OpFamily,
     availability_table,
     call_counts,
+    check_backend_choice,
     dispatch,
     register_backend,
     registered_backends,
@@ -16,6 +19,7 @@ from megatron_dsa.backends.registry import (
 )
 
 __all__ = [
-    "AUTO", "Backend", "BackendUnavailableError", "OpFamily", "availability_table", "call_counts",
-    "dispatch", "register_backend", "registered_backends", "reset_call_counts", "resolve",
+    "AUTO", "Backend", "BackendSelector", "BackendUnavailableError", "OpFamily", "availability_table",
+    "call_counts", "check_backend_choice", "dispatch", "register_backend", "registered_backends",
+    "reset_call_counts", "resolve",
 ]

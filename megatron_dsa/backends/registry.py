@@ -2,10 +2,14 @@
 
 A backend is a named provider of implementations for some op families. Before it is used for a call
 it is asked `decline_reason(op, call)`: `None` means "I can run this", a string says why not
-("package cudnn not importable", "head dim 96 unsupported", ...). `auto` takes the first backend in
-priority order that accepts and logs its choice once per (op, choice); an explicitly requested backend
-that declines raises `BackendUnavailableError` carrying its reason. Every dispatched call increments a
-counter tests read to prove which path ran.
+("package cudnn not importable", "head dim 96 unsupported", ...). The call description `call` holds
+what the probes need (device, dtype, head_dim, heads, topk, lse_grad, ...) plus `explicit`: True when
+the backend was requested by name.
+
+`auto` takes the first backend in priority order that accepts and logs its choice once per
+(op, choice, reasons); an explicitly requested backend that declines raises `BackendUnavailableError`
+carrying its reason. The choice can be made per op (`HybridAttentionConfig.attention_backend_overrides`).
+Every dispatched call increments a counter tests read to prove which path ran.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol, Union
 
 logger = logging.getLogger("megatron_dsa.backends")
 
@@ -22,7 +26,8 @@ AUTO = "auto"
 
 
 class OpFamily(str, Enum):
-    SPARSE_ATTENTION = "sparse_attention"  # forward + backward over index rows, with sink
+    SPARSE_ATTENTION_FWD = "sparse_attention_fwd"  # (q, kv, indices, sink, scale) -> (out, lse)
+    SPARSE_ATTENTION_BWD = "sparse_attention_bwd"  # (..., out, lse, grad_out, grad_lse) -> grads
     INDEXER_SCORES = "indexer_scores"
     TOPK = "topk"
     INDEXER_LOSS = "indexer_loss"
@@ -35,23 +40,46 @@ class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run the call; the message says why."""
 
 
+class BackendSelector(Protocol):
+    """Anything that names a backend per op (the layer config does)."""
+
+    def backend_for(self, op: str) -> str: ...
+
+
+Requested = Union[str, BackendSelector]
+
+
+def _accept_all(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
+    return None
+
+
+def _no_version() -> str:
+    return "-"
+
+
 @dataclass
 class Backend:
     """A named set of op implementations with a capability probe.
 
     `probe(op, call)` returns None when the backend accepts the call, else a reason string. It must be
-    cheap (import checks are cached by the backend module) and must never raise.
+    cheap (import checks are cached by the backend module) and must never raise. With an empty call
+    description (no device) it answers what does not depend on the call: packages, GPU generation.
+    `version()` names the package versions the backend runs on (for `megatron_dsa info`).
     """
 
     name: str
     priority: int  # higher is tried first by `auto`
     ops: dict[OpFamily, Callable[..., Any]] = field(default_factory=dict)
-    probe: Callable[[OpFamily, Mapping[str, Any]], Optional[str]] = lambda op, call: None
+    probe: Callable[[OpFamily, Mapping[str, Any]], Optional[str]] = _accept_all
+    version: Callable[[], str] = _no_version
 
     def decline_reason(self, op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         if op not in self.ops:
             return f"no {op.value} implementation"
-        return self.probe(op, call)
+        try:
+            return self.probe(op, call)
+        except Exception as error:  # noqa: BLE001 - a probe bug must decline, not crash `auto`
+            return f"probe failed ({type(error).__name__}: {error})"
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -70,25 +98,36 @@ def registered_backends() -> list[Backend]:
     return sorted(_BACKENDS.values(), key=lambda b: -b.priority)
 
 
-def resolve(op: OpFamily, requested: str = AUTO, **call: Any) -> tuple[str, Callable[..., Any]]:
+def _requested_name(op: OpFamily, requested: Requested) -> str:
+    return requested if isinstance(requested, str) else requested.backend_for(op.value)
+
+
+def _lookup(name: str, op: OpFamily) -> Backend:
+    backend = _BACKENDS.get(name)
+    if backend is None:
+        raise ValueError(f"unknown backend {name!r} for {op.value}; "
+                         f"choose '{AUTO}' or one of {sorted(_BACKENDS)}")
+    return backend
+
+
+def resolve(op: OpFamily, requested: Requested = AUTO, **call: Any) -> tuple[str, Callable[..., Any]]:
     """Pick the backend for one call of `op`: returns `(backend name, implementation)`.
 
-    `call` describes the call for capability probes (device, dtype, head_dim, ...).
+    `requested` is `auto`, a backend name, or a selector (the config) naming one per op. `call`
+    describes the call for capability probes (device, dtype, head_dim, ...).
     """
     op = OpFamily(op)
-    if requested != AUTO:
-        backend = _BACKENDS.get(requested)
-        if backend is None:
-            raise ValueError(f"unknown backend {requested!r} for {op.value}; "
-                             f"choose '{AUTO}' or one of {sorted(_BACKENDS)}")
-        reason = backend.decline_reason(op, call)
+    name = _requested_name(op, requested)
+    if name != AUTO:
+        backend = _lookup(name, op)
+        reason = backend.decline_reason(op, {**call, "explicit": True})
         if reason is not None:
-            raise BackendUnavailableError(f"backend {requested!r} cannot run {op.value}: {reason}")
+            raise BackendUnavailableError(f"backend {name!r} cannot run {op.value}: {reason}")
         return backend.name, backend.ops[op]
 
     declined = []
     for backend in registered_backends():
-        reason = backend.decline_reason(op, call)
+        reason = backend.decline_reason(op, {**call, "explicit": False})
         if reason is None:
             _log_choice_once(op, backend.name, declined)
             return backend.name, backend.ops[op]
@@ -96,7 +135,7 @@ def resolve(op: OpFamily, requested: str = AUTO, **call: Any) -> tuple[str, Call
     raise BackendUnavailableError(f"no backend can run {op.value}: " + "; ".join(declined))
 
 
-def dispatch(op: OpFamily, requested: str = AUTO, **call: Any) -> Callable[..., Any]:
+def dispatch(op: OpFamily, requested: Requested = AUTO, **call: Any) -> Callable[..., Any]:
     """Resolve `op` and return its implementation wrapped with the call counter."""
     name, impl = resolve(op, requested, **call)
     key = (name, OpFamily(op).value)
@@ -106,6 +145,42 @@ def dispatch(op: OpFamily, requested: str = AUTO, **call: Any) -> Callable[..., 
         return impl(*args, **kwargs)
 
     return counted
+
+
+def check_backend_choice(default: str, overrides: Mapping[str, str]) -> None:
+    """Fail early on a backend choice that can never work (at layer construction, not at forward).
+
+    Unknown op or backend names raise `ValueError` naming them. An explicitly named backend whose
+    packages or GPU are missing raises `BackendUnavailableError` with its reason (bug class A10.1:
+    the error names the missing package before any forward, never an ImportError from deep inside).
+    Checks that depend on the call (dtype, head dim, ...) still happen per call.
+    """
+    ops = {op.value: op for op in OpFamily}
+    unknown_ops = sorted(set(overrides) - set(ops))
+    if unknown_ops:
+        raise ValueError(f"attention_backend_overrides names unknown op families {unknown_ops}; "
+                         f"choose from {sorted(ops)}")
+    choices = {f"override for {op}": name for op, name in overrides.items()}
+    choices["attention_backend"] = default
+    unknown = sorted({name for name in choices.values() if name != AUTO and name not in _BACKENDS})
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}; choose '{AUTO}' or one of {sorted(_BACKENDS)}")
+    for op_name, name in overrides.items():
+        if name != AUTO:
+            _require_runnable(_BACKENDS[name], ops[op_name], required=True)
+    if default != AUTO:
+        backend = _BACKENDS[default]
+        for op in backend.ops:
+            if op.value not in overrides:
+                _require_runnable(backend, op, required=False)
+
+
+def _require_runnable(backend: Backend, op: OpFamily, required: bool) -> None:
+    if op not in backend.ops and not required:
+        return
+    reason = backend.decline_reason(op, {"explicit": True})
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {backend.name!r} cannot run {op.value}: {reason}")
 
 
 def _log_choice_once(op: OpFamily, chosen: str, declined: list[str]) -> None:
@@ -127,15 +202,18 @@ def reset_call_counts() -> None:
     _CALL_COUNTS.clear()
 
 
-def availability_table() -> list[tuple[str, str, str]]:
-    """Rows `(backend, op, "yes" | reason)` probed with an empty call description on this machine.
+def availability_table() -> list[tuple[str, str, str, str]]:
+    """Rows `(backend, versions, op, "yes" | reason)` probed with an empty call description here.
 
     Backends whose answer depends on the call (dtype, head dim, ...) decline per call at run time;
     this table shows what does not depend on it (packages, GPU generation).
     """
     rows = []
     for backend in registered_backends():
+        version = backend.version()
         for op in OpFamily:
-            reason = backend.decline_reason(op, {})
-            rows.append((backend.name, op.value, "yes" if reason is None else reason))
+            if op not in backend.ops:
+                continue  # the table lists what a backend offers, not what it never implements
+            reason = backend.decline_reason(op, {"explicit": False})
+            rows.append((backend.name, version, op.value, "yes" if reason is None else reason))
     return rows

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.compressor import compress
 from megatron_dsa.ops.dense_attention import causal_attention
@@ -9,13 +11,14 @@ from megatron_dsa.ops.indexer import indexer_scores
 from megatron_dsa.ops.indexer_loss import kl_per_row
 from megatron_dsa.ops.indices import topk_columns
 from megatron_dsa.ops.rope import rope
-from megatron_dsa.ops.sparse_attention import sparse_attention
+from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
 
 UNFUSED = Backend(
     name="unfused",
     priority=0,  # the fallback: every fused backend outranks it
     ops={
-        OpFamily.SPARSE_ATTENTION: sparse_attention,
+        OpFamily.SPARSE_ATTENTION_FWD: sparse_attention_forward,
+        OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward,
         OpFamily.INDEXER_SCORES: indexer_scores,
         OpFamily.TOPK: topk_columns,
         OpFamily.INDEXER_LOSS: kl_per_row,
@@ -23,6 +26,7 @@ UNFUSED = Backend(
         OpFamily.ROPE: rope,
         OpFamily.DENSE_ATTENTION: causal_attention,
     },
+    version=lambda: f"torch {torch.__version__}",
 )
 
 register_backend(UNFUSED)

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from megatron_dsa.backends import OpFamily, dispatch
+from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
@@ -50,7 +51,7 @@ class Compressor(HighPrecisionModule):
 
     def forward(self, x: Tensor, layout: CompressedLayout, inv_freq: Tensor) -> Tensor:
         """`x [T, d]` → compressed entries `[capacity, Dc]` (RoPE at `j·r`, Hadamard if `rotate`)."""
-        op = dispatch(OpFamily.COMPRESSOR, self.config.attention_backend, device=x.device,
+        op = dispatch(OpFamily.COMPRESSOR, self.config, device=x.device,
                       dtype=x.dtype, ratio=self.ratio)
         return op(x, self.linear_wkv.weight, self.linear_wgate.weight, self.ape, self.norm.weight,
                   self.norm.eps, layout, inv_freq, self.rotate)
@@ -73,7 +74,7 @@ class LightningIndexer(nn.Module):
 
         `gather_keys` maps the locally pooled keys to the buffer the candidates index (context
         parallelism all-gathers them; identity otherwise)."""
-        rope = dispatch(OpFamily.ROPE, self.config.attention_backend, device=x.device, dtype=x.dtype)
+        rope = dispatch(OpFamily.ROPE, self.config, device=x.device, dtype=x.dtype)
         q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
         q = hadamard_transform(rope(q, layout.tokens.positions, inv_freq))
         k = gather_keys(self.compressor(x, layout, inv_freq))
@@ -84,7 +85,7 @@ class LightningIndexer(nn.Module):
         """Scores `[n, C]` (float32/64, −inf at invalid) of `candidates [n, C]` (rows of the keys) for
         the query rows the features hold."""
         q, k, weights = features
-        op = dispatch(OpFamily.INDEXER_SCORES, self.config.attention_backend, device=q.device, dtype=q.dtype)
+        op = dispatch(OpFamily.INDEXER_SCORES, self.config, device=q.device, dtype=q.dtype)
         return op(q, k, weights, candidates, self.head_dim ** -0.5)
 
     def select(self, features: tuple[Tensor, Tensor, Tensor], entries: VisibleEntries, topk: int) -> Tensor:
@@ -92,12 +93,13 @@ class LightningIndexer(nn.Module):
 
         Scored in row chunks without autograd, so the `[T, C]` scores never exist at once."""
         q, k, weights = features
-        pick = dispatch(OpFamily.TOPK, self.config.attention_backend, device=q.device)
         chunks = []
         with torch.no_grad():
             for rows in entries.row_chunks(SELECTION_CHUNK_ELEMENTS):
                 candidates = entries.rows(rows)
-                chunks.append(pick(self.scores((q[rows], k, weights[rows]), candidates), candidates >= 0, topk))
+                scores = self.scores((q[rows], k, weights[rows]), candidates)
+                pick = dispatch(OpFamily.TOPK, self.config, device=q.device, dtype=scores.dtype, topk=topk)
+                chunks.append(pick(scores, candidates >= 0, topk))
         if not chunks:
             return torch.empty(0, min(topk, entries.width), dtype=torch.long, device=q.device)
         return torch.cat(chunks)
@@ -189,9 +191,8 @@ class CompressedSparseAttention(HighPrecisionModule):
             selection = IndexSelection(window, offset_valid(entries.pick(columns), layout.num_rows), columns)
         self.last_selection = selection if cp is None else selection.rows(cp.outputs)
 
-        attend = dispatch(OpFamily.SPARSE_ATTENTION, c.attention_backend, device=query.device,
-                          dtype=query.dtype, head_dim=query.shape[-1], heads=query.shape[1])
-        out, lse = attend(query, kv_full, selection.all(), self.attn_sink, c.softmax_scale)
+        # Forward and backward kernels are dispatched separately (counted as sparse_attention_fwd/bwd).
+        out, lse = sparse_attention(query, kv_full, selection.all(), self.attn_sink, c.softmax_scale, c)
 
         self.last_indexer_loss = None
         if features is not None and self.training and torch.is_grad_enabled():
@@ -226,7 +227,7 @@ class CompressedSparseAttention(HighPrecisionModule):
         student = self.indexer.scores(features, entry_rows)
         valid = candidates >= 0
         target = teacher_target(query, kv_full, candidates, full_lse, c.softmax_scale, self.tp_group)
-        kl = dispatch(OpFamily.INDEXER_LOSS, c.attention_backend, device=query.device)
+        kl = dispatch(OpFamily.INDEXER_LOSS, c, device=query.device)
         per_row = kl(student, target.to(student.dtype), valid)
         if layout.has_padding:  # padding (and CP halo) rows never enter the loss or its divisor
             real = layout.query_valid

@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from megatron_dsa.backends import OpFamily, dispatch
+from megatron_dsa.backends import OpFamily, check_backend_choice, dispatch
 from megatron_dsa.config import HybridAttentionConfig, LayerKind, yarn_mscale
 from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std
 from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
@@ -77,6 +77,7 @@ class HybridAttention(HighPrecisionModule):
                  kind: Union[LayerKind, str, None] = None, parallel_state: Optional[ParallelState] = None):
         super().__init__()
         c = self.config = config
+        check_backend_choice(c.attention_backend, c.attention_backend_overrides)
         self.kind = resolve_kind(config, layer_number, kind)
         self.layer_number = layer_number
         self.parallel_state = parallel_state or ParallelState()
@@ -195,7 +196,7 @@ class HybridAttention(HighPrecisionModule):
         """Token rows `x [T, d]` → this rank's grouped-projected attention output `[T, G/tp·Ro]`."""
         c = self.config
         positions, inv_freq = layout.positions, self.rotary_inv_freq
-        rope = dispatch(OpFamily.ROPE, c.attention_backend, device=x.device, dtype=x.dtype)
+        rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         qr = self.q_layernorm(self.linear_q_down_proj(x))  # [T, Rq], also the indexer's input
         q = self.linear_q_up_proj(qr).view(-1, self.local_heads, c.v_head_dim)
         q = rope(rms_norm(q, None, c.layernorm_epsilon), positions, inv_freq)
@@ -280,7 +281,7 @@ class DenseMLAttention(HybridAttention):
         c = self.config
         heads, groups = self.local_heads, self.local_groups
         nope, rope_dim, rank = c.mla_qk_head_dim, c.qk_pos_emb_head_dim, c.mla_kv_lora_rank
-        rope = dispatch(OpFamily.ROPE, c.attention_backend, device=x.device, dtype=x.dtype)
+        rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         positions, inv_freq, amplitude = layout.positions, self.rotary_inv_freq, self.rope_amplitude
 
         q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
@@ -295,7 +296,8 @@ class DenseMLAttention(HybridAttention):
         if cp is not None:
             out = ring_attention(q, k, v, cp.plan, cp.rank, cp.group, self.softmax_scale, c.cp_comm_type)
             return out.flatten(1)
-        attend = dispatch(OpFamily.DENSE_ATTENTION, c.attention_backend, device=x.device,
-                          dtype=x.dtype, head_dim=nope + rope_dim, v_head_dim=c.v_head_dim)
+        attend = dispatch(OpFamily.DENSE_ATTENTION, c, device=x.device, dtype=x.dtype,
+                          head_dim=nope + rope_dim, v_head_dim=c.v_head_dim, heads=heads, groups=groups,
+                          layout=layout, lse_grad=False)  # the layer uses only `out`
         out, _ = attend(q, k, v, layout, self.softmax_scale)
         return out.flatten(1)

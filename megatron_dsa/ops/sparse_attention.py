@@ -11,11 +11,15 @@ latent (MQA: one KV head, K = V):
 The returned LSE excludes the sink, as FlashMLA's does: the full normaliser is
 `logaddexp(lse, sink)`. A row with no valid index gives `O = 0` and `lse = −inf`.
 
-The autograd Function works on row chunks in forward and backward and saves only its inputs,
-output and LSE, so memory stays O(rows · (H + D)) beyond one chunk of gathered keys.
+The reference forward and backward kernels are pure functions (`sparse_attention_forward`,
+`sparse_attention_backward`; the contracts every sparse-attention backend implements). They work on
+row chunks, and the autograd Function saves only inputs, output and LSE, so memory stays
+O(rows · (H + D)) beyond one chunk of gathered keys.
 """
 
 from __future__ import annotations
+
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -51,66 +55,126 @@ def _forward_chunk(q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: floa
     return out, row_max + torch.log(key_mass)
 
 
-class SparseAttentionFunction(torch.autograd.Function):
-    """`(query [N,H,D], kv [M,D], indices [N,K] int64, sink [H], scale) → (out [N,H,D], lse [N,H])`."""
+def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
+                             scale: float) -> tuple[Tensor, Tensor]:
+    """The reference forward kernel (no autograd), in row chunks.
 
-    @staticmethod
-    def forward(ctx, query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float):
-        rows, heads, dim = query.shape
-        step = _rows_per_chunk(indices.shape[1], heads, dim)
-        out = query.new_empty(rows, heads, dim)
-        lse = query.new_empty(rows, heads, dtype=_compute_dtype(query.dtype))
-        for start in range(0, rows, step):
-            chunk = slice(start, start + step)
-            out_c, lse_c = _forward_chunk(query[chunk], kv, indices[chunk], sink, scale)
-            out[chunk], lse[chunk] = out_c.to(out.dtype), lse_c
-        ctx.save_for_backward(query, kv, indices, sink, out, lse)
-        ctx.scale = scale
-        return out, lse
+    query `[N, H, D]`, kv `[M, D]`, indices `[N, K]` int32/int64 (outside `[0, M)` ignored), sink `[H]`.
+    Returns `out [N, H, D]` (query dtype) and `lse [N, H]` (float32; float64 for float64 input):
+    natural log over the valid keys, sink excluded, −inf for a row without keys.
+    """
+    rows, heads, dim = query.shape
+    indices = indices.long()
+    step = _rows_per_chunk(indices.shape[1], heads, dim)
+    out = query.new_empty(rows, heads, dim)
+    lse = query.new_empty(rows, heads, dtype=_compute_dtype(query.dtype))
+    for start in range(0, rows, step):
+        chunk = slice(start, start + step)
+        out_c, lse_c = _forward_chunk(query[chunk], kv, indices[chunk], sink, scale)
+        out[chunk], lse[chunk] = out_c.to(out.dtype), lse_c
+    return out, lse
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor, grad_lse: Tensor):
-        query, kv, indices, sink, out, lse = ctx.saved_tensors
-        scale = ctx.scale
-        compute = _compute_dtype(query.dtype)
-        grad_query = torch.empty_like(query)
-        # One spare row absorbs the invalid slots: a masked index_add without a host sync.
-        grad_kv = torch.zeros((kv.shape[0] + 1, kv.shape[1]), dtype=compute, device=kv.device)
-        grad_sink = torch.zeros(sink.shape, dtype=compute, device=sink.device)
-        step = _rows_per_chunk(indices.shape[1], query.shape[1], query.shape[2])
-        for start in range(0, query.shape[0], step):
-            chunk = slice(start, start + step)
-            q = query[chunk].to(compute)
-            keys, valid, logits = _chunk_scores(query[chunk], kv, indices[chunk], scale)
-            lse_c = lse[chunk]
-            full_lse = torch.logaddexp(lse_c, sink.to(compute))  # normaliser incl. the sink
-            probs = torch.exp(logits - full_lse.unsqueeze(-1))
-            d_out = grad_out[chunk].to(compute)
-            delta = (d_out * out[chunk].to(compute)).sum(-1)  # <dO, O>
-            d_logits = probs * (torch.einsum("nhd,nkd->nhk", d_out, keys) - delta.unsqueeze(-1))
+
+def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
+                              out: Tensor, lse: Tensor, grad_out: Tensor,
+                              grad_lse: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference backward kernel (no autograd), in row chunks.
+
+    Takes the forward's inputs, its `out [N, H, D]` and `lse [N, H]`, and the gradients of both
+    (`grad_lse=None`: nothing flows through lse). Returns `(grad_query [N, H, D], grad_kv [M, D],
+    grad_sink [H])` in the dtypes of query, kv and sink.
+    """
+    compute = _compute_dtype(query.dtype)
+    indices = indices.long()
+    grad_query = torch.empty_like(query)
+    # One spare row absorbs the invalid slots: a masked index_add without a host sync.
+    grad_kv = torch.zeros((kv.shape[0] + 1, kv.shape[1]), dtype=compute, device=kv.device)
+    grad_sink = torch.zeros(sink.shape, dtype=compute, device=sink.device)
+    step = _rows_per_chunk(indices.shape[1], query.shape[1], query.shape[2])
+    for start in range(0, query.shape[0], step):
+        chunk = slice(start, start + step)
+        q = query[chunk].to(compute)
+        keys, valid, logits = _chunk_scores(query[chunk], kv, indices[chunk], scale)
+        lse_c = lse[chunk].to(compute)
+        full_lse = torch.logaddexp(lse_c, sink.to(compute))  # normaliser incl. the sink
+        probs = torch.exp(logits - full_lse.unsqueeze(-1))
+        d_out = grad_out[chunk].to(compute)
+        delta = (d_out * out[chunk].to(compute)).sum(-1)  # <dO, O>
+        d_logits = probs * (torch.einsum("nhd,nkd->nhk", d_out, keys) - delta.unsqueeze(-1))
+        if grad_lse is not None:
             # lse (sink excluded) has its own gradient: softmax over the keys only.
             safe_lse = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))
             d_logits = d_logits + grad_lse[chunk].to(compute).unsqueeze(-1) * torch.exp(
                 logits - safe_lse.unsqueeze(-1))
-            grad_query[chunk] = (torch.einsum("nhk,nkd->nhd", d_logits, keys) * scale).to(query.dtype)
-            d_keys = torch.einsum("nhk,nhd->nkd", probs, d_out) + scale * torch.einsum(
-                "nhk,nhd->nkd", d_logits, q)
-            spare = torch.where(valid, indices[chunk], kv.shape[0])
-            grad_kv.index_add_(0, spare.flatten(), d_keys.flatten(0, 1))
-            sink_prob = torch.exp(sink.to(compute) - full_lse)
-            grad_sink -= (sink_prob * delta).sum(0)
-        return grad_query, grad_kv[:-1].to(kv.dtype), None, grad_sink.to(sink.dtype), None
+        grad_query[chunk] = (torch.einsum("nhk,nkd->nhd", d_logits, keys) * scale).to(query.dtype)
+        d_keys = torch.einsum("nhk,nhd->nkd", probs, d_out) + scale * torch.einsum(
+            "nhk,nhd->nkd", d_logits, q)
+        spare = torch.where(valid, indices[chunk], kv.shape[0])
+        grad_kv.index_add_(0, spare.flatten(), d_keys.flatten(0, 1))
+        sink_prob = torch.exp(sink.to(compute) - full_lse)
+        grad_sink -= (sink_prob * delta).sum(0)
+    return grad_query, grad_kv[:-1].to(kv.dtype), grad_sink.to(sink.dtype)
 
 
-def sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
-                     scale: float) -> tuple[Tensor, Tensor]:
+class SparseAttentionKernels(Protocol):
+    """Where `SparseAttentionFunction` gets its forward and backward kernels (the contracts of
+    `sparse_attention_forward` / `sparse_attention_backward`). The dispatcher's implementation picks
+    a backend per call; `REFERENCE_KERNELS` always runs the reference."""
+
+    def forward(self, query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
+                scale: float) -> tuple[Tensor, Tensor]: ...
+
+    def backward(self, query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
+                 out: Tensor, lse: Tensor, grad_out: Tensor,
+                 grad_lse: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+class _ReferenceKernels:
+    forward = staticmethod(sparse_attention_forward)
+    backward = staticmethod(sparse_attention_backward)
+
+
+REFERENCE_KERNELS: SparseAttentionKernels = _ReferenceKernels()
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    """`(query [N,H,D], kv [M,D], indices [N,K], sink [H], scale, kernels) → (out [N,H,D], lse [N,H])`.
+
+    Saves only its inputs, output and LSE. Gradients are not materialised: when nothing uses `lse`,
+    its gradient reaches the backward kernel as None (some fused kernels have no lse-gradient input).
+    """
+
+    @staticmethod
+    def forward(ctx, query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
+                kernels: SparseAttentionKernels):
+        out, lse = kernels.forward(query, kv, indices, sink, scale)
+        ctx.save_for_backward(query, kv, indices, sink, out, lse)
+        ctx.scale, ctx.kernels = scale, kernels
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]):
+        query, kv, indices, sink, out, lse = ctx.saved_tensors
+        if grad_out is None and grad_lse is None:
+            return None, None, None, None, None, None
+        if grad_out is None:  # only lse is used downstream
+            grad_out = torch.zeros_like(out)
+        grad_query, grad_kv, grad_sink = ctx.kernels.backward(
+            query, kv, indices, sink, ctx.scale, out, lse, grad_out, grad_lse)
+        return grad_query, grad_kv, None, grad_sink, None, None
+
+
+def sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
+                     kernels: SparseAttentionKernels = REFERENCE_KERNELS) -> tuple[Tensor, Tensor]:
     """Attention of `query [N, H, D]` over rows `indices [N, K]` of `kv [M, D]` with sink `[H]`.
 
     Indices outside `[0, M)` (−1 by convention) are ignored. Returns `out [N, H, D]` in the query
-    dtype and `lse [N, H]` (float32, float64 for float64 input), sink excluded.
+    dtype and `lse [N, H]` (float32, float64 for float64 input), sink excluded. `kernels` picks the
+    forward/backward implementation (the reference by default; see `backends.sparse_attention`).
     """
     _check_sparse_inputs(query, kv, indices, sink)
-    return SparseAttentionFunction.apply(query, kv, indices.long(), sink, float(scale))
+    return SparseAttentionFunction.apply(query, kv, indices, sink, float(scale), kernels)
 
 
 def full_normaliser(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:

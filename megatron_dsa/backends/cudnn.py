@@ -1,0 +1,197 @@
+"""The `cudnn` backend: NVIDIA cuDNN frontend (`nvidia-cudnn-frontend >= 1.32`, `from cudnn import DSA`).
+
+* `sparse_attention_bwd`: `DSA.sparse_attention_backward_wrapper` (CuTe DSL; SM90 and SM100).
+  Our rows are already flat with global kv ids. The kernel takes the natural-log, sink-free LSE our
+  forward returns, and the plain softmax scale (it applies log2(e) itself: passing a pre-multiplied
+  scale would apply it twice, bug class A2.1; the GPU test with a non-default scale catches that).
+  It has no LSE-gradient input, so it declines calls whose `lse_grad` is set.
+* `topk`: `DSA.indexer_top_k_wrapper` (radix top-k, SM90+, k <= 2048), post-processed to the exact
+  `ops.indices.topk_columns` contract (−1 padding, highest first, ties to the lower column).
+* `dense_attention` (`M` kind): torch's bundled cuDNN SDPA kernel (the aten op behind
+  `SDPBackend.CUDNN_ATTENTION`, which handles qk/v dims 192/128 on Hopper). It needs no frontend
+  package; it serves whole-sequence batches (`TokenLayout.uniform`) and has no LSE gradient.
+
+The package is imported lazily and only after the probe said it imports; JIT compilation happens at
+the first call of each kernel shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.backends import probes
+from megatron_dsa.backends.flash_attn import dense_problem
+from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
+from megatron_dsa.backends.sparse_layout import (
+    INT32_ROWS,
+    heads_problem,
+    kernel_ids,
+    pad_heads,
+    padded_heads,
+)
+from megatron_dsa.backends.torch_sdpa import batched_dense_attention, layout_problem
+
+PACKAGE = "cudnn"
+DISTRIBUTION = "nvidia-cudnn-frontend"
+MIN_VERSION = (1, 32)
+INSTALL_HINT = "install the [cudnn] extra (pip install 'megatron_dsa[cudnn]')"
+SPARSE_HEAD_DIM = 512  # our V is the whole KV row; the kernel's D=576 mode uses only 512 dims as V
+TOPK_MAX = 2048
+TOPK_COLUMN_ALIGNMENT = 8  # rows of 32 bytes in float32
+
+
+def _dsa() -> Any:
+    return probes.load(PACKAGE).DSA
+
+
+@functools.lru_cache(maxsize=None)
+def package_problem() -> Optional[str]:
+    """None when `cudnn.DSA` and its CuTe-DSL kernels import (checked once per process)."""
+    problem = probes.import_problem(PACKAGE, INSTALL_HINT)
+    if problem is not None:
+        return problem
+    version = probes.distribution_version(DISTRIBUTION) or getattr(probes.load(PACKAGE), "__version__", "")
+    if probes.version_tuple(version) < MIN_VERSION:
+        return f"{DISTRIBUTION} {version or '(unknown version)'} is older than 1.32 (no DSA kernels); {INSTALL_HINT}"
+    try:  # DSA is a lazy namespace: touching the wrappers imports CuTe DSL now, not mid-backward
+        for wrapper in ("sparse_attention_backward_wrapper", "indexer_top_k_wrapper"):
+            getattr(_dsa(), wrapper)
+    except Exception as error:  # noqa: BLE001 - a missing CuTe DSL shows up as any import error
+        return f"cudnn.DSA not usable ({type(error).__name__}: {error}); {INSTALL_HINT}"
+    return None
+
+
+def _index_alignment(device: torch.device) -> int:
+    """Top-k width tile of the backward kernel: 128 on SM90, 64 on SM100."""
+    capability = probes.cuda_capability(device)
+    return 128 if capability is None or capability[0] == 9 else 64
+
+
+# ---------------------------------------------------------------- sparse attention backward
+def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
+                              out: Tensor, lse: Tensor, grad_out: Tensor,
+                              grad_lse: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The `sparse_attention_bwd` contract on `DSA.sparse_attention_backward_wrapper`.
+
+    Heads are padded to 64/128 with zero queries, zero output gradients and −inf sinks (a −inf sink
+    has no mass, so the padding heads contribute nothing to dkv); rows without keys get a finite
+    stand-in LSE and a zero output gradient, so their gradient is exactly 0 as in the reference.
+    """
+    if grad_lse is not None:
+        raise ValueError("the cuDNN sparse backward has no lse-gradient input (the probe declines it)")
+    rows, heads, _ = query.shape
+    width = padded_heads(heads)
+    empty = torch.isneginf(lse)  # [N, H]: rows without keys (our forward's contract)
+    keep = ~empty.unsqueeze(-1)
+    result = _dsa().sparse_attention_backward_wrapper(
+        pad_heads(query, width),
+        kv.contiguous(),
+        pad_heads(torch.where(keep, out, 0).to(query.dtype), width),
+        pad_heads(torch.where(keep, grad_out, 0).to(query.dtype), width),
+        pad_heads(torch.where(empty, 0.0, lse.float()), width),
+        pad_heads(sink.float(), width, float("-inf")),
+        kernel_ids(indices, kv.shape[0], _index_alignment(query.device)),
+        softmax_scale=float(scale),
+    )
+    grad_query = result["dq"][:, :heads].to(query.dtype)
+    return grad_query, result["dkv"].to(kv.dtype), result["d_sink"][:heads].to(sink.dtype)
+
+
+def _sparse_backward_problem(call: Mapping[str, Any]) -> Optional[str]:
+    head_dim, heads = call.get("head_dim"), call.get("heads")
+    return probes.first_problem(
+        "the kernel has no lse-gradient input (lse_grad needed)" if call.get("lse_grad") else None,
+        probes.dtype_problem(call, (torch.bfloat16, torch.float16)),
+        f"head dim {head_dim} unsupported (needs {SPARSE_HEAD_DIM})"
+        if head_dim is not None and head_dim != SPARSE_HEAD_DIM else None,
+        heads_problem(heads) if heads is not None else None,
+        f"{call['kv_rows']} kv rows exceed int32 ids" if call.get("kv_rows", 0) > INT32_ROWS else None,
+    )
+
+
+# ---------------------------------------------------------------- top-k
+def topk(scores: Tensor, valid: Tensor, k: int) -> Tensor:
+    """The `ops.indices.topk_columns` contract on `DSA.indexer_top_k_wrapper`.
+
+    scores `[T, C]`, valid `[T, C]` → `[T, min(k, C)]` int64 columns, highest score first, ties to the
+    lower column, −1 where fewer than k are valid. The kernel scans columns `[0, seq_len)` of each row,
+    so seq_len is the last valid column + 1 and invalid columns inside it are −inf; its picks are
+    then re-checked against `valid` and put in our order (the kernel does not promise an order).
+    """
+    rows, cols = scores.shape
+    width = min(k, cols)
+    if rows == 0 or width == 0:
+        return torch.full((rows, width), -1, dtype=torch.long, device=scores.device)
+    ranked = torch.full((rows, probes.round_up(cols, TOPK_COLUMN_ALIGNMENT)), float("-inf"),
+                        dtype=torch.float32, device=scores.device)
+    ranked[:, :cols] = torch.where(valid, scores.float(), float("-inf"))
+    column = torch.arange(1, cols + 1, device=scores.device)
+    seq_lens = torch.where(valid, column, 0).amax(1).to(torch.int32)
+    picked = _dsa().indexer_top_k_wrapper(ranked, seq_lens, width, next_n=1, return_val=False,
+                                          deterministic=True)["indices"].long()
+    return _in_reference_order(picked, ranked, valid)
+
+
+def _in_reference_order(picked: Tensor, ranked: Tensor, valid: Tensor) -> Tensor:
+    """Valid picks sorted by (score descending, column ascending), −1 after them."""
+    cols = valid.shape[1]
+    in_range = (picked >= 0) & (picked < cols)
+    ok = in_range & torch.gather(valid, 1, picked.clamp(0, cols - 1))
+    by_column = torch.where(ok, picked, cols).sort(dim=1).values  # ascending columns, invalid last
+    ids = torch.where(by_column < cols, by_column, -1)
+    values = torch.where(ids >= 0, torch.gather(ranked, 1, ids.clamp_min(0)), float("-inf"))
+    order = values.sort(dim=1, descending=True, stable=True).indices  # stable: ties keep column order
+    return torch.gather(ids, 1, order)
+
+
+def _topk_problem(call: Mapping[str, Any]) -> Optional[str]:
+    k = call.get("topk")
+    return probes.first_problem(
+        probes.dtype_problem(call, (torch.float32, torch.bfloat16, torch.float16)),
+        f"top-k {k} exceeds the kernel's maximum {TOPK_MAX}" if k is not None and k > TOPK_MAX else None,
+    )
+
+
+# ---------------------------------------------------------------- dense attention (torch's cuDNN SDPA)
+def _cudnn_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
+                                                                  scale=scale)[:2]
+    return out, lse
+
+
+def _dense_probe(call: Mapping[str, Any]) -> Optional[str]:
+    return probes.first_problem(
+        None if torch.backends.cudnn.is_available() else "torch was built without cuDNN",
+        probes.gpu_problem(call, (9, 10), "cuDNN SDPA"),
+        probes.dtype_problem(call, (torch.bfloat16, torch.float16)),
+        layout_problem(call),
+        dense_problem(call),
+    )
+
+
+# ---------------------------------------------------------------- registration
+def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
+    if op is OpFamily.DENSE_ATTENTION:
+        return _dense_probe(call)
+    problem = probes.first_problem(package_problem(), probes.gpu_problem(call, (9, 10), "cuDNN DSA"))
+    if problem is not None:
+        return problem
+    if op is OpFamily.SPARSE_ATTENTION_BWD:
+        return _sparse_backward_problem(call)
+    return _topk_problem(call)
+
+
+CUDNN = Backend(
+    name="cudnn",
+    priority=20,  # dense attention: after flash_attn (faster on H200), before torch_sdpa
+    ops={OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward, OpFamily.TOPK: topk,
+         OpFamily.DENSE_ATTENTION: batched_dense_attention(_cudnn_sdpa)},
+    probe=probe,
+    version=lambda: probes.versions_line(DISTRIBUTION, "nvidia-cutlass-dsl"),
+)
+
+register_backend(CUDNN)

@@ -1,0 +1,88 @@
+"""Shared capability checks of the vendor-kernel backends: optional packages (imported lazily, once),
+package versions, the GPU generation, dtypes. Every check returns None ("fine") or a reason string."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+from types import ModuleType
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def import_problem(module: str, install_hint: str) -> Optional[str]:
+    """None when `module` imports, else why not, with how to install it (bug class A10.1)."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 - any import failure means "not available"
+        return f"package {module} not importable ({type(error).__name__}: {error}); {install_hint}"
+    return None
+
+
+def load(module: str) -> ModuleType:
+    """The vendor module (only called after `import_problem` said it imports)."""
+    return importlib.import_module(module)
+
+
+def distribution_version(distribution: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions_line(*distributions: str) -> str:
+    """`name version` of each installed distribution, `name -` for a missing one."""
+    return ", ".join(f"{name} {distribution_version(name) or '-'}" for name in distributions)
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def cuda_capability(device: Optional[torch.device]) -> Optional[tuple[int, int]]:
+    """Compute capability of `device` (the current CUDA device for None), None when not on CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    if device is None:
+        return torch.cuda.get_device_capability()
+    device = torch.device(device)
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def gpu_problem(call: Mapping[str, Any], majors: Iterable[int], what: str) -> Optional[str]:
+    """None when the call's device is a CUDA GPU of one of the `majors` generations (9 = SM90)."""
+    capability = cuda_capability(call.get("device"))
+    majors = tuple(majors)
+    if capability is None:
+        where = call.get("device")
+        return f"{what} needs a CUDA GPU" + (f" (tensors on {torch.device(where).type})" if where else "")
+    if capability[0] not in majors:
+        wanted = "/".join(f"SM{major}x" for major in majors)
+        return f"{what} needs {wanted}, this GPU is SM{capability[0]}{capability[1]}"
+    return None
+
+
+def dtype_problem(call: Mapping[str, Any], allowed: Iterable[torch.dtype]) -> Optional[str]:
+    dtype = call.get("dtype")
+    allowed = tuple(allowed)
+    if dtype is not None and dtype not in allowed:
+        return f"dtype {dtype} unsupported (needs one of {[str(d) for d in allowed]})"
+    return None
+
+
+def first_problem(*problems: Optional[str]) -> Optional[str]:
+    return next((problem for problem in problems if problem is not None), None)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

@@ -1,0 +1,93 @@
+"""The `torch_sdpa` backend: torch's own fused attention kernels (the aten ops behind
+`scaled_dot_product_attention` that also return the logsumexp) for the dense `M` kind.
+
+They take batched `[B, H, S, D]` tensors, so this backend serves whole-sequence batches
+(`TokenLayout.uniform`) and declines packed/padded layouts. On CUDA it runs the memory-efficient
+kernel (any qk/v head dims); on CPU torch's flash kernel, which needs equal head dims, so the
+smaller side is zero-padded (zero dims add nothing to the logits or the output). The CPU kernel
+serves explicit requests only: `auto` on a CPU keeps the reference. The LSE carries no gradient
+(torch marks it non-differentiable), so calls needing `lse_grad` are declined.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_dsa.backends import probes
+from megatron_dsa.backends.dense_layout import expand_groups, from_batch, to_batch, uniform_batch
+from megatron_dsa.backends.flash_attn import dense_problem
+from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
+from megatron_dsa.ops.layout import TokenLayout
+
+# (q [B,H,S,Dqk], k [B,H,S,Dqk], v [B,H,S,Dv], scale) -> (out [B,H,S,Dv], lse [B,H,≥S])
+BatchedKernel = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+
+
+def batched_dense_attention(kernel: BatchedKernel) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The `dense_attention` contract on a batched causal kernel that returns its LSE."""
+
+    def dense_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout,
+                        scale: float) -> tuple[Tensor, Tensor]:
+        shape = uniform_batch(layout)
+        if shape is None:
+            raise ValueError("batched attention kernels need a uniform layout (the probe declines others)")
+        batch, seqlen = shape
+        heads = q.shape[1]
+        out, lse = kernel(to_batch(q, batch, seqlen), to_batch(expand_groups(k, heads), batch, seqlen),
+                          to_batch(expand_groups(v, heads), batch, seqlen), float(scale))
+        lse = lse.reshape(batch, heads, -1)[..., :seqlen]  # some kernels pad S (or add a unit dim)
+        return from_batch(out).to(q.dtype), lse.transpose(1, 2).reshape(-1, heads).float()
+
+    return dense_attention
+
+
+def _efficient(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True,
+                                                                      scale=scale)[:2]
+    return out, lse
+
+
+def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    width = max(q.shape[-1], v.shape[-1])
+    pad = lambda t: F.pad(t, (0, width - t.shape[-1]))  # noqa: E731
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(pad(q), pad(k), pad(v), 0.0, True,
+                                                                          scale=scale)
+    return out[..., :v.shape[-1]], lse
+
+
+def _kernel(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    return (_efficient if q.device.type == "cuda" else _cpu_flash)(q, k, v, scale)
+
+
+def layout_problem(call: Mapping[str, Any]) -> Optional[str]:
+    layout = call.get("layout")
+    if layout is not None and uniform_batch(layout) is None:
+        return "packed/padded layouts unsupported (batched kernel: whole sequences of one length only)"
+    return None
+
+
+def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
+    device = call.get("device")
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    return probes.first_problem(
+        "the CPU kernel runs only when 'torch_sdpa' is requested by name"
+        if on_cpu and not call.get("explicit") else None,
+        None if on_cpu or device is None else probes.gpu_problem(call, (8, 9, 10, 11, 12), "torch SDPA"),
+        layout_problem(call),
+        dense_problem(call),
+    )
+
+
+TORCH_SDPA = Backend(
+    name="torch_sdpa",
+    priority=10,  # slow on Hopper for 192/128 (kernels.md §1.4): the last fused choice
+    ops={OpFamily.DENSE_ATTENTION: batched_dense_attention(_kernel)},
+    probe=probe,
+    version=lambda: f"torch {torch.__version__}",
+)
+
+register_backend(TORCH_SDPA)

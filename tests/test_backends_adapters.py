@@ -1,0 +1,330 @@
+"""Vendor-kernel adapters on CPU: the dispatcher's choices with monkeypatched packages and GPU
+generations, and the layout glue of each adapter (head padding with −inf sinks, −1 index padding to
+the kernel's tile, int32 global ids, LSE base and orientation, slicing back) run against fake vendor
+modules that implement the vendor contracts with the reference math (`vendor_fakes.py`).
+
+Tolerances: fp64 glue tests compare with the reference at 1e-10 (same math, only the layout differs);
+bf16 end-to-end tests at cosine > 0.999 / relative error < 2e-2 (bf16 rounding of the inputs the
+padded kernels see is the only difference)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+import torch
+
+import megatron_dsa.backends.cudnn as cudnn_backend
+import megatron_dsa.backends.flashmla as flashmla_backend
+from megatron_dsa import HybridAttention, HybridAttentionConfig
+from megatron_dsa.backends import (
+    BackendUnavailableError,
+    OpFamily,
+    call_counts,
+    probes,
+    registry,
+    reset_call_counts,
+    resolve,
+)
+from megatron_dsa.backends.flash_attn import dense_attention as fa4_dense_attention
+from megatron_dsa.backends.sparse_attention import sparse_attention
+from megatron_dsa.ops.dense_attention import causal_attention
+from megatron_dsa.ops.indices import topk_columns
+from megatron_dsa.ops.layout import TokenLayout
+from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
+from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
+from distributed import cosine, relative_error
+from vendor_fakes import FakeCudnnDSA, FakeFlashMLA, fake_cudnn, fake_flash_attn_cute, fake_sparse_inputs, install
+
+LOGGER = "megatron_dsa.backends"
+EXACT = dict(rtol=1e-10, atol=1e-10)
+
+
+def clear_probe_caches() -> None:
+    probes.import_problem.cache_clear()
+    cudnn_backend.package_problem.cache_clear()
+    flashmla_backend.package_problem.cache_clear()
+    flashmla_backend._lse_is_base2.cache_clear()
+
+
+@pytest.fixture
+def vendors(monkeypatch: pytest.MonkeyPatch):
+    """Fresh registry state and probe caches; no vendor package importable unless a test installs one."""
+    monkeypatch.setattr(registry, "_LOGGED_CHOICES", set())
+    monkeypatch.setattr(registry, "_CALL_COUNTS", Counter())
+    for name in ("cudnn", "flash_mla", "flash_attn", "flash_attn.cute"):
+        install(monkeypatch, name, None)
+    clear_probe_caches()
+    yield monkeypatch
+    clear_probe_caches()
+
+
+def on_gpu_generation(monkeypatch: pytest.MonkeyPatch, capability) -> None:
+    monkeypatch.setattr(probes, "cuda_capability", lambda device: capability)
+
+
+def with_cudnn(monkeypatch: pytest.MonkeyPatch, alignment: int = 128) -> FakeCudnnDSA:
+    dsa = FakeCudnnDSA(alignment)
+    install(monkeypatch, "cudnn", fake_cudnn(dsa))
+    clear_probe_caches()
+    return dsa
+
+
+# ---------------------------------------------------------------- dispatcher
+def test_auto_falls_back_without_packages_and_logs_once_per_choice(vendors, caplog) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    for _ in range(3):
+        assert resolve(OpFamily.TOPK, dtype=torch.float32, topk=8)[0] == "unfused"
+        assert resolve(OpFamily.SPARSE_ATTENTION_FWD, dtype=torch.bfloat16)[0] == "unfused"
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 2  # one per distinct (op, choice, reasons)
+    topk_line = next(line for line in lines if "topk" in line)
+    assert "'unfused'" in topk_line and "package cudnn not importable" in topk_line
+    assert "flash_mla" in next(line for line in lines if "sparse_attention_fwd" in line)
+
+
+def test_explicit_backend_without_its_package_fails_at_layer_construction(vendors) -> None:
+    config = HybridAttentionConfig.from_preset("tiny", attention_backend_overrides={"topk": "cudnn"})
+    with pytest.raises(BackendUnavailableError, match=r"'cudnn' cannot run topk: package cudnn not "
+                                                      r"importable.*\[cudnn\] extra"):
+        HybridAttention(config, kind="C")
+
+
+def test_unknown_names_in_the_backend_choice_raise_naming_them(vendors) -> None:
+    with pytest.raises(ValueError, match=r"unknown op families \['topkk'\]"):
+        HybridAttention(HybridAttentionConfig.from_preset(
+            "tiny", attention_backend_overrides={"topkk": "unfused"}), kind="C")
+    with pytest.raises(ValueError, match=r"unknown backend\(s\) \['nope'\]"):
+        HybridAttention(HybridAttentionConfig.from_preset(
+            "tiny", attention_backend_overrides={"topk": "nope"}), kind="C")
+    with pytest.raises(ValueError, match="attention_backend_overrides must map"):
+        HybridAttentionConfig.from_preset("tiny", attention_backend_overrides={"topk": 3})
+
+
+def test_per_op_overrides_round_trip_through_yaml_and_pick_per_op(vendors, tmp_path) -> None:
+    config = HybridAttentionConfig.from_preset(
+        "tiny", attention_backend_overrides={"sparse_attention_bwd": "unfused", "topk": "auto"})
+    config.to_yaml(tmp_path / "c.yaml")
+    loaded = HybridAttentionConfig.from_yaml(tmp_path / "c.yaml")
+    assert loaded.attention_backend_overrides == config.attention_backend_overrides
+    assert loaded.backend_for("sparse_attention_bwd") == "unfused"
+    assert loaded.backend_for("rope") == "auto"
+
+
+@pytest.mark.parametrize("capability, call, expected", [
+    ((8, 0), {}, "needs SM9x/SM10x, this GPU is SM80"),
+    ((9, 0), dict(lse_grad=True), "no lse-gradient input"),
+    ((9, 0), dict(dtype=torch.float32), "dtype torch.float32 unsupported"),
+    ((9, 0), dict(head_dim=576), "head dim 576 unsupported"),
+    ((10, 0), dict(heads=256), "256 local heads unsupported"),
+    ((9, 0), dict(heads=8, head_dim=512, dtype=torch.bfloat16, topk=200), None),
+    ((10, 0), dict(heads=128, head_dim=512, dtype=torch.float16), None),
+])
+def test_cudnn_sparse_backward_probe_table(vendors, capability, call, expected) -> None:
+    with_cudnn(vendors)
+    on_gpu_generation(vendors, capability)
+    reason = cudnn_backend.CUDNN.decline_reason(OpFamily.SPARSE_ATTENTION_BWD, call)
+    assert reason is None if expected is None else expected in reason
+
+
+def test_cudnn_topk_declines_k_above_2048_and_float64(vendors) -> None:
+    with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    assert "2049" in cudnn_backend.CUDNN.decline_reason(OpFamily.TOPK, dict(topk=2049))
+    assert "float64" in cudnn_backend.CUDNN.decline_reason(OpFamily.TOPK, dict(dtype=torch.float64))
+    assert cudnn_backend.CUDNN.decline_reason(OpFamily.TOPK, dict(topk=2048, dtype=torch.float32)) is None
+
+
+def test_cudnn_older_than_1_32_is_declined(vendors) -> None:
+    module = fake_cudnn(FakeCudnnDSA())
+    module.__version__ = "1.23.0"
+    install(vendors, "cudnn", module)
+    clear_probe_caches()
+    assert "older than 1.32" in cudnn_backend.package_problem()
+
+
+# ---------------------------------------------------------------- sparse glue (fp64, exact)
+@pytest.mark.parametrize("heads, width", [(3, 5), (64, 128), (70, 130)])
+def test_cudnn_sparse_backward_glue_matches_the_reference(vendors, heads, width) -> None:
+    dsa = with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    query, kv, indices, sink = fake_sparse_inputs(6, heads, 16, 11, width, torch.float64, seed=heads)
+    out, lse = sparse_attention_forward(query, kv, indices, sink, 0.37)
+    grad_out = torch.randn_like(out)
+    # The kernel takes a float32 lse: the reference gets the same rounded lse, so only layout differs.
+    expected = sparse_attention_backward(query, kv, indices, sink, 0.37, out, lse.float().double(),
+                                         grad_out, None)
+    got = cudnn_backend.sparse_attention_backward(query, kv, indices, sink, 0.37, out, lse, grad_out, None)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **EXACT)
+    seen = dsa.calls[-1][1]
+    padded = 64 if heads <= 64 else 128
+    assert seen["q"].shape[1] == padded and seen["ids"].shape[1] == -(-width // 128) * 128
+    assert torch.isneginf(seen["sink"][heads:]).all() and seen["scale"] == 0.37  # raw scale, once
+    assert seen["ids"].dtype == torch.int32 and (seen["ids"][:, width:] == -1).all()
+    assert (seen["ids"][0, 0] == -1) and (seen["ids"][1] == -1).all()  # id ≥ M and the empty row
+
+
+def test_cudnn_sparse_backward_pads_indices_to_64_on_sm100(vendors) -> None:
+    dsa = with_cudnn(vendors, alignment=64)
+    on_gpu_generation(vendors, (10, 0))
+    query, kv, indices, sink = fake_sparse_inputs(4, 2, 8, 9, 70, torch.float64, seed=3)
+    out, lse = sparse_attention_forward(query, kv, indices, sink.double(), 0.5)
+    cudnn_backend.sparse_attention_backward(query, kv, indices, sink.double(), 0.5, out, lse,
+                                            torch.ones_like(out), None)
+    assert dsa.calls[-1][1]["ids"].shape[1] == 128
+
+
+@pytest.mark.parametrize("lse_base2", [False, True])
+@pytest.mark.parametrize("heads, width", [(3, 5), (128, 256)])
+def test_flashmla_forward_glue_matches_the_reference(vendors, lse_base2, heads, width) -> None:
+    fake = FakeFlashMLA(lse_base2)
+    install(vendors, "flash_mla", fake)
+    clear_probe_caches()
+    query, kv, indices, sink = fake_sparse_inputs(5, heads, 512, 9, width, torch.float64, seed=width)
+    out, lse = flashmla_backend.sparse_attention_forward(query, kv, indices, sink, 0.05)
+    out_ref, lse_ref = sparse_attention_forward(query, kv, indices, sink, 0.05)
+    torch.testing.assert_close(out, out_ref, **EXACT)
+    torch.testing.assert_close(lse, lse_ref.float(), rtol=1e-6, atol=1e-6)  # lse in float32
+    assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()  # empty row: −inf, not FlashMLA's +inf
+    seen = fake.calls[0]  # calls[1] is the one-off LSE-base calibration
+    assert seen["q"].shape[1] == (64 if heads <= 64 else 128) and seen["ids"].shape[-1] % 128 == 0
+    assert torch.isneginf(seen["sink"][heads:]).all() and seen["scale"] == 0.05
+
+
+def test_cudnn_topk_matches_topk_columns_exactly(vendors) -> None:
+    dsa = with_cudnn(vendors)
+    scores = torch.randint(0, 4, (7, 13)).float()  # many ties
+    valid = torch.rand(7, 13) < 0.7
+    valid[2] = False  # no candidate
+    valid[3, 5:] = False  # fewer candidates than k
+    valid[4, :] = True
+    for k in (1, 6, 13, 20):
+        got = cudnn_backend.topk(scores, valid, k)
+        assert torch.equal(got, topk_columns(scores, valid, k)), k
+        assert got.dtype == torch.long
+    values, seq_lens = dsa.calls[-1][1]["values"], dsa.calls[-1][1]["seq_lens"]
+    assert values.shape[1] == 16 and torch.isneginf(values[:, 13:]).all()  # 32-byte rows
+    assert seq_lens[2] == 0 and seq_lens[3] <= 5
+
+
+# ---------------------------------------------------------------- autograd composition
+def loss_of(out: torch.Tensor, lse: torch.Tensor, use_lse: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    loss = (out.float() * torch.randn(out.shape, generator=gen)).sum()
+    if use_lse:
+        finite = torch.where(torch.isfinite(lse), lse, 0.0)
+        loss = loss + (finite.float() * torch.randn(lse.shape, generator=gen)).sum()
+    return loss
+
+
+@pytest.mark.parametrize("use_lse", [False, True])
+def test_flashmla_forward_with_cudnn_backward_equals_unfused_autograd(vendors, use_lse) -> None:
+    with_cudnn(vendors)
+    install(vendors, "flash_mla", FakeFlashMLA())
+    clear_probe_caches()
+    on_gpu_generation(vendors, (9, 0))
+    base = fake_sparse_inputs(12, 8, 512, 20, 40, torch.bfloat16, seed=9)
+    config = HybridAttentionConfig.from_preset("tiny", attention_backend_overrides={
+        "sparse_attention_fwd": "flashmla", "sparse_attention_bwd": "auto"})
+
+    def run(fn):
+        query, kv, sink = (t.detach().clone().requires_grad_() for t in (base[0], base[1], base[3]))
+        out, lse = fn(query, kv, base[2], sink)
+        loss_of(out, lse, use_lse).backward()
+        return out, lse, query.grad, kv.grad, sink.grad
+
+    reset_call_counts()
+    fused = run(lambda q, kv, idx, s: sparse_attention(q, kv, idx, s, 0.05, config))
+    expected_bwd = "unfused" if use_lse else "cudnn"  # cuDNN has no lse-gradient input: auto falls back
+    assert call_counts() == {("flashmla", "sparse_attention_fwd"): 1, (expected_bwd, "sparse_attention_bwd"): 1}
+    reference = run(lambda q, kv, idx, s: reference_sparse_attention(q, kv, idx, s, 0.05))
+    for name, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), fused, reference):
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), finite), name
+        assert cosine(a[finite], b[finite]) > 0.999 and relative_error(a[finite], b[finite]) < 2e-2, name
+
+
+def test_explicit_cudnn_backward_raises_when_lse_needs_a_gradient(vendors) -> None:
+    with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    query, kv, indices, sink = fake_sparse_inputs(4, 2, 512, 6, 3, torch.bfloat16, seed=1)
+    query.requires_grad_()
+    config = HybridAttentionConfig.from_preset("tiny", attention_backend_overrides={
+        "sparse_attention_bwd": "cudnn"})
+    _, lse = sparse_attention(query, kv, indices, sink, 0.05, config)
+    with pytest.raises(BackendUnavailableError, match="no lse-gradient input"):
+        torch.where(torch.isfinite(lse), lse, 0.0).sum().backward()
+
+
+# ---------------------------------------------------------------- dense attention glue
+def packed_problem(lengths, padded, tail, heads=4, groups=2, dqk=12, dv=8):
+    cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    real = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    rows = int(cu[-1]) + tail
+    layout = TokenLayout.packed(real, rows, torch.device("cpu"), cu_seqlens_padded=cu, max_seqlen=max(padded) + tail)
+    gen = torch.Generator().manual_seed(len(lengths))
+    make = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    return layout, make(rows, heads, dqk), make(rows, groups, dqk), make(rows, groups, dv)
+
+
+def test_fa4_dense_glue_matches_the_reference_with_padding_and_tail_rows(vendors) -> None:
+    calls: list = []
+    install(vendors, "flash_attn.cute", fake_flash_attn_cute(calls))
+    layout, q, k, v = packed_problem([3, 5], [4, 6], tail=2)
+    out, lse = fa4_dense_attention(q, k, v, layout, 0.3)
+    out_ref, lse_ref = causal_attention(q, k, v, layout, 0.3)
+    torch.testing.assert_close(out, out_ref, **EXACT)
+    torch.testing.assert_close(lse, lse_ref.float())  # FA4 returns [H, T]: transposed back
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(out_ref, (q, k, v), grad)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **EXACT)
+    assert calls[-1]["cu"].tolist() == [0, 4, 12]  # last boundary moved to T: tail rows join segment 2
+
+
+def test_torch_sdpa_cpu_kernel_is_explicit_only_and_matches_the_reference(vendors) -> None:
+    layout = TokenLayout.uniform(2, 7, torch.device("cpu"))
+    call = dict(device=torch.device("cpu"), dtype=torch.float64, head_dim=16, v_head_dim=8, heads=4,
+                groups=2, layout=layout, lse_grad=False)
+    assert resolve(OpFamily.DENSE_ATTENTION, **call)[0] == "unfused"
+    name, attend = resolve(OpFamily.DENSE_ATTENTION, "torch_sdpa", **call)
+    packed = packed_problem([3, 5], [4, 6], tail=0)[0]
+    with pytest.raises(BackendUnavailableError, match="packed/padded layouts unsupported"):
+        resolve(OpFamily.DENSE_ATTENTION, "torch_sdpa", **{**call, "layout": packed})
+    with pytest.raises(BackendUnavailableError, match="lse carries no gradient"):
+        resolve(OpFamily.DENSE_ATTENTION, "torch_sdpa", **{**call, "lse_grad": True})
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(14, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
+               for h, d in ((4, 16), (2, 16), (2, 8)))
+    out, lse = attend(q, k, v, layout, 0.3)
+    out_ref, lse_ref = causal_attention(q, k, v, layout, 0.3)
+    torch.testing.assert_close(out, out_ref, **EXACT)
+    torch.testing.assert_close(lse, lse_ref.float())
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(out_ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_m_layer_with_explicit_torch_sdpa_matches_unfused(vendors) -> None:
+    torch.manual_seed(0)
+    config = HybridAttentionConfig.from_preset("tiny", qk_head_dim=16, kv_lora_rank=16, num_query_groups=2)
+    hidden = torch.randn(9, 2, config.hidden_size, dtype=torch.float64)
+    fused = HybridAttention(config.replace(attention_backend_overrides={"dense_attention": "torch_sdpa"}),
+                            kind="M").double()
+    reference = HybridAttention(config.replace(attention_backend="unfused"), kind="M").double()
+    reference.load_state_dict(fused.state_dict())
+    outputs = []
+    for layer in (fused, reference):
+        x = hidden.clone().requires_grad_()
+        reset_call_counts()
+        out, _ = layer(x)
+        out.square().sum().backward()
+        outputs.append((out, x.grad, [p.grad for p in layer.parameters()], call_counts()))
+    assert outputs[0][3][("torch_sdpa", "dense_attention")] == 1
+    torch.testing.assert_close(outputs[0][0], outputs[1][0], **EXACT)
+    torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=1e-9, atol=1e-9)
+    for a, b in zip(outputs[0][2], outputs[1][2]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

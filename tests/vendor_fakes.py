@@ -1,0 +1,110 @@
+"""CPU stand-ins for the vendor kernel modules (`cudnn`, `flash_mla`, `flash_attn.cute`).
+
+Each fake implements its vendor's call contract with the reference math (so only our glue differs)
+and asserts the input rules the real kernel has (int32 ids, tile-aligned widths, 64-head tiles, a
+finite LSE, ...), recording every call so tests can check what the glue passed."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.ops.dense_attention import causal_attention
+from megatron_dsa.ops.layout import TokenLayout
+from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
+
+
+class FakeCudnnDSA:
+    def __init__(self, index_alignment: int = 128):
+        self.index_alignment = index_alignment
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def sparse_attention_backward_wrapper(self, q, kv, out, dout, lse, attn_sink, topk_idxs,
+                                          softmax_scale=None, topk_length=None, **_):
+        self.calls.append(("bwd", dict(q=q, lse=lse, sink=attn_sink, ids=topk_idxs, scale=softmax_scale)))
+        assert q.shape[1] % 64 == 0 and topk_idxs.dtype == torch.int32
+        assert topk_idxs.shape[1] % self.index_alignment == 0
+        assert bool(((topk_idxs == -1) | ((topk_idxs >= 0) & (topk_idxs < kv.shape[0]))).all())
+        assert torch.isfinite(lse).all(), "the kernel would produce NaN for a -inf lse"
+        assert lse.dtype == torch.float32 and attn_sink.dtype == torch.float32
+        dq, dkv, d_sink = sparse_attention_backward(q, kv, topk_idxs, attn_sink, softmax_scale, out, lse,
+                                                    dout, None)
+        return {"dq": dq, "dkv": dkv, "d_sink": d_sink}
+
+    def indexer_top_k_wrapper(self, input_values, seq_lens, top_k, next_n=1, return_val=True,
+                              deterministic=False, **_):
+        """A correct top-k set per row over columns `[0, seq_len)` in a scrambled slot order (the real
+        kernel promises no order); −inf columns inside seq_len may be picked, as a radix select does."""
+        self.calls.append(("topk", dict(values=input_values, seq_lens=seq_lens, k=top_k)))
+        rows, cols = input_values.shape
+        assert cols % 8 == 0 and input_values.dtype == torch.float32 and seq_lens.dtype == torch.int32
+        assert 0 < top_k <= 2048 and next_n == 1 and seq_lens.numel() == rows
+        inside = torch.arange(cols) < seq_lens.long().unsqueeze(1)
+        ranked = input_values.masked_fill(~inside, -math.inf)
+        order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :top_k]
+        picked = torch.where(torch.gather(inside, 1, order), order, -1)
+        return {"indices": picked.flip(1).to(torch.int32), "values": None}
+
+
+def fake_cudnn(dsa: FakeCudnnDSA) -> types.ModuleType:
+    module = types.ModuleType("cudnn")
+    module.__version__ = "1.32.0"
+    module.DSA = dsa
+    return module
+
+
+class FakeFlashMLA(types.ModuleType):
+    def __init__(self, lse_base2: bool = False):
+        super().__init__("flash_mla")
+        self.lse_base2 = lse_base2
+        self.calls: list[dict[str, Any]] = []
+
+    def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        self.calls.append(dict(q=q, ids=indices, sink=attn_sink, scale=sm_scale))
+        assert q.shape[1] in (64, 128) and kv.dim() == 3 and kv.shape[1] == 1 and indices.shape[1] == 1
+        assert indices.dtype == torch.int32 and indices.shape[-1] % 128 == 0 and d_v == kv.shape[-1]
+        out, lse = sparse_attention_forward(q, kv[:, 0], indices[:, 0], attn_sink, sm_scale)
+        lse = torch.where(torch.isneginf(lse), math.inf, lse).float()  # FlashMLA: +inf on empty rows
+        if self.lse_base2:
+            lse = lse / math.log(2.0)
+        return out, lse.clone(), lse
+
+
+def fake_flash_attn_cute(calls: list) -> types.ModuleType:
+    """`flash_attn.cute.flash_attn_varlen_func` returning FA4's head-major `[H, T]` LSE."""
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, softmax_scale=None, causal=False, return_lse=False, **_):
+        calls.append(dict(cu=cu_seqlens_q, max_seqlen=max_seqlen_q, causal=causal))
+        assert causal and cu_seqlens_q.dtype == torch.int32 and int(cu_seqlens_q[-1]) == q.shape[0]
+        layout = TokenLayout.packed(cu_seqlens_q, q.shape[0], q.device, max_seqlen=max_seqlen_q)
+        out, lse = causal_attention(q, k, v, layout, softmax_scale)
+        return out, lse.float().t().contiguous().detach()
+
+    module = types.ModuleType("flash_attn.cute")
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
+def install(monkeypatch, name: str, module: Any) -> None:
+    """Put `module` in `sys.modules[name]` for this test (None makes the import fail)."""
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def fake_sparse_inputs(rows: int, heads: int, dim: int, kv_rows: int, width: int, dtype: torch.dtype,
+                       seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Query, kv, indices (with −1, ids ≥ M and an empty row) and a ±4 sink (bug class A2.5)."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(rows, heads, dim, generator=gen, dtype=torch.float64).to(dtype)
+    kv = torch.randn(kv_rows, dim, generator=gen, dtype=torch.float64).to(dtype)
+    indices = torch.randint(0, kv_rows, (rows, width), generator=gen)
+    indices[:, -1] = -1
+    indices[0, 0] = kv_rows + 7  # ≥ M: invalid too (A4.4)
+    indices[1] = -1  # a row without keys
+    sink = torch.linspace(-4.0, 4.0, heads, dtype=torch.float32)
+    return query, kv, indices, sink
