@@ -1,7 +1,7 @@
 """Kernel backends and the dispatcher. Importing this package registers every backend module."""
 
 # Importing a backend module registers it; vendor packages are imported only when probed.
-from megatron_dsa.backends import cudnn, flash_attn, flashmla, torch_sdpa, unfused  # noqa: F401
+from megatron_dsa.backends import cudnn, flash_attn, flashmla, torch_sdpa, triton, unfused  # noqa: F401
 from megatron_dsa.backends.registry import (
     AUTO,
     Backend,

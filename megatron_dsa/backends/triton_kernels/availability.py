@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 from typing import Optional
 
 import torch
 
+from megatron_dsa.backends import probes
+
 MIN_TRITON_VERSION = (3, 0)
+INSTALL_HINT = "install the [triton] extra (pip install 'megatron_dsa[triton]')"
 
 
 def interpreting() -> bool:
@@ -19,14 +21,13 @@ def interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _import_problem() -> Optional[str]:
-    try:
-        triton = importlib.import_module("triton")
-    except Exception as error:  # noqa: BLE001 - any import failure means "not available"
-        return f"package triton not importable ({type(error).__name__}: {error})"
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
-    if version < MIN_TRITON_VERSION:
-        return f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON_VERSION))}"
+def _package_problem() -> Optional[str]:
+    problem = probes.import_problem("triton", INSTALL_HINT)
+    if problem is not None:
+        return problem
+    version = probes.load("triton").__version__
+    if probes.version_tuple(version) < MIN_TRITON_VERSION:
+        return f"triton {version} is older than {'.'.join(map(str, MIN_TRITON_VERSION))}; {INSTALL_HINT}"
     return None
 
 
@@ -35,11 +36,9 @@ def triton_decline_reason(device: Optional[torch.device], explicit: bool = False
 
     The CPU interpreter is for tests: it serves only calls that asked for `triton` by name
     (`explicit`), so `auto` on a CPU never picks it."""
-    problem = _import_problem()
-    if problem is not None:
-        return problem
-    if device is None:
-        return None  # availability table: the package is there; per-call checks come later
+    problem = _package_problem()
+    if problem is not None or device is None:
+        return problem  # no device: the availability table asks about the package only
     device = torch.device(device)
     if device.type == "cuda":
         return None
