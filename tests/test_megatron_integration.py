@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig  #
 from distributed import run_distributed  # noqa: E402
 from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
 from megatron_dsa.integrations import megatron as integration  # noqa: E402
+from megatron_dsa.integrations.checkpoint import convert_attention  # noqa: E402
 from megatron_dsa.integrations.megatron_config import to_megatron_kwargs  # noqa: E402
 from megatron_dsa.parallel.sharding import gather_full_state_dict, partition_dims  # noqa: E402
 
@@ -81,8 +82,11 @@ def gather_rows(local: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def check_against_standalone(rank: int, world: int, pattern: str, sequence_parallel: bool) -> None:
-    _, recorder, hybrid = run_gpt(rank, world, pattern, sequence_parallel)
+    model, recorder, hybrid = run_gpt(rank, world, pattern, sequence_parallel)
     state = recorder.layers[0].parallel_state
+    # The GPTModel's own state dict is a Megatron-layout attention checkpoint of this TP rank.
+    [ours], skipped = convert_attention([model.state_dict()], hybrid, "megatron", "ours") if world == 1 else ([{}], [])
+    assert world > 1 or "embedding.word_embeddings.weight" in skipped
     for index, adapter in enumerate(recorder.layers):
         assert adapter.kind.value == pattern[index]
         assert type(adapter).__name__ == ("MegatronDenseMLAttention" if pattern[index] == "M"
@@ -90,6 +94,9 @@ def check_against_standalone(rank: int, world: int, pattern: str, sequence_paral
         reference = HybridAttention(hybrid.replace(sequence_parallel=False), layer_number=index + 1)
         reference.load_state_dict(gather_full_state_dict(adapter, state))
         reference.train()
+        if world == 1:
+            prefix = f"layers.{index}.self_attention."
+            reference.load_state_dict({k[len(prefix):]: v for k, v in ours.items() if k.startswith(prefix)})
         full_in, full_grad = recorder.inputs[index], recorder.grads[index]
         if sequence_parallel:
             full_in, full_grad = gather_rows(full_in, world), gather_rows(full_grad, world)
