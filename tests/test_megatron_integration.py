@@ -75,12 +75,6 @@ def run_gpt(rank: int, world: int, pattern: str, sequence_parallel: bool):
     return model, recorder, hybrid
 
 
-def gather_rows(local: torch.Tensor, world: int) -> torch.Tensor:
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous())
-    return torch.cat(parts, 0)
-
-
 def check_against_standalone(rank: int, world: int, pattern: str, sequence_parallel: bool) -> None:
     model, recorder, hybrid = run_gpt(rank, world, pattern, sequence_parallel)
     state = recorder.layers[0].parallel_state
@@ -99,7 +93,7 @@ def check_against_standalone(rank: int, world: int, pattern: str, sequence_paral
             reference.load_state_dict({k[len(prefix):]: v for k, v in ours.items() if k.startswith(prefix)})
         full_in, full_grad = recorder.inputs[index], recorder.grads[index]
         if sequence_parallel:
-            full_in, full_grad = gather_rows(full_in, world), gather_rows(full_grad, world)
+            full_in, full_grad = torch.cat(all_gather(full_in)), torch.cat(all_gather(full_grad))
         x = full_in.clone().requires_grad_(True)
         out, bias = reference(x)
         assert bias is None
@@ -111,14 +105,15 @@ def check_against_standalone(rank: int, world: int, pattern: str, sequence_paral
             expected = dict(reference.named_parameters())[name].grad
             grad = param.grad
             if dims[name] is not None and world > 1:
-                grad = torch.cat([g for g in _all_gather(grad)], dims[name])
+                grad = torch.cat(all_gather(grad), dims[name])
             assert grad is not None, f"layer {index + 1} {name}: no gradient"
             torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=f"layer {index + 1} {name}")
         if "C" == pattern[index]:
             assert adapter.last_indexer_loss is not None and adapter.last_indexer_loss > 0
+            torch.testing.assert_close(adapter.last_indexer_loss, reference.last_indexer_loss)
 
 
-def _all_gather(local: torch.Tensor) -> list[torch.Tensor]:
+def all_gather(local: torch.Tensor) -> list[torch.Tensor]:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local.contiguous())
     return parts
@@ -144,17 +139,6 @@ def check_indexer_loss_plumbing(rank: int, world: int) -> None:
         torch.testing.assert_close(grads[3.0][name], grad * factor, rtol=1e-5, atol=1e-9, msg=name)
 
 
-@pytest.mark.parametrize("pattern", ["CH", "WM"])
-def test_gpt_model_attention_equals_standalone_layer(pattern: str) -> None:
-    run_distributed(check_against_standalone, 1, pattern, False)
-
-
-def test_gpt_model_tp2_equals_tp1_layer() -> None:
-    # Megatron's torch norms (no Apex / Transformer Engine on CPU) refuse sequence parallelism, so
-    # the GPTModel runs TP2 without it; the adapter's SP path is checked directly below.
-    run_distributed(check_against_standalone, 2, "CM", False)
-
-
 def check_adapter_sequence_parallel(rank: int, world: int) -> None:
     hybrid = tiny("CM", sequence_parallel=True)
     config, _ = megatron_config(hybrid, tensor_model_parallel_size=world, sequence_parallel=True)
@@ -178,12 +162,31 @@ def check_adapter_sequence_parallel(rank: int, world: int) -> None:
         torch.testing.assert_close(local.grad, full.grad[rows], rtol=1e-5, atol=1e-6)
 
 
-def test_adapter_tp2_sequence_parallel_equals_tp1_layer() -> None:
-    run_distributed(check_adapter_sequence_parallel, 2)
+def single_rank_checks(rank: int, world: int) -> None:
+    from megatron.core import parallel_state
+
+    for pattern in ("CH", "WM"):  # every kind, both adapter classes
+        check_against_standalone(rank, world, pattern, False)
+        parallel_state.destroy_model_parallel()
+    check_indexer_loss_plumbing(rank, world)
 
 
-def test_indexer_loss_is_tracked_and_scaled_only_on_indexer_parameters() -> None:
-    run_distributed(check_indexer_loss_plumbing, 1)
+def two_rank_checks(rank: int, world: int) -> None:
+    # Megatron's torch norms (no Apex / Transformer Engine on CPU) refuse sequence parallelism, so
+    # the GPTModel runs TP2 without it; the adapter's SP path is checked on its own.
+    check_against_standalone(rank, world, "CM", False)
+    check_adapter_sequence_parallel(rank, world)
+
+
+def test_gpt_model_attention_equals_standalone_layer_and_indexer_loss_plumbing() -> None:
+    """One process (Megatron is imported once): W/C/H/M layers of 2-layer GPTModels vs standalone
+    layers with the same weights (outputs, input and parameter gradients, indexer loss), then the
+    tracker and the loss scale."""
+    run_distributed(single_rank_checks, 1)
+
+
+def test_tp2_gpt_model_and_sequence_parallel_adapter_equal_tp1_layer() -> None:
+    run_distributed(two_rank_checks, 2)
 
 
 # ---------------------------------------------------------------- single-process checks
