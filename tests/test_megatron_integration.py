@@ -169,6 +169,23 @@ def single_rank_checks(rank: int, world: int) -> None:
         check_against_standalone(rank, world, pattern, False)
         parallel_state.destroy_model_parallel()
     check_indexer_loss_plumbing(rank, world)
+    run_user_guide_snippet()
+
+
+def run_user_guide_snippet() -> None:
+    """The Megatron example of docs/user_guide.md section 7 builds a model of the given kinds."""
+    import re
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "user_guide.md").read_text()
+    code = re.search(r"## 7\. Megatron-Core integration\n\n```python\n(.*?)```", guide, re.S).group(1)
+    parallel_state.initialize_model_parallel(1)
+    namespace: dict = {}
+    exec(code, namespace)  # noqa: S102 - our own documentation
+    kinds = "".join(layer.self_attention.kind.value for layer in namespace["model"].decoder.layers)
+    assert kinds == "WCHC"
 
 
 def two_rank_checks(rank: int, world: int) -> None:

@@ -36,7 +36,7 @@ from megatron_dsa.parallel.sharding import partition_dims
 from megatron_dsa.parallel.state import ParallelState, group_size
 
 INDEXER_LOSS_NAME = "indexer loss"  # key in Megatron's auxiliary-loss tracker
-_INSTALL_HINT = 'this needs megatron-core: pip install "megatron_dsa[megatron]"'
+INSTALL_HINT = 'this needs megatron-core: pip install "megatron_dsa[megatron]"'
 _indexer_loss_scale = 1.0  # process-wide, like Megatron's MoE / MTP loss auto-scalers
 
 
@@ -45,7 +45,7 @@ def require_megatron() -> None:
     try:
         import megatron.core  # noqa: F401
     except ImportError as error:
-        raise ImportError(_INSTALL_HINT) from error
+        raise ImportError(INSTALL_HINT) from error
 
 
 # ---------------------------------------------------------------- indexer loss scale (spec §12.2)
