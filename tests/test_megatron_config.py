@@ -89,3 +89,16 @@ def test_pattern_from_ratios_and_conflicts() -> None:
     namespace.csa_compress_ratios = None
     with pytest.raises(ValueError, match="give layer_pattern"):
         hybrid_config_from_megatron(namespace, **overrides)
+
+
+def test_integration_imports_without_megatron_core_and_names_the_extra() -> None:
+    """Blocks `megatron` in a fresh interpreter: the package imports, building asks for the extra."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['megatron'] = None\n"
+            "import megatron_dsa.integrations.megatron as m, megatron_dsa.convert\n"
+            "try:\n    m.hybrid_layer_spec(None)\nexcept ImportError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == 'this needs megatron-core: pip install "megatron_dsa[megatron]"'

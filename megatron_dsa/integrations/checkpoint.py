@@ -60,18 +60,12 @@ def join_layers(layers: LayerStates, layout: str) -> dict[str, Tensor]:
             for name, value in layer.items()}
 
 
-def layer_template(config: HybridAttentionConfig, layer_number: int, tp_size: int = 1
+def layer_template(config: HybridAttentionConfig, layer_number: int
                    ) -> tuple[dict[str, torch.Size], dict[str, Optional[int]]]:
-    """`(full TP = 1 shapes, split dims)` of layer `layer_number` (1-indexed), built on the meta device."""
+    """`(TP = 1 shapes, split dims)` of layer `layer_number` (1-indexed), built on the meta device."""
     with torch.device("meta"):
         layer = HybridAttention(config, layer_number=layer_number)
-    dims = partition_dims(layer)
-    shapes = {name: value.shape for name, value in layer.state_dict().items()}
-    for name, dim in dims.items():
-        if dim is not None and shapes[name][dim] % tp_size:
-            raise ValueError(f"layer {layer_number} {name}: dim {dim} ({shapes[name][dim]}) is not "
-                             f"divisible by tp {tp_size}")
-    return shapes, dims
+    return {name: value.shape for name, value in layer.state_dict().items()}, partition_dims(layer)
 
 
 def check_layer(state: Mapping[str, Tensor], shapes: Mapping[str, torch.Size], where: str) -> None:
@@ -104,7 +98,7 @@ def convert_attention(shards: list[Mapping[str, Tensor]], config: HybridAttentio
                          f"{sorted(expected)}")
     out: list[LayerStates] = [{} for _ in range(tp_size)]
     for index in sorted(expected):
-        shapes, dims = layer_template(config, index + 1, max(tp_size, len(shards)))
+        shapes, dims = layer_template(config, index + 1)
         local = _shard_shapes(shapes, dims, len(shards))
         parts = []
         for rank, (layers, _) in enumerate(per_rank):
