@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig
-from megatron_dsa.config import PRESETS
 from megatron_dsa.integrations import megatron as integration
 from megatron_dsa.integrations.checkpoint import convert_attention, join_layers
 from megatron_dsa.integrations.megatron_config import hybrid_config_from_megatron, to_megatron_kwargs
