@@ -1,0 +1,97 @@
+"""Convert attention checkpoints: `python -m megatron_dsa.convert COMMAND ...`.
+
+    megatron-to-ours  IN [IN ...] OUT --config CFG [--tp N]   Megatron GPTModel → HybridLM names
+    ours-to-megatron  IN [IN ...] OUT --config CFG [--tp N]   HybridLM → Megatron GPTModel names
+    tp-merge          IN IN [...] OUT --config CFG [--layout L]   TP shards (rank order) → TP = 1
+    tp-split          IN OUT --config CFG --tp N [--layout L]      TP = 1 → N shards
+
+Several INs are the TP ranks of one checkpoint, in rank order. A file may hold the state dict itself
+or a dict with a "model" entry (Megatron's and our training checkpoints). With `--tp N > 1`, OUT
+`x.pt` becomes `x_tp0.pt` ... `x_tp{N-1}.pt`. CFG is a YAML with the attention config (a job config
+such as configs/tiny.yaml, or a bare HybridAttentionConfig). Only the attention layers are
+converted; the count of other tensors left out is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megatron_dsa.config import HybridAttentionConfig
+from megatron_dsa.integrations.checkpoint import LAYOUTS, convert_attention
+
+COMMANDS = {  # command → (source layout, target layout); None = from --layout
+    "megatron-to-ours": ("megatron", "ours"),
+    "ours-to-megatron": ("ours", "megatron"),
+    "tp-merge": (None, None),
+    "tp-split": (None, None),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_dsa.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=sorted(COMMANDS))
+    parser.add_argument("paths", nargs="+", type=Path, help="input file(s) in TP-rank order, then OUT")
+    parser.add_argument("--config", type=Path, required=True, help="YAML with the attention config")
+    parser.add_argument("--tp", type=int, default=1, help="TP size of the output (default 1)")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="ours",
+                        help="naming of tp-merge / tp-split files (default ours)")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="load files that hold Python objects besides tensors (only files you trust)")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if len(args.paths) < 2:
+        raise SystemExit("error: give at least one input file and the output file")
+    *inputs, output = args.paths
+    source, target = COMMANDS[args.command]
+    source, target = source or args.layout, target or args.layout
+    if args.command == "tp-merge" and (len(inputs) < 2 or args.tp != 1):
+        raise SystemExit("error: tp-merge takes two or more shards and writes one TP = 1 file")
+    if args.command == "tp-split" and (len(inputs) != 1 or args.tp < 2):
+        raise SystemExit("error: tp-split takes one TP = 1 file and --tp N with N >= 2")
+    config = HybridAttentionConfig.from_yaml(args.config)
+    shards = [load_state_dict(path, args.trust_pickle) for path in inputs]
+    try:
+        outputs, skipped = convert_attention(shards, config, source, target, args.tp)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    for path, state in zip(output_paths(output, args.tp), outputs):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+        print(f"wrote {path} ({len(state)} tensors)")
+    if skipped:
+        print(f"left out {len(skipped)} tensors outside the attention layers (e.g. {skipped[0]!r})")
+    return 0
+
+
+def load_state_dict(path: Path, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict in `path`: the file itself or its "model" entry."""
+    if not path.is_file():
+        raise SystemExit(f"error: {path} is not a file")
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except Exception as error:  # noqa: BLE001 - torch raises several types for unsafe pickles
+        raise SystemExit(f"error: cannot load {path} with weights_only=True ({type(error).__name__}); "
+                         f"if you trust the file, pass --trust-pickle") from None
+    state = loaded.get("model", loaded) if isinstance(loaded, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise SystemExit(f"error: {path} holds no state dict (a str → tensor dict, or one under 'model')")
+    return state
+
+
+def output_paths(output: Path, tp_size: int) -> list[Path]:
+    if tp_size == 1:
+        return [output]
+    return [output.with_name(f"{output.stem}_tp{rank}{output.suffix}") for rank in range(tp_size)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

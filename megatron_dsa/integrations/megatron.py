@@ -1,0 +1,267 @@
+"""Megatron-Core integration: our `HybridAttention` as the `self_attention` of a `TransformerLayer`.
+
+    from megatron_dsa.integrations.megatron import hybrid_gpt_model, set_indexer_loss_scale
+
+    model = hybrid_gpt_model(transformer_config, vocab_size=32000, max_sequence_length=4096,
+                             layer_pattern="WWC" + "HC" * 20, o_groups=8, o_lora_rank=1024)
+
+The layer spec reuses a Megatron layer spec (default: the local, non-Transformer-Engine one with
+RMSNorm) and swaps in `MegatronHybridAttention`, which takes Megatron's constructor arguments
+(`config`, `layer_number`, `pg_collection`, `cp_comm_type`), reads its kind from the layer pattern
+at its (global, 1-indexed) layer number, and answers Megatron's `self_attention(...)` call with
+`(output, None)`. Parameter names are Megatron's, so `decoder.layers.{i}.self_attention.*` is the
+Megatron-Core DSv4 attention state dict.
+
+Indexer KL loss (spec §4.5, §12.2): each training forward records the coefficient-scaled loss in
+Megatron's auxiliary-loss tracker (`save_to_aux_losses_tracker`, name `"indexer loss"`), and its
+backward scale is the process-wide value set by `set_indexer_loss_scale`, which the training loop
+sets before every step to `indexer_loss_scale(...)` (Megatron's rule for auxiliary losses).
+
+megatron-core is imported only when something is built, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from megatron_dsa.config import HybridAttentionConfig, LayerKind
+from megatron_dsa.integrations.megatron_config import cp_comm_type_from_megatron, hybrid_config_from_megatron
+from megatron_dsa.layers.hybrid_attention import DenseMLAttention, HybridAttention
+from megatron_dsa.packed_seq import PackedSeqParams
+from megatron_dsa.parallel.sharding import partition_dims
+from megatron_dsa.parallel.state import ParallelState, group_size
+
+INDEXER_LOSS_NAME = "indexer loss"  # key in Megatron's auxiliary-loss tracker
+INSTALL_HINT = 'this needs megatron-core: pip install "megatron_dsa[megatron]"'
+_indexer_loss_scale = 1.0  # process-wide, like Megatron's MoE / MTP loss auto-scalers
+
+
+def require_megatron() -> None:
+    """Raise an `ImportError` with the install command when megatron-core is missing."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+
+
+# ---------------------------------------------------------------- indexer loss scale (spec §12.2)
+def indexer_loss_scale(num_microbatches: int, cp_size: int = 1, calculate_per_token_loss: bool = False,
+                       loss_scale: float = 1.0) -> float:
+    """Megatron's backward scale for an auxiliary loss: `loss_scale · cp / num_microbatches`
+    (`loss_scale` alone in per-token mode).
+
+    `loss_scale` is the mixed-precision loss scale (`optimizer.get_loss_scale().item()`, 1.0 for
+    bf16/fp32). The cp factor undoes the data-and-context-parallel gradient average: our CP ranks'
+    indexer losses already sum to the global mean."""
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if calculate_per_token_loss:
+        return float(loss_scale)
+    return float(loss_scale) * cp_size / num_microbatches
+
+
+def set_indexer_loss_scale(scale: float) -> None:
+    """Backward scale of every `MegatronHybridAttention` indexer loss from the next forward on."""
+    global _indexer_loss_scale
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale < 0:
+        raise ValueError(f"indexer loss scale must be a non-negative float, got {scale!r}")
+    _indexer_loss_scale = float(scale)
+
+
+def get_indexer_loss_scale() -> float:
+    return _indexer_loss_scale
+
+
+# ---------------------------------------------------------------- process groups
+def parallel_state_from_megatron(pg_collection: Any = None) -> ParallelState:
+    """Our `ParallelState` from a Megatron `ProcessGroupCollection` (None: Megatron's global groups).
+
+    Groups of size 1 become None, so a single-rank dimension runs no collective."""
+    if pg_collection is None:
+        require_megatron()
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+
+    def group(name: str):
+        found = getattr(pg_collection, name, None)
+        return found if found is not None and group_size(found) > 1 else None
+
+    return ParallelState(tp_group=group("tp"), cp_group=group("cp"), dp_group=group("dp"))
+
+
+# ---------------------------------------------------------------- the attention module
+class MegatronHybridAttention(HybridAttention):
+    """`HybridAttention` built and called the way Megatron's `TransformerLayer` builds and calls
+    `self_attention`. Kind M layers become `MegatronDenseMLAttention`.
+
+    forward(hidden_states `[S, B, d]` (`[S/tp, B, d]` under sequence parallelism, `[T, 1, d]`
+    packed), ..., packed_seq_params) → `(output [same shape], None)`.
+    """
+
+    def __new__(cls, config: Any = None, layer_number: Optional[int] = None, *args: Any,
+                hybrid_config: Optional[HybridAttentionConfig] = None, **kwargs: Any):
+        if (cls is MegatronHybridAttention and hybrid_config is not None and layer_number is not None
+                and hybrid_config.layer_kind(layer_number) is LayerKind.MLA):
+            cls = MegatronDenseMLAttention
+        return nn.Module.__new__(cls)
+
+    def __init__(self, config: Any, layer_number: int, hybrid_config: HybridAttentionConfig,
+                 pg_collection: Any = None, cp_comm_type: Optional[str] = None):
+        if not isinstance(hybrid_config, HybridAttentionConfig):
+            raise TypeError(f"hybrid_config must be a HybridAttentionConfig, got "
+                            f"{type(hybrid_config).__name__}")
+        state = parallel_state_from_megatron(pg_collection)
+        _check_group_sizes(config, state)
+        # Own copy per layer: the per-layer cp_comm_type and the indexer-loss scale live in it.
+        own = (hybrid_config.replace(cp_comm_type=cp_comm_type_from_megatron(cp_comm_type))
+               if cp_comm_type is not None else dataclasses.replace(hybrid_config))
+        super().__init__(own, layer_number=layer_number, parallel_state=state)
+        self._mark_megatron_tensor_parallel()
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
+                  else torch.device("cpu"))
+        self.to(device=device, dtype=getattr(config, "params_dtype", torch.float32))
+
+    def _mark_megatron_tensor_parallel(self) -> None:
+        """Megatron's TP attributes on our split parameters (grad-norm de-duplication, checkpoints)."""
+        dims = partition_dims(self)
+        for name, param in self.named_parameters():
+            dim = dims[name]
+            param.tensor_model_parallel = dim is not None
+            param.partition_dim = -1 if dim is None else dim
+            param.partition_stride = 1
+
+    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,  # type: ignore[override]
+                key_value_states: Optional[Tensor] = None, inference_context: Any = None,
+                rotary_pos_emb: Any = None, rotary_pos_cos: Optional[Tensor] = None,
+                rotary_pos_sin: Optional[Tensor] = None, rotary_pos_cos_sin: Optional[Tensor] = None,
+                attention_bias: Optional[Tensor] = None, packed_seq_params: Any = None,
+                sequence_len_offset: Optional[Tensor] = None, *, inference_params: Any = None
+                ) -> tuple[Tensor, Optional[Tensor]]:
+        """Megatron's `self_attention` call. Attention is causal: `attention_mask` is ignored."""
+        _reject_arguments(key_value_states=key_value_states, inference_context=inference_context,
+                          inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
+                          rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                          rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                          sequence_len_offset=sequence_len_offset)
+        self.config.indexer_loss_backward_scale = _indexer_loss_scale
+        output, bias = super().forward(hidden_states, packed_seq_params=packed_from_megatron(packed_seq_params))
+        if self.training and self.last_indexer_loss is not None:
+            self._track_indexer_loss(self.last_indexer_loss)
+        return output, bias
+
+    def _track_indexer_loss(self, loss: Tensor) -> None:
+        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+        # CP ranks' losses are parts of one mean (summed); TP ranks hold identical values.
+        save_to_aux_losses_tracker(INDEXER_LOSS_NAME, loss, self.layer_number, self.config.num_layers,
+                                   reduce_group=self.parallel_state.cp_group)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Megatron distributed-checkpoint entries: TP-split parameters as TP-sharded tensors."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+        axis_map = {name: dim for name, dim in partition_dims(self).items() if dim is not None}
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                   axis_map, sharded_offsets)
+
+
+class MegatronDenseMLAttention(MegatronHybridAttention, DenseMLAttention):
+    """Kind M (dense MLA) under Megatron: `DenseMLAttention` with the Megatron calling convention."""
+
+
+def packed_from_megatron(params: Any) -> Optional[PackedSeqParams]:
+    """Megatron's `PackedSeqParams` (or ours, or None) → ours; dynamic CP is rejected."""
+    if params is None or isinstance(params, PackedSeqParams):
+        return params
+    if getattr(params, "local_cp_size", None) is not None or getattr(params, "cp_group", None) is not None:
+        raise ValueError("packed_seq_params.local_cp_size / cp_group (dynamic context parallelism) are "
+                         "not supported by the hybrid layer; use the model's fixed CP group")
+    if getattr(params, "qkv_format", "thd") not in ("thd", None):
+        raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {params.qkv_format!r}")
+
+    def host_int(value: Any) -> Optional[int]:
+        return int(value) if isinstance(value, Tensor) else value
+
+    return PackedSeqParams(cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_kv=params.cu_seqlens_kv,
+                           cu_seqlens_q_padded=params.cu_seqlens_q_padded,
+                           cu_seqlens_kv_padded=params.cu_seqlens_kv_padded,
+                           max_seqlen_q=host_int(params.max_seqlen_q),
+                           max_seqlen_kv=host_int(params.max_seqlen_kv))
+
+
+_WHY_REJECTED = {
+    "key_value_states": "the hybrid layer is self-attention only",
+    "inference_context": "KV-cache inference is not implemented",
+    "inference_params": "KV-cache inference is not implemented",
+    "attention_bias": "attention biases are not supported",
+    "sequence_len_offset": "KV-cache inference is not implemented",
+}
+_ROTARY_HINT = ("the hybrid layer applies its own RoPE; build the GPTModel with "
+                "position_embedding_type='none'")
+
+
+def _reject_arguments(**given: Any) -> None:
+    for name, value in given.items():
+        if value is not None:
+            why = _WHY_REJECTED.get(name, _ROTARY_HINT)
+            raise ValueError(f"self_attention got {name}, which must be None: {why}")
+
+
+def _check_group_sizes(config: Any, state: ParallelState) -> None:
+    for field, size, what in (("tensor_model_parallel_size", state.tp_size, "tp"),
+                              ("context_parallel_size", state.cp_size, "cp")):
+        expected = getattr(config, field, 1)
+        if expected != size:
+            raise ValueError(f"TransformerConfig.{field} is {expected} but the {what} process group "
+                             f"has {size} ranks")
+
+
+# ---------------------------------------------------------------- specs and models
+def hybrid_layer_spec(hybrid_config: HybridAttentionConfig, base_layer_spec: Any = None) -> Any:
+    """A `TransformerLayer` `ModuleSpec` whose `self_attention` is `MegatronHybridAttention`.
+
+    `base_layer_spec` supplies everything else (norms, MLP, bias-dropout-add); default: Megatron's
+    local spec with RMSNorm. Its `input_layernorm` must be a real norm (a Transformer-Engine spec
+    fuses it into `linear_qkv`, which the hybrid layer does not have)."""
+    require_megatron()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    base = base_layer_spec if base_layer_spec is not None else get_gpt_layer_local_spec(normalization="RMSNorm")
+    submodules = getattr(base, "submodules", None)
+    if submodules is None or not hasattr(submodules, "self_attention"):
+        raise TypeError("base_layer_spec must be a TransformerLayer ModuleSpec with submodules")
+    if submodules.input_layernorm is IdentityOp:
+        raise ValueError("base_layer_spec has no input_layernorm (a Transformer-Engine spec fuses it into "
+                         "linear_qkv); use a spec with a separate norm, e.g. "
+                         "get_gpt_layer_local_spec(normalization='RMSNorm')")
+    attention = ModuleSpec(module=MegatronHybridAttention, params={"hybrid_config": hybrid_config})
+    return ModuleSpec(module=base.module, params=dict(base.params),
+                      submodules=dataclasses.replace(submodules, self_attention=attention))
+
+
+def hybrid_gpt_model(megatron_config: Any, vocab_size: int, max_sequence_length: int,
+                     layer_pattern: Optional[str] = None, base_layer_spec: Any = None,
+                     gpt_kwargs: Optional[dict[str, Any]] = None, **hybrid_overrides: Any) -> Any:
+    """A Megatron-Core `GPTModel` whose attention layers are ours.
+
+    `hybrid_overrides` give the hybrid fields `megatron_config` lacks (see
+    `hybrid_config_from_megatron`); `gpt_kwargs` go to `GPTModel` (its position embedding is always
+    'none': the layers rotate q and k themselves)."""
+    require_megatron()
+    from megatron.core.models.gpt import GPTModel
+
+    gpt_kwargs = dict(gpt_kwargs or {})
+    embedding = gpt_kwargs.pop("position_embedding_type", "none")
+    if embedding != "none":
+        raise ValueError(f"position_embedding_type must be 'none' ({_ROTARY_HINT}), got {embedding!r}")
+    hybrid = hybrid_config_from_megatron(megatron_config, layer_pattern, **hybrid_overrides)
+    return GPTModel(megatron_config, hybrid_layer_spec(hybrid, base_layer_spec), vocab_size=vocab_size,
+                    max_sequence_length=max_sequence_length, position_embedding_type="none", **gpt_kwargs)
