@@ -132,6 +132,37 @@ def test_kl_all_zero_target_rows_give_zero():
     assert got[3] == 0 and torch.equal(grad[3], torch.zeros_like(grad[3]))
 
 
+@pytest.mark.parametrize("tokens,width", [(0, 5), (4, 0)])
+def test_empty_inputs(tokens, width):
+    cand = torch.zeros(tokens, width, dtype=torch.int64)
+    query, kv, lse = torch.zeros(tokens, 2, 16), torch.zeros(3, 16), torch.zeros(tokens, 2)
+    assert triton_loss.attention_mass(query, kv, cand, lse, SCALE).shape == (tokens, width)
+    student = torch.zeros(tokens, width, requires_grad=True)
+    _assert_kl_matches(student, torch.zeros(tokens, width), torch.ones(tokens, width, dtype=torch.bool))
+
+
+def test_kl_saves_through_save_for_backward():
+    """Every tensor backward reads goes through `ctx.save_for_backward` (seen by saved-tensor hooks)
+    and is unchanged when backward unpacks it (bug class A1.1)."""
+    packed = []
+
+    def pack(tensor):
+        packed.append(tensor)
+        return tensor, tensor.clone()
+
+    def unpack(saved):
+        tensor, copy = saved
+        assert torch.equal(tensor, copy)
+        return tensor
+
+    student, target, valid = kl_inputs(9, 16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        kl = triton_loss.kl_per_row(student, target, valid)
+    assert any(t is student for t in packed) and len(packed) == 6
+    (grad,) = torch.autograd.grad(kl.sum(), (student,))
+    assert torch.isfinite(grad).all()
+
+
 def test_inputs_are_not_mutated():
     cand = random_candidates(9, 16, 11)
     query, kv, lse = mass_inputs(9, 4, 16, 11, cand)
