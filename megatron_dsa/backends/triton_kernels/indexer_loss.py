@@ -34,8 +34,8 @@ MASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Candidate columns per mass program: the [BLOCK_H, BLOCK_C] float32 logits stay in registers (64
 # heads x 64 columns over 8 warps: 16 per thread) while BLOCK_D dims of q and the gathered kv rows
 # stream through; float32 inputs take twice the registers per dim, so half the dims per step.
-# Compiled for sm_90 at H=64, D=512 neither spills (4 warps would need 255 registers per thread for
-# 16-bit inputs); timings are for the GPU benchmark to settle.
+# Compiled for sm_90 at H=64, D=512 neither spills (bf16: 153 registers per thread; 4 warps hit the
+# 255 cap); timings are for the GPU benchmark to settle.
 MASS_BLOCK_C = 64
 MASS_BLOCK_D = {torch.float32: 32, torch.bfloat16: 64, torch.float16: 64}
 MASS_NUM_WARPS = 8
