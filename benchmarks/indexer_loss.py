@@ -1,0 +1,152 @@
+"""Time of the Triton indexer-loss kernels against the unfused reference ops.
+
+Two parts of the indexer KL loss (spec §4.4), at the dsv4 attention dims (H local heads of D dims):
+- teacher: `attention_mass` + the L1 normalisation in torch vs `ops.indexer_loss.teacher_target`;
+  TFLOPS count the per-head dots alone, 2·H·D per valid candidate;
+- KL: `kl_per_row` forward, and backward alone (= forward + backward − forward), vs the reference.
+Candidates: `sparse` = `--topk` arbitrary kv rows per query (the selected top-k); `dense` = the T / 4
+compressed entries in causal order (row t sees j < (t + 1) / 4, −1 after).
+
+Run from the repository root: `python benchmarks/indexer_loss.py --help`. Needs CUDA; exits cleanly without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megatron_dsa.backends.triton_kernels.indexer_loss import attention_mass  # noqa: E402
+from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl  # noqa: E402
+from megatron_dsa.ops.indexer_loss import TINY, kl_per_row as unfused_kl, teacher_target  # noqa: E402
+from megatron_dsa.ops.sparse_attention import full_normaliser  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RATIO = 4
+
+
+def make_candidates(tokens: int, mode: str, topk: int) -> Tensor:
+    """`[T, C]` rows of kv = `[T token rows; T / 4 compressed rows]`, −1 = none."""
+    entries = tokens // RATIO
+    if mode == "sparse":
+        return torch.randint(0, tokens + entries, (tokens, topk), device="cuda")
+    j = torch.arange(entries, device="cuda")
+    visible = (torch.arange(tokens, device="cuda") + 1) // RATIO
+    return torch.where(j < visible[:, None], j + tokens, -1)
+
+
+def make_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype, candidates: Tensor, scale: float):
+    """query, kv (dtype), the full normaliser over the candidates plus a sink (float32)."""
+    query = torch.randn(tokens, heads, dim, device="cuda", dtype=dtype)
+    kv = torch.randn(tokens + tokens // RATIO, dim, device="cuda", dtype=dtype)
+    lse = full_normaliser(query, kv, candidates, torch.randn(heads, device="cuda"), scale).float()
+    return query, kv, lse
+
+
+def median_ms(step: Callable[[], None], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def triton_teacher(query: Tensor, kv: Tensor, candidates: Tensor, lse: Tensor, scale: float) -> Tensor:
+    """The Triton mass, then the L1 normalisation the layer keeps in torch."""
+    mass = attention_mass(query, kv, candidates, lse, scale)
+    return mass / mass.sum(-1, keepdim=True).clamp_min(TINY)
+
+
+def time_teacher(fn, inputs: tuple, repeats: int, warmup: int) -> float:
+    """Median ms of `fn(query, kv, candidates, lse, scale)` (no autograd: the teacher is detached)."""
+    return median_ms(lambda: fn(*inputs), repeats, warmup)
+
+
+def time_kl(fn, target: Tensor, valid: Tensor, repeats: int, warmup: int) -> tuple[float, float]:
+    """(forward ms, backward ms) medians; backward alone = forward + backward − forward."""
+    student = torch.randn(valid.shape, device="cuda", requires_grad=True)
+    grad = torch.randn(valid.shape[0], device="cuda")
+
+    def forward() -> None:
+        with torch.no_grad():
+            fn(student, target, valid)
+
+    def forward_backward() -> None:
+        torch.autograd.grad(fn(student, target, valid), (student,), grad)
+
+    fwd = median_ms(forward, repeats, warmup)
+    return fwd, max(median_ms(forward_backward, repeats, warmup) - fwd, 0.0)
+
+
+def ratio(num: float, den: float) -> str:
+    return f"{num / den:.2f}" if den > 0 else "n/a"
+
+
+def tflops(flops: int, ms: float) -> str:
+    return f"{flops / (ms * 1e9):.1f}" if flops and ms > 0 else ""
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--modes", nargs="+", default=["sparse", "dense"], choices=["sparse", "dense"])
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--topk", type=int, default=512, help="candidates per row of the sparse loss")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="query and kv dtype")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (includes compilation)")
+    args = parser.parse_args(argv)
+    if min(args.seq_lens) < RATIO or args.topk < 1 or args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--seq-lens must be >= {RATIO}, --topk and --repeats >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/indexer_loss.py: needs a CUDA GPU; nothing to measure here")
+        return 0
+    torch.manual_seed(0)
+    scale = args.dim ** -0.5
+    print(f"indexer loss, H={args.heads}, D={args.dim}, {args.dtype} query/kv, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}; median of {args.repeats} after {args.warmup} warm-up\n"
+          f"ratio = triton / unfused (< 1: triton is faster); teacher TFLOPS = 2·H·D·valid candidates / time\n")
+    print("| mode | T | C | part | triton ms | unfused ms | ratio | triton TFLOPS | unfused TFLOPS |")
+    print("|------|--:|--:|------|----------:|-----------:|------:|--------------:|---------------:|")
+    for tokens in args.seq_lens:
+        for mode in args.modes:
+            candidates = make_candidates(tokens, mode, args.topk)
+            query, kv, lse = make_inputs(tokens, args.heads, args.dim, DTYPES[args.dtype], candidates, scale)
+            valid = candidates >= 0
+            flops = 2 * args.heads * args.dim * int(valid.sum())
+            teacher_inputs = (query, kv, candidates, lse, scale)
+            rows = [("teacher", *(time_teacher(fn, teacher_inputs, args.repeats, args.warmup)
+                                  for fn in (triton_teacher, teacher_target)))]
+            target = teacher_target(query, kv, candidates, lse, scale)
+            fast = time_kl(triton_kl, target, valid, args.repeats, args.warmup)
+            slow = time_kl(unfused_kl, target, valid, args.repeats, args.warmup)
+            rows += [("kl fwd", fast[0], slow[0]), ("kl bwd", fast[1], slow[1])]
+            for part, t_ms, u_ms in rows:
+                counted = flops if part == "teacher" else 0  # the KL has no dots to count
+                print(f"| {mode} | {tokens} | {candidates.shape[1]} | {part} | {t_ms:.3f} | {u_ms:.3f} | "
+                      f"{ratio(t_ms, u_ms)} | {tflops(counted, t_ms)} | {tflops(counted, u_ms)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
