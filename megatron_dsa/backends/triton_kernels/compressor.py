@@ -31,13 +31,14 @@ from megatron_dsa.ops.norms import rms_norm
 from megatron_dsa.ops.rope import rope
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# Token rows per tile (BLOCK_E entries × BLOCK_S slots) and channels per program: [64, 64] tiles keep
-# the float32 kv, logits and weights of the backward sweep in registers with 4 warps. A ratio up to
-# SLOTS_PER_TILE is one sweep step; ratio 128 takes 4 steps over 2 entries per program.
+# Token rows per tile (BLOCK_E entries × BLOCK_S slots) and channels per program. Compiled for sm_90 at
+# Dc = 512, [64 rows, 64 channels] tiles with 8 warps need ≤ 147 registers per thread and spill nothing
+# (4 warps spilled in the ratio-4 backward). A ratio up to SLOTS_PER_TILE is one sweep step; ratio 128
+# takes 4 steps over 2 entries per program.
 TILE_ROWS = 64
 SLOTS_PER_TILE = 32
 BLOCK_CHANNELS = 64
-NUM_WARPS = 4
+NUM_WARPS = 8
 
 
 def _pow2(size: int) -> int:
