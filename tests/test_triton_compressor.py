@@ -72,7 +72,8 @@ def test_compress_on_gpu(ratio, dc, rotate):
     width, hidden = reference.channel_factor(ratio) * dc, 256
     shapes = ((sum(GPU_PADDED), hidden), (width, hidden), (width, hidden), (ratio, width), (dc,))
     scales = (1.0, hidden ** -0.5, hidden ** -0.5, 0.5, 1.0)
-    leaves = [(torch.randn(*shape, generator=gen) * scale).cuda().requires_grad_() for shape, scale in zip(shapes, scales)]
+    leaves = [(torch.randn(*shape, generator=gen) * scale).cuda().requires_grad_()
+              for shape, scale in zip(shapes, scales)]
     args = (1e-6, layout, plain_inv_freq(64, base=10000.0).cuda(), rotate)
     upstream = torch.randn(layout.capacity, dc, device="cuda").masked_fill(~layout.valid[:, None], 0.0)
     got = triton_compressor.compress(*leaves, *args)

@@ -9,10 +9,11 @@ group (value 0, logit −inf). The softmax over the slots and the weighted sum r
 (float64 for float64 kv) and are rounded once to kv's dtype, like the reference.
 
 Backward: the kernel recomputes the softmax from the saved inputs and writes dkv and dgate per token
-row. Each (token row, channel) feeds exactly one entry: its own group's entry through the last `Dc`
+row. Each (token row, channel) feeds at most one entry: its own group's entry through the last `Dc`
 channels and the next group's entry through the first `Dc` (ratio ≥ 8: its group's entry through
-all channels), so every element is written once by the program of that entry and channel block,
-with plain stores (deterministic, no atomics); rows no entry reads (tails, padding) stay zero.
+all channels), so every element is written at most once, by the program of that entry and channel
+block, with plain stores (deterministic, no atomics); elements no entry reads (tails, padding, the
+first `Dc` channels of a sequence's last group) stay zero.
 dape is reduced in two stages: each entry block stores its sum over its entries, then the blocks are
 summed (deterministic as well).
 """
@@ -110,7 +111,7 @@ class TritonGatedPool(torch.autograd.Function):
         return grad_kv, grad_gate, grad_ape, None, None, None
 
 
-def group_starts(layout: CompressedLayout) -> tuple[Tensor, Tensor]:
+def _group_starts(layout: CompressedLayout) -> tuple[Tensor, Tensor]:
     """`(own, previous)`, `[capacity]` int64: the first token row of each entry's own group and of the
     group before it; −1 for unused capacity rows, and (previous) for the first entry of a sequence.
 
@@ -130,7 +131,7 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
     Gradients flow to kv, gate and ape.
     """
     _check_inputs(kv, gate, ape, layout)
-    own, previous = group_starts(layout)
+    own, previous = _group_starts(layout)
     return TritonGatedPool.apply(kv.contiguous(), gate.contiguous(), ape.contiguous(), own, previous, layout.ratio)
 
 
