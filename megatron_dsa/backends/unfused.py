@@ -8,7 +8,7 @@ from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.compressor import compress
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores
-from megatron_dsa.ops.indexer_loss import kl_per_row
+from megatron_dsa.ops.indexer_loss import indexer_kl
 from megatron_dsa.ops.indices import topk_columns
 from megatron_dsa.ops.rope import rope
 from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
@@ -21,7 +21,7 @@ UNFUSED = Backend(
         OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward,
         OpFamily.INDEXER_SCORES: indexer_scores,
         OpFamily.TOPK: topk_columns,
-        OpFamily.INDEXER_LOSS: kl_per_row,
+        OpFamily.INDEXER_LOSS: indexer_kl,
         OpFamily.COMPRESSOR: compress,
         OpFamily.ROPE: rope,
         OpFamily.DENSE_ATTENTION: causal_attention,

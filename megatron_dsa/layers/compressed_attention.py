@@ -18,7 +18,7 @@ from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
-from megatron_dsa.ops.indexer_loss import reduce_indexer_loss, teacher_target
+from megatron_dsa.ops.indexer_loss import reduce_indexer_loss
 from megatron_dsa.ops.indices import VisibleEntries, offset_valid, visible_compressed_entries, window_indices
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.hadamard import hadamard_transform
@@ -225,10 +225,9 @@ class CompressedSparseAttention(HighPrecisionModule):
             full_lse = full_normaliser(query, kv_full, torch.cat((selection.window, candidates), 1), sink,
                                        c.softmax_scale)
         student = self.indexer.scores(features, entry_rows)
-        valid = candidates >= 0
-        target = teacher_target(query, kv_full, candidates, full_lse, c.softmax_scale, self.tp_group)
-        kl = dispatch(OpFamily.INDEXER_LOSS, c, device=query.device)
-        per_row = kl(student, target.to(student.dtype), valid)
+        loss_op = dispatch(OpFamily.INDEXER_LOSS, c, device=query.device, dtype=query.dtype,
+                           heads=query.shape[1], head_dim=query.shape[-1])
+        per_row = loss_op(student, query, kv_full, candidates, full_lse, c.softmax_scale, self.tp_group)
         if layout.has_padding:  # padding (and CP halo) rows never enter the loss or its divisor
             real = layout.query_valid
             divisor = real.sum() if global_rows is None else global_rows

@@ -13,7 +13,7 @@ The teacher is built from detached tensors; only the student scores carry gradie
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -25,15 +25,12 @@ from megatron_dsa.parallel.mappings import all_reduce_no_grad
 TINY = torch.finfo(torch.float32).tiny  # L1 normaliser floor: tiny positive masses still sum to 1
 
 
-def teacher_target(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor, scale: float,
-                   tp_group: Optional[ProcessGroup] = None) -> Tensor:
-    """Head-summed attention probabilities of the candidates, L1-normalised per row.
+def attention_mass(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor, scale: float) -> Tensor:
+    """`Σ_h exp(scale·<q[t,h], kv[c]> − full_lse[t,h])` for each candidate `c` of row `t`, no autograd.
 
     query `[T, H, D]`, kv `[M, D]` (the attention's `kv_full`), candidates `[T, C]` rows of `kv`
     (−1 = none), full_lse `[T, H]` the full normaliser (window + sink + candidates).
-    With heads split over `tp_group` the head sum is completed by an all-reduce before the L1
-    normalisation (bug class A7.2).
-    Returns `[T, C]` (compute dtype), 0 at invalid candidates, rows sum to 1 (or 0 if empty).
+    Returns `[T, C]` (compute dtype), 0 at invalid candidates; computed in row chunks.
     """
     with torch.no_grad():
         step = _rows_per_chunk(candidates.shape[1], query.shape[1], query.shape[2])
@@ -42,9 +39,21 @@ def teacher_target(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tens
             chunk = slice(start, start + step)
             _, _, logits = _chunk_scores(query[chunk].detach(), kv.detach(), candidates[chunk], scale)
             parts.append(torch.exp(logits - full_lse[chunk].unsqueeze(-1)).sum(1))
-        mass = torch.cat(parts) if parts else full_lse.new_zeros(candidates.shape)
-        mass = all_reduce_no_grad(mass, tp_group)
-        return mass / mass.sum(-1, keepdim=True).clamp_min(TINY)
+        return torch.cat(parts) if parts else full_lse.new_zeros(candidates.shape)
+
+
+def normalise_target(mass: Tensor, tp_group: Optional[ProcessGroup] = None) -> Tensor:
+    """L1-normalised teacher `[T, C]` from this rank's head-summed mass. With heads split over
+    `tp_group` the head sum is completed by an all-reduce first (bug class A7.2)."""
+    mass = all_reduce_no_grad(mass, tp_group)
+    return mass / mass.sum(-1, keepdim=True).clamp_min(TINY)
+
+
+def teacher_target(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor, scale: float,
+                   tp_group: Optional[ProcessGroup] = None) -> Tensor:
+    """Head-summed attention probabilities of the candidates, L1-normalised per row (`attention_mass`
+    for the shapes). Returns `[T, C]`, 0 at invalid candidates, rows sum to 1 (or 0 if empty)."""
+    return normalise_target(attention_mass(query, kv, candidates, full_lse, scale), tp_group)
 
 
 def kl_per_row(student_scores: Tensor, target: Tensor, valid: Tensor) -> Tensor:
@@ -70,3 +79,19 @@ def reduce_indexer_loss(per_row: Tensor, coeff: float, per_token: bool,
         return coeff * total
     divisor = num_rows.clamp_min(1) if isinstance(num_rows, Tensor) else max(num_rows, 1)
     return coeff * total / divisor
+
+
+MassFn = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
+KLFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def indexer_kl(student_scores: Tensor, query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor,
+               scale: float, tp_group: Optional[ProcessGroup] = None, *, mass: MassFn = attention_mass,
+               kl: KLFn = kl_per_row) -> Tensor:
+    """Per-row KL `[T]` between the attention's mass over `candidates [T, C]` (the teacher) and the
+    softmax of `student_scores [T, C]` over the valid candidates: the `indexer_loss` op family.
+
+    `mass` and `kl` are the two kernels; fused backends pass theirs, the composition stays here.
+    """
+    target = normalise_target(mass(query, kv, candidates, full_lse, scale), tp_group)
+    return kl(student_scores, target.to(student_scores.dtype), candidates >= 0)

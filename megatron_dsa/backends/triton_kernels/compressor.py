@@ -26,10 +26,8 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.ops.compressor import channel_factor
-from megatron_dsa.ops.hadamard import hadamard_transform
+from megatron_dsa.ops.compressor import compress as reference_compress
 from megatron_dsa.ops.layout import CompressedLayout
-from megatron_dsa.ops.norms import rms_norm
-from megatron_dsa.ops.rope import rope
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Token rows per tile (BLOCK_E entries × BLOCK_S slots) and channels per program. Compiled for sm_90 at
@@ -137,15 +135,8 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
 
 def compress(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
              layout: CompressedLayout, inv_freq: Tensor, rotate: bool) -> Tensor:
-    """`ops.compressor.compress` with the Triton pooling: projections → gated pool → RMSNorm → RoPE at
-    `j·r` → (Hadamard).
-
-    x: `[T, d]` token rows (raw layer input). wkv, wgate: `[coff·Dc, d]`. ape: `[r, coff·Dc]`.
-    norm_weight: `[Dc]`. Returns `[capacity, Dc]`.
-    """
-    pooled = gated_pool(x @ wkv.t(), x @ wgate.t(), ape, layout)
-    out = rope(rms_norm(pooled, norm_weight, eps), layout.positions, inv_freq)
-    return hadamard_transform(out) if rotate else out
+    """`ops.compressor.compress` with the Triton pooling (shapes there)."""
+    return reference_compress(x, wkv, wgate, ape, norm_weight, eps, layout, inv_freq, rotate, pool=gated_pool)
 
 
 def _check_inputs(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) -> None:
