@@ -233,3 +233,19 @@ def test_kernels_are_decorated_per_mode(monkeypatch):
     compiled = triton_sparse._kernels()
     assert compiled.autotuned and type(compiled.forward.fn).__name__ == "JITFunction"
     assert type(compiled.backward.fn).__name__ == "JITFunction"
+
+
+@pytest.mark.parametrize("grad_lse_given", [False, True], ids=["no_dlse", "dlse"])
+def test_float16_matches_fp32_reference(grad_lse_given):
+    """The 16-bit path (probabilities and dS rounded to the input dtype before their dots, output and
+    gradients rounded once). bf16 is checked on the GPU only: the interpreter's `tl.dot` misreads bf16.
+    Reference: fp32 from the same fp16 inputs. Tolerance: fp16 keeps 11 significant bits, so each
+    rounding is <= 2^-11 relative; a few of them add up on outputs and gradients of size ~1: 4e-3."""
+    query, kv, indices, sink = make_inputs(12, 16, 48, 37, 30, dtype=torch.float16)
+    grad_out = torch.randn(query.shape).to(torch.float16)
+    grad_lse = torch.randn(query.shape[:2]) if grad_lse_given else None
+    got = run_triton(query, kv, indices, sink, 48 ** -0.5, grad_out, grad_lse)
+    expected = reference(query.float(), kv.float(), indices, sink, 48 ** -0.5, grad_out.float(), grad_lse)
+    for name, a, b in zip(NAMES, got, expected):
+        assert a.dtype == (torch.float16 if name in ("out", "grad_query", "grad_kv") else torch.float32), name
+        torch.testing.assert_close(a.float(), b, atol=4e-3, rtol=4e-3, msg=lambda m, n=name: f"{n}: {m}")
