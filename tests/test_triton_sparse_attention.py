@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import megatron_dsa.backends.triton_kernels.sparse_attention as triton_sparse
 from megatron_dsa.backends.triton_kernels.sparse_attention import sparse_attention_forward
 from sparse_attention_interpreter_cases import NAMES, make_inputs, reference, run_triton
 
@@ -91,6 +92,19 @@ def test_forward_input_validation(argument, replace, error):
     good = dict(query=query, kv=kv, indices=indices, sink=sink, scale=0.3)
     with pytest.raises(error, match=argument):
         sparse_attention_forward(**{**good, **replace(query, kv, indices, sink)})
+
+
+def test_autotune_candidates_cap_the_head_block_at_the_head_count():
+    pytest.importorskip("triton")
+    configs = triton_sparse._cuda_configs(triton_sparse.BACKWARD_CONFIGS)
+
+    def head_blocks(heads: int) -> list[int]:
+        return [config.kwargs["BLOCK_H"] for config in triton_sparse._prune(configs, {"H": heads})]
+
+    assert head_blocks(64) == [64, 32, 32, 16] and head_blocks(128) == head_blocks(64)
+    assert head_blocks(4) == [16, 16, 16, 16] and head_blocks(20) == [32, 32, 32, 16]
+    twins = triton_sparse._cuda_configs(((64, 16, 4, 2), (32, 16, 4, 2)))
+    assert len(triton_sparse._prune(twins, {"H": 4})) == 1  # both become (16, 16, 4, 2): kept once
 
 
 # ---------------------------------------------------------------- GPU

@@ -24,12 +24,13 @@ MAX_FLOOR = tl.constexpr(-1.0e30)
 def sparse_attention_fwd_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e)
-    H, M, K, D, head_blocks,
+    H, M, K, D,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """out[t, h] = sum_k p_k kv[k] and lse[t, h] (natural log, sink excluded) for one (row, head block)."""
     pid = tl.program_id(0)
+    head_blocks = (H + BLOCK_H - 1) // BLOCK_H
     row = (pid // head_blocks).to(tl.int64)
     heads = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
@@ -87,13 +88,14 @@ def sparse_attention_bwd_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, dout_ptr, dlse_ptr,
     dq_ptr, dkv_ptr, dsink_ptr,
     scale, qk_scale,  # softmax scale, and the same times log2(e)
-    H, M, K, D, head_blocks,
+    H, M, K, D,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
     HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (row, head block): writes dq, adds the row's key and value terms into the fp32 `dkv [M, D]`
     scratch with atomics, and writes the row's sink terms `-p_sink * delta` into `dsink [N, H]`."""
     pid = tl.program_id(0)
+    head_blocks = (H + BLOCK_H - 1) // BLOCK_H
     row = (pid // head_blocks).to(tl.int64)
     heads = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H

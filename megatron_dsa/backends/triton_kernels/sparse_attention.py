@@ -53,20 +53,42 @@ LOG2E = math.log2(math.e)
 class _Kernels:
     forward: Any
     backward: Any
-    autotuned: bool  # CUDA: the autotuner owns BLOCK_K / num_warps / num_stages
+    autotuned: bool  # CUDA: the autotuner owns BLOCK_H / BLOCK_K / num_warps / num_stages
 
 
-# CUDA autotune candidates (BLOCK_K, num_warps, num_stages); the head block is fixed by `_launch`.
-# Short on purpose: every candidate is compiled on the first call of each (H, K, D, dtype).
-FORWARD_CONFIGS = ((32, 4, 2), (32, 8, 2), (64, 8, 2), (64, 8, 3))
-BACKWARD_CONFIGS = ((16, 4, 1), (16, 8, 2), (32, 8, 1), (32, 8, 2))
+# CUDA autotune candidates (BLOCK_H, BLOCK_K, num_warps, num_stages). Short on purpose: each is compiled
+# on the first call of every (H, K, D, dtype). Forward: all (up to 64) heads of a row in one program, so
+# a gathered kv block serves them all. Backward: also smaller head blocks, since q and dO of the block sit
+# in shared memory as operands of the kv-gradient dots: at H = 64, D = 512 (bf16) one block of 64 heads
+# needs ~290 KB, more than a Hopper SM has (227 KB), while 32 heads need ~90-115 KB. An oversized
+# candidate fails to launch and the autotuner skips it; `_prune` caps the head block at the head count.
+FORWARD_CONFIGS = ((64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3))
+BACKWARD_CONFIGS = ((64, 16, 8, 2), (32, 16, 4, 2), (32, 32, 8, 2), (16, 32, 4, 2))
 
 
-def _cuda_configs(candidates: tuple[tuple[int, int, int], ...]) -> list:
+def _head_block(heads: int, cap: int = MAX_BLOCK_H) -> int:
+    """Heads per program: a power of two >= 16 (`tl.dot` minimum; extra heads are masked), <= `cap`."""
+    return min(cap, max(MIN_DOT, _next_pow2(heads)))
+
+
+def _cuda_configs(candidates: tuple[tuple[int, int, int, int], ...]) -> list:
     import triton
 
-    return [triton.Config({"BLOCK_K": block_k}, num_warps=num_warps, num_stages=num_stages)
-            for block_k, num_warps, num_stages in candidates]
+    return [triton.Config({"BLOCK_H": block_h, "BLOCK_K": block_k}, num_warps=num_warps, num_stages=num_stages)
+            for block_h, block_k, num_warps, num_stages in candidates]
+
+
+def _prune(configs: list, named_args: dict, **kwargs: Any) -> list:
+    """Cap every candidate's head block at what the head count needs, dropping the duplicates."""
+    import triton
+
+    pruned = {}
+    for config in configs:
+        block_h = _head_block(named_args["H"], config.kwargs["BLOCK_H"])
+        key = (block_h, config.kwargs["BLOCK_K"], config.num_warps, config.num_stages)
+        pruned.setdefault(key, triton.Config({**config.kwargs, "BLOCK_H": block_h}, num_warps=config.num_warps,
+                                             num_stages=config.num_stages))
+    return list(pruned.values())
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,10 +103,11 @@ def _build_kernels(interpret: bool) -> _Kernels:
         return _Kernels(forward, backward, autotuned=False)
     key = ["H", "K", "D"]  # the autotuner adds the tensor dtypes to the key itself
     return _Kernels(
-        forward=triton.autotune(_cuda_configs(FORWARD_CONFIGS), key=key)(forward),
+        forward=triton.autotune(_cuda_configs(FORWARD_CONFIGS), key=key,
+                                prune_configs_by={"early_config_prune": _prune})(forward),
         # The scratch gradient is accumulated with atomics, so every trial must start from zero.
-        backward=triton.autotune(_cuda_configs(BACKWARD_CONFIGS), key=key,
-                                 reset_to_zero=["dkv_ptr"])(backward),
+        backward=triton.autotune(_cuda_configs(BACKWARD_CONFIGS), key=key, reset_to_zero=["dkv_ptr"],
+                                 prune_configs_by={"early_config_prune": _prune})(backward),
         autotuned=True)
 
 
@@ -107,14 +130,13 @@ def _head_dim_chunks(dim: int) -> tuple[int, int]:
 
 
 def _launch(kernel: Any, autotuned: bool, rows: int, heads: int, dim: int, *args: Any, **meta: Any) -> None:
-    block_h = min(MAX_BLOCK_H, max(MIN_DOT, _next_pow2(heads)))
-    head_blocks = _cdiv(heads, block_h)
     block_d, block_dt = _head_dim_chunks(dim)
-    meta.update(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DT=block_dt)
+    meta.update(BLOCK_D=block_d, BLOCK_DT=block_dt)
     if not autotuned:
-        meta.update(BLOCK_K=INTERPRETER_BLOCK_K, num_warps=4, num_stages=1)
-    # The heads of one row are neighbours in the grid, so they meet its kv rows in L2 together.
-    kernel[(rows * head_blocks,)](*args, head_blocks, **meta)
+        meta.update(BLOCK_H=_head_block(heads), BLOCK_K=INTERPRETER_BLOCK_K, num_warps=4, num_stages=1)
+    # Program id = row * head blocks + head block: the head blocks of one row run side by side, so they
+    # meet the row's kv rows in L2 together.
+    kernel[lambda config: (rows * _cdiv(heads, config["BLOCK_H"]),)](*args, **meta)
 
 
 def _cdiv(a: int, b: int) -> int:
