@@ -15,8 +15,14 @@ Kernel design (Hopper first, correct anywhere Triton runs):
   kv gradient (value term `p dO` plus key term `scale dS q`, K = V) by fp32 atomic adds into an
   `[M, D]` scratch that is cast once at the end, and writes per-row sink terms that are summed
   afterwards (deterministic for dq and the sink; the dkv sum order follows the atomics).
-On CUDA a short autotune list picks the index block, warps and stages; the CPU interpreter runs a
-single fixed configuration so that tests stay fast.
+On CUDA a short autotune list picks the head block, index block, warps and stages; the CPU
+interpreter runs a single fixed configuration so that tests stay fast.
+
+Status: compiled offline for sm_90 (bf16 H = 64, D = 512 / 576; fp32; tiny shapes) but not yet timed
+on a GPU. At D = 512 the forward uses wgmma and spills a few hundred bytes per thread (the [64, 512]
+fp32 accumulator plus the query operand exceed 255 registers); the backward runs on mma.sync with
+head blocks of 16 or 32 and spills more. Spill-free variants (query and dO only as shared-memory dot
+operands, or split dq / dkv kernels) are the next step once timings exist.
 
 Interpreter (`TRITON_INTERPRET=1`, CPU tests): triton 3.6's `triton.jit` chooses compiled or
 interpreted execution when a function is *decorated*. Our kernel bodies therefore live undecorated in
