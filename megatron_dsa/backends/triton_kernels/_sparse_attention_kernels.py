@@ -1,0 +1,168 @@
+"""Triton kernel bodies of sparse attention with a sink (math: docs/math.md section 7).
+
+The functions here are deliberately left undecorated: `triton.jit` picks compiled or interpreted
+execution at decoration time, so `sparse_attention.py` decorates them lazily, once per mode. This
+module imports triton at the top and is itself imported only on first use.
+
+Layout shared by both kernels (all contiguous): query / out / grad rows `[N, H, D]`, `kv [M, D]`,
+`indices [N, K]` int32, `sink [H]` fp32, `lse [N, H]` fp32. One program handles one query row and a
+block of `BLOCK_H` heads; the heads form the M dimension of every `tl.dot` (MQA: they all read the
+same gathered kv rows). The head dim is covered by a power-of-two main chunk `[0, BLOCK_D)` plus an
+optional power-of-two tail chunk `[BLOCK_D, BLOCK_D + BLOCK_DT)` (`BLOCK_DT = 0`: none), so that
+D = 576 costs 512 + 64 columns instead of 1024. Exponentials run in base 2 with `log2(e)` folded in.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# Floor of the running maximum, so that a sink of -inf (no sink) never yields inf - inf.
+MAX_FLOOR = tl.constexpr(-1.0e30)
+
+
+def sparse_attention_fwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    H, M, K, D,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """out[t, h] = sum_k p_k kv[k] and lse[t, h] (natural log, sink excluded) for one (row, head block)."""
+    pid = tl.program_id(0)
+    head_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    row = (pid // head_blocks).to(tl.int64)
+    heads = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    row_heads = (row * H + heads).to(tl.int64)[:, None] * D  # [BLOCK_H, 1] element offsets
+
+    dm = tl.arange(0, BLOCK_D)
+    dm_ok = dm < D
+    q = tl.load(q_ptr + row_heads + dm[None, :], mask=head_ok[:, None] & dm_ok[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if BLOCK_DT > 0:
+        dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        dt_ok = dt < D
+        q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)
+        acc_t = tl.zeros([BLOCK_H, BLOCK_DT], dtype=tl.float32)
+
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
+    # The running maximum starts at the sink, which is always part of the denominator.
+    m_i = tl.maximum(sink, MAX_FLOOR)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum over the keys only (the LSE excludes the sink)
+
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + row * K + cols, mask=cols < K, other=-1)
+        valid = (idx >= 0) & (idx < M)
+        kv_rows = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D  # [BLOCK_K, 1]
+        kv = tl.load(kv_ptr + kv_rows + dm[None, :], mask=valid[:, None] & dm_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        if BLOCK_DT > 0:
+            kv_t = tl.load(kv_ptr + kv_rows + dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
+            s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if BLOCK_DT > 0:
+            acc_t = tl.dot(p.to(kv.dtype), kv_t, acc_t * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    inv_denominator = 1.0 / (l_i + tl.exp2(sink - m_i))
+    out_mask = head_ok[:, None] & dm_ok[None, :]
+    tl.store(out_ptr + row_heads + dm[None, :], (acc * inv_denominator[:, None]).to(out_ptr.dtype.element_ty),
+             mask=out_mask)
+    if BLOCK_DT > 0:
+        tl.store(out_ptr + row_heads + dt[None, :],
+                 (acc_t * inv_denominator[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & dt_ok[None, :])
+    lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(lse_ptr + row * H + heads, lse, mask=head_ok)
+
+
+def sparse_attention_bwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, dout_ptr, dlse_ptr,
+    dq_ptr, dkv_ptr, dsink_ptr,
+    scale, qk_scale,  # softmax scale, and the same times log2(e)
+    H, M, K, D,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
+    HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (row, head block): writes dq, adds the row's key and value terms into the fp32 `dkv [M, D]`
+    scratch with atomics, and writes the row's sink terms `-p_sink * delta` into `dsink [N, H]`."""
+    pid = tl.program_id(0)
+    head_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    row = (pid // head_blocks).to(tl.int64)
+    heads = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    row_heads = (row * H + heads).to(tl.int64)[:, None] * D
+
+    dm = tl.arange(0, BLOCK_D)
+    dm_ok = dm < D
+    mask_m = head_ok[:, None] & dm_ok[None, :]
+    q = tl.load(q_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
+    do = tl.load(dout_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
+    o = tl.load(out_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # <dO, O> with the stored (rounded) O
+    dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if BLOCK_DT > 0:
+        dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        dt_ok = dt < D
+        mask_t = head_ok[:, None] & dt_ok[None, :]
+        q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
+        do_t = tl.load(dout_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
+        o_t = tl.load(out_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
+        delta += tl.sum(do_t.to(tl.float32) * o_t.to(tl.float32), 1)
+        dq_t = tl.zeros([BLOCK_H, BLOCK_DT], dtype=tl.float32)
+
+    # log2 of the full normaliser Z = exp(lse) + exp(sink); padding heads get lse = -inf, sink = 0.
+    lse = tl.load(lse_ptr + row * H + heads, mask=head_ok, other=float("-inf")) * LOG2E
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
+    top = tl.maximum(tl.maximum(lse, sink), MAX_FLOOR)
+    log_z = top + tl.log2(tl.exp2(lse - top) + tl.exp2(sink - top))
+    if HAS_DLSE:
+        g = tl.load(dlse_ptr + row * H + heads, mask=head_ok, other=0.0)
+        lse_finite = tl.where(lse > float("-inf"), lse, 0.0)  # an empty row has no lse gradient
+
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + row * K + cols, mask=cols < K, other=-1)
+        valid = (idx >= 0) & (idx < M)
+        kv_rows = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
+        kv = tl.load(kv_ptr + kv_rows + dm[None, :], mask=valid[:, None] & dm_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(kv), input_precision=DOT_PRECISION)  # <dO, kv[k]>
+        if BLOCK_DT > 0:
+            kv_t = tl.load(kv_ptr + kv_rows + dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
+            s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
+            dp = tl.dot(do_t, tl.trans(kv_t), dp, input_precision=DOT_PRECISION)
+        s = tl.where(head_ok[:, None] & valid[None, :], s * qk_scale, float("-inf"))
+        p = tl.exp2(s - log_z[:, None])
+        ds = p * (dp - delta[:, None])
+        if HAS_DLSE:
+            ds += g[:, None] * tl.exp2(s - lse_finite[:, None])
+
+        p_op = tl.trans(p.to(kv.dtype))  # [BLOCK_K, BLOCK_H]
+        ds_op = ds.to(kv.dtype)
+        ds_scaled_op = tl.trans((ds * scale).to(kv.dtype))
+        dq = tl.dot(ds_op, kv, dq, input_precision=DOT_PRECISION)
+        # K = V: the row is both a value (p dO) and a key (scale dS q).
+        dkv = tl.dot(p_op, do, input_precision=DOT_PRECISION)
+        dkv = tl.dot(ds_scaled_op, q, dkv, input_precision=DOT_PRECISION)
+        tl.atomic_add(dkv_ptr + kv_rows + dm[None, :], dkv, mask=valid[:, None] & dm_ok[None, :], sem="relaxed")
+        if BLOCK_DT > 0:
+            dq_t = tl.dot(ds_op, kv_t, dq_t, input_precision=DOT_PRECISION)
+            dkv_t = tl.dot(p_op, do_t, input_precision=DOT_PRECISION)
+            dkv_t = tl.dot(ds_scaled_op, q_t, dkv_t, input_precision=DOT_PRECISION)
+            tl.atomic_add(dkv_ptr + kv_rows + dt[None, :], dkv_t, mask=valid[:, None] & dt_ok[None, :],
+                          sem="relaxed")
+
+    tl.store(dq_ptr + row_heads + dm[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask_m)
+    if BLOCK_DT > 0:
+        tl.store(dq_ptr + row_heads + dt[None, :], (dq_t * scale).to(dq_ptr.dtype.element_ty), mask=mask_t)
+    p_sink = tl.exp2(sink - log_z)
+    tl.store(dsink_ptr + row * H + heads, -p_sink * delta, mask=head_ok)

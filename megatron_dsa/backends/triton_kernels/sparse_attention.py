@@ -1,0 +1,291 @@
+"""Sparse attention with a learnable sink as Triton kernels: forward and backward (docs/math.md §7).
+
+Same contract as the unfused reference `megatron_dsa.ops.sparse_attention`: query `[N, H, D]`
+attends, per row, the kv rows `indices[t]` of the tied key/value latent `kv [M, D]` (one KV head
+shared by all `H` heads); entries outside `[0, M)` are ignored and duplicates count as separate keys.
+The sink `[H]` enters only the denominator. The LSE is natural-log and excludes the sink; a row
+without a valid index gives `out = 0`, `lse = -inf`.
+
+Kernel design (Hopper first, correct anywhere Triton runs):
+* one program per (query row, block of `BLOCK_H` heads); the heads are the M dimension of `tl.dot`
+  (padded to at least 16 with masks), so each gathered kv block serves every head of the row;
+* a loop over blocks of `BLOCK_K` indices gathers kv rows by pointer arithmetic; online softmax
+  and accumulation in fp32; the head dim is a power-of-two chunk plus an optional tail chunk;
+* backward recomputes the probabilities from the saved LSE, keeps dq in registers, scatters the
+  kv gradient (value term `p dO` plus key term `scale dS q`, K = V) by fp32 atomic adds into an
+  `[M, D]` scratch that is cast once at the end, and writes per-row sink terms that are summed
+  afterwards (deterministic for dq and the sink; the dkv sum order follows the atomics).
+On CUDA a short autotune list picks the head block, index block, warps and stages; the CPU
+interpreter runs a single fixed configuration so that tests stay fast.
+
+Status: compiled offline for sm_90 (bf16 H = 64, D = 512 / 576; fp32; tiny shapes) but not yet timed
+on a GPU. At D = 512 the forward uses wgmma and spills a few hundred bytes per thread (the [64, 512]
+fp32 accumulator plus the query operand exceed 255 registers); the backward runs on mma.sync with
+head blocks of 16 or 32 and spills more. Spill-free variants (query and dO only as shared-memory dot
+operands, or split dq / dkv kernels) are the next step once timings exist.
+
+Interpreter (`TRITON_INTERPRET=1`, CPU tests): triton 3.6's `triton.jit` chooses compiled or
+interpreted execution when a function is *decorated*. Our kernel bodies therefore live undecorated in
+`_sparse_attention_kernels` and are decorated on first use, cached per mode, so they follow the switch
+at call time. Triton's own library functions (`tl.sum`, `tl.max`, `tl.zeros`, ...) are decorated when
+triton is first imported, though, so the switch must be on before that import: the CPU tests run the
+kernels in a child process started with `TRITON_INTERPRET=1`, and the rest of the suite never sees the
+interpreter. Importing this module never imports triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 1024
+MAX_BLOCK_H = 64  # heads per program: one Hopper warpgroup MMA tile
+MIN_DOT = 16  # tl.dot needs every dimension >= 16
+INTERPRETER_BLOCK_K = 16
+LOG2E = math.log2(math.e)
+
+
+# ---------------------------------------------------------------- kernels, decorated lazily per mode
+@dataclass(frozen=True)
+class _Kernels:
+    forward: Any
+    backward: Any
+    autotuned: bool  # CUDA: the autotuner owns BLOCK_H / BLOCK_K / num_warps / num_stages
+
+
+# CUDA autotune candidates (BLOCK_H, BLOCK_K, num_warps, num_stages). Short on purpose: each is compiled
+# on the first call of every (H, K, D, dtype). Forward: all (up to 64) heads of a row in one program, so
+# a gathered kv block serves them all. Backward: also smaller head blocks, since q and dO of the block sit
+# in shared memory as operands of the kv-gradient dots: at H = 64, D = 512 (bf16) one block of 64 heads
+# needs ~290 KB, more than a Hopper SM has (227 KB), while 32 heads need ~90-115 KB. An oversized
+# candidate fails to launch and the autotuner skips it; `_prune` caps the head block at the head count.
+FORWARD_CONFIGS = ((64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3))
+BACKWARD_CONFIGS = ((64, 16, 8, 2), (32, 16, 4, 2), (32, 32, 8, 2), (16, 32, 4, 2))
+
+
+def _head_block(heads: int, cap: int = MAX_BLOCK_H) -> int:
+    """Heads per program: a power of two >= 16 (`tl.dot` minimum; extra heads are masked), <= `cap`."""
+    return min(cap, max(MIN_DOT, _next_pow2(heads)))
+
+
+def _cuda_configs(candidates: tuple[tuple[int, int, int, int], ...]) -> list:
+    import triton
+
+    return [triton.Config({"BLOCK_H": block_h, "BLOCK_K": block_k}, num_warps=num_warps, num_stages=num_stages)
+            for block_h, block_k, num_warps, num_stages in candidates]
+
+
+def _prune(configs: list, named_args: dict, **kwargs: Any) -> list:
+    """Cap every candidate's head block at what the head count needs, dropping the duplicates."""
+    import triton
+
+    pruned = {}
+    for config in configs:
+        block_h = _head_block(named_args["H"], config.kwargs["BLOCK_H"])
+        key = (block_h, config.kwargs["BLOCK_K"], config.num_warps, config.num_stages)
+        pruned.setdefault(key, triton.Config({**config.kwargs, "BLOCK_H": block_h}, num_warps=config.num_warps,
+                                             num_stages=config.num_stages))
+    return list(pruned.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _build_kernels(interpret: bool) -> _Kernels:
+    import triton
+
+    from megatron_dsa.backends.triton_kernels import _sparse_attention_kernels as source
+
+    forward = triton.jit(source.sparse_attention_fwd_kernel)
+    backward = triton.jit(source.sparse_attention_bwd_kernel)
+    if interpret:
+        return _Kernels(forward, backward, autotuned=False)
+    key = ["H", "K", "D"]  # the autotuner adds the tensor dtypes to the key itself
+    return _Kernels(
+        forward=triton.autotune(_cuda_configs(FORWARD_CONFIGS), key=key,
+                                prune_configs_by={"early_config_prune": _prune})(forward),
+        # The scratch gradient is accumulated with atomics, so every trial must start from zero.
+        backward=triton.autotune(_cuda_configs(BACKWARD_CONFIGS), key=key, reset_to_zero=["dkv_ptr"],
+                                 prune_configs_by={"early_config_prune": _prune})(backward),
+        autotuned=True)
+
+
+def _kernels() -> _Kernels:
+    from triton import knobs
+
+    return _build_kernels(bool(knobs.runtime.interpret))  # the same switch `triton.jit` reads
+
+
+# ---------------------------------------------------------------- tiling and launch
+def _next_pow2(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+def _head_dim_chunks(dim: int) -> tuple[int, int]:
+    """`(main, tail)` power-of-two chunks covering `dim` (tail 0: none), e.g. 576 → (512, 64)."""
+    main = max(MIN_DOT, 1 << (dim.bit_length() - 1))
+    rest = dim - main
+    return main, (max(MIN_DOT, _next_pow2(rest)) if rest > 0 else 0)
+
+
+def _launch(kernel: Any, autotuned: bool, rows: int, heads: int, dim: int, *args: Any, **meta: Any) -> None:
+    block_d, block_dt = _head_dim_chunks(dim)
+    meta.update(BLOCK_D=block_d, BLOCK_DT=block_dt)
+    if not autotuned:
+        meta.update(BLOCK_H=_head_block(heads), BLOCK_K=INTERPRETER_BLOCK_K, num_warps=4, num_stages=1)
+    # Program id = row * head blocks + head block: the head blocks of one row run side by side, so they
+    # meet the row's kv rows in L2 together.
+    kernel[lambda config: (rows * _cdiv(heads, config["BLOCK_H"]),)](*args, **meta)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact fp32; ignored for 16-bit
+
+
+# ---------------------------------------------------------------- input checks and preparation
+def _require(condition: bool, error: type[Exception], message: str) -> None:
+    if not condition:
+        raise error(message)
+
+
+def _check_tensor(name: str, value: Any) -> None:
+    _require(isinstance(value, Tensor), TypeError, f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _check_attention_inputs(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> None:
+    for name, value in (("query", query), ("kv", kv), ("indices", indices), ("sink", sink)):
+        _check_tensor(name, value)
+    _require(query.dim() == 3, ValueError, f"query must be [N, H, D], got shape {tuple(query.shape)}")
+    _require(kv.dim() == 2, ValueError, f"kv must be [M, D], got shape {tuple(kv.shape)}")
+    rows, heads, dim = query.shape
+    _require(kv.shape[1] == dim, ValueError, f"kv head dim {kv.shape[1]} must equal query head dim {dim}")
+    _require(1 <= dim <= MAX_HEAD_DIM, ValueError, f"head dim D must be in [1, {MAX_HEAD_DIM}], got {dim}")
+    _require(heads >= 1, ValueError, "query must have at least one head")
+    _require(query.dtype in SUPPORTED_DTYPES, TypeError,
+             f"query dtype must be one of float32/bfloat16/float16 for the Triton kernel, got {query.dtype} "
+             f"(float64 runs on the unfused backend)")
+    _require(kv.dtype == query.dtype, TypeError, f"kv dtype {kv.dtype} must equal query dtype {query.dtype}")
+    _require(indices.dim() == 2 and indices.shape[0] == rows, ValueError,
+             f"indices must be [N, K] with N = {rows}, got shape {tuple(indices.shape)}")
+    _require(indices.dtype in (torch.int32, torch.int64), TypeError,
+             f"indices must be int32 or int64, got {indices.dtype}")
+    _require(sink.shape == (heads,), ValueError, f"sink must be [H] = [{heads}], got shape {tuple(sink.shape)}")
+    _require(sink.is_floating_point(), TypeError, f"sink must be a floating tensor, got {sink.dtype}")
+    _require(isinstance(scale, (int, float)) and not isinstance(scale, bool), TypeError,
+             f"scale must be a real number, got {type(scale).__name__}")
+    _require(math.isfinite(scale), ValueError, f"scale must be finite, got {scale}")
+    for name, value in (("kv", kv), ("indices", indices), ("sink", sink)):
+        _require(value.device == query.device, ValueError,
+                 f"{name} is on {value.device}, query on {query.device}: all inputs must share one device")
+    reason = triton_decline_reason(query.device, explicit=True)
+    if reason is not None:
+        raise RuntimeError(f"Triton sparse attention cannot run here: {reason}")
+
+
+def _check_rows(name: str, value: Optional[Tensor], shape: tuple[int, ...], device: torch.device) -> None:
+    if value is None:
+        return
+    _check_tensor(name, value)
+    _require(tuple(value.shape) == shape, ValueError, f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    _require(value.is_floating_point(), TypeError, f"{name} must be a floating tensor, got {value.dtype}")
+    _require(value.device == device, ValueError, f"{name} is on {value.device}, query on {device}")
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Contiguous kernel operands. Empty `indices` / `kv` get one dummy entry (an index of -1, a zero
+    row) so that no kernel pointer is null; `kv_rows` stays the true `M`, so the dummy is never valid."""
+
+    query: Tensor
+    kv: Tensor
+    indices: Tensor  # int32 [N, K'], entries outside [0, M) are ignored by the kernels
+    sink: Tensor  # fp32 [H]
+    kv_rows: int
+
+
+def _prepare(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> _Prepared:
+    rows, kv_rows = query.shape[0], kv.shape[0]
+    if indices.dtype == torch.int64:
+        # Out-of-range int64 ids become -1 first: a plain cast could wrap them into [0, M).
+        indices = torch.where((indices >= 0) & (indices < kv_rows), indices, -1).to(torch.int32)
+    if indices.shape[1] == 0:
+        indices = torch.full((rows, 1), -1, dtype=torch.int32, device=query.device)
+    kv_operand = kv if kv_rows > 0 else kv.new_zeros(1, kv.shape[1])
+    return _Prepared(query.contiguous(), kv_operand.contiguous(), indices.contiguous(),
+                     sink.detach().to(torch.float32).contiguous(), kv_rows)
+
+
+# ---------------------------------------------------------------- entry points
+def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
+                             scale: float) -> tuple[Tensor, Tensor]:
+    """Sparse attention forward.
+
+    `query [N, H, D]`, `kv [M, D]` (K = V latent, one KV head), `indices [N, K]` int32/int64
+    (entries < 0 or >= M ignored), `sink [H]`. Returns `out [N, H, D]` in the query dtype and
+    `lse [N, H]` float32: the natural-log logsumexp over the valid keys, sink excluded. A row with
+    no valid index gives `out = 0`, `lse = -inf`.
+    """
+    _check_attention_inputs(query, kv, indices, sink, scale)
+    rows, heads, dim = query.shape
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    lse = torch.empty(rows, heads, dtype=torch.float32, device=query.device)
+    if rows == 0:
+        return out, lse
+    operands = _prepare(query, kv, indices, sink)
+    kernels = _kernels()
+    with _on_device(query.device):
+        _launch(kernels.forward, kernels.autotuned, rows, heads, dim,
+                operands.query, operands.kv, operands.indices, operands.sink, out, lse,
+                float(scale) * LOG2E, heads, operands.kv_rows, operands.indices.shape[1], dim,
+                DOT_PRECISION=_dot_precision(query.dtype))
+    return out, lse
+
+
+def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
+                              out: Tensor, lse: Tensor, grad_out: Tensor,
+                              grad_lse: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Sparse attention backward from the forward's `out [N, H, D]` and `lse [N, H]`.
+
+    `grad_out [N, H, D]` (cast to the query dtype) and `grad_lse [N, H]` or None (no gradient
+    through the LSE; when given, `dS_k += grad_lse · exp(s_k - lse)`). Returns `(grad_query [N, H, D]`
+    in the query dtype, `grad_kv [M, D]` in the kv dtype, `grad_sink [H]` in the sink dtype).
+    """
+    _check_attention_inputs(query, kv, indices, sink, scale)
+    rows, heads, dim = query.shape
+    _check_rows("out", out, tuple(query.shape), query.device)
+    _require(out.dtype == query.dtype, TypeError, f"out dtype {out.dtype} must equal query dtype {query.dtype}")
+    _check_rows("lse", lse, (rows, heads), query.device)
+    _check_rows("grad_out", grad_out, tuple(query.shape), query.device)
+    _check_rows("grad_lse", grad_lse, (rows, heads), query.device)
+
+    grad_query = torch.empty_like(query, memory_format=torch.contiguous_format)
+    grad_kv = torch.zeros(max(kv.shape[0], 1), dim, dtype=torch.float32, device=kv.device)
+    sink_terms = torch.zeros(rows, heads, dtype=torch.float32, device=query.device)  # -p_sink · delta
+    if rows > 0:
+        operands = _prepare(query, kv, indices, sink)
+        has_dlse = grad_lse is not None
+        dlse = grad_lse.to(torch.float32).contiguous() if has_dlse else sink_terms  # unread without HAS_DLSE
+        kernels = _kernels()
+        with _on_device(query.device):
+            _launch(kernels.backward, kernels.autotuned, rows, heads, dim,
+                    operands.query, operands.kv, operands.indices, operands.sink, out.contiguous(),
+                    lse.to(torch.float32).contiguous(), grad_out.to(query.dtype).contiguous(), dlse,
+                    grad_query, grad_kv, sink_terms,
+                    float(scale), float(scale) * LOG2E, heads, operands.kv_rows, operands.indices.shape[1], dim,
+                    HAS_DLSE=has_dlse, DOT_PRECISION=_dot_precision(query.dtype))
+    return grad_query, grad_kv[:kv.shape[0]].to(kv.dtype), sink_terms.sum(0).to(sink.dtype)
