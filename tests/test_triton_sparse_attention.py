@@ -1,8 +1,8 @@
 """Triton sparse attention kernels (forward and backward) against the unfused reference
 `megatron_dsa.ops.sparse_attention` (docs/math.md §7).
 
-The CPU cases run in the Triton interpreter in a child process (`sparse_attention_interpreter_cases.py`,
-see its docstring for why a child process); this file runs them, checks input validation and the
+The CPU cases run in the Triton interpreter in a child process (`interp_triton_sparse_attention.py`,
+see `triton_support.py` for why a child process); this file runs them, checks input validation and the
 behaviour without triton or without the interpreter, and holds the GPU comparisons (`gpu` marker)
 at up to dsv4-flash sizes, with their tolerances stated where they are used.
 """
@@ -21,11 +21,11 @@ from torch import Tensor
 
 import megatron_dsa.backends.triton_kernels.sparse_attention as triton_sparse
 from megatron_dsa.backends.triton_kernels.sparse_attention import sparse_attention_forward
-from sparse_attention_interpreter_cases import NAMES, make_inputs, reference, run_triton
+from interp_triton_sparse_attention import NAMES, make_inputs, reference, run_triton
+from triton_support import run_interpreted
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-CASES = TESTS / "sparse_attention_interpreter_cases.py"
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -36,13 +36,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def test_interpreter_cases():
     """Forward and backward vs the reference in the CPU interpreter (fp32, tiny sizes), in a child process."""
-    pytest.importorskip("triton")
-    env = child_env(TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    run_interpreted("interp_triton_sparse_attention.py")
 
 
 def test_module_imports_without_triton():

@@ -30,3 +30,22 @@ def run_interpreted(test_file: str) -> None:
     report = done.stdout[-6000:] + done.stderr[-3000:]
     assert done.returncode == 0, f"interpreted tests in {test_file} failed:\n{report}"
     assert " passed" in done.stdout, f"no interpreted test ran in {test_file}:\n{report}"
+
+
+@pytest.fixture
+def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For `interp_*.py` files: fail unless the interpreter is on, and let it read runtime loop bounds.
+
+    triton 3.6's interpreter turns a runtime loop bound (a 1-element array) into an int with
+    `int(array)`, which NumPy ≥ 2.4 rejects; `.item()` reads the same single value."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("run this file with TRITON_INTERPRET=1 (run_interpreted does)")
+    from triton.runtime import interpreter as triton_interpreter
+
+    original = triton_interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(triton_interpreter, "_patch_lang_tensor", patch_lang_tensor)

@@ -3,18 +3,21 @@ supports (tuned for Hopper) and, for tests, on CPU under the interpreter when re
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Mapping, Optional
 
 import torch
 
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
-from megatron_dsa.backends.triton_kernels import indexer, rope
+from megatron_dsa.backends.triton_kernels import compressor, indexer, indexer_loss, rope, sparse_attention
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.ops.indexer_loss import indexer_kl
 
 # The kernels accumulate in float32; float64 stays on the unfused reference path.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DTYPES = {OpFamily.INDEXER_SCORES: KERNEL_DTYPES, OpFamily.ROPE: KERNEL_DTYPES + (torch.float64,)}
+# RoPE and the compressor's pooling also run float64 (they are elementwise / small reductions).
+DTYPES = {OpFamily.ROPE: KERNEL_DTYPES + (torch.float64,), OpFamily.COMPRESSOR: KERNEL_DTYPES + (torch.float64,)}
 
 
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
@@ -27,7 +30,14 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
 TRITON = Backend(
     name="triton",
     priority=15,  # after the measured vendor kernels (cuDNN, FlashMLA, FlashAttention), before unfused
-    ops={OpFamily.INDEXER_SCORES: indexer.indexer_scores, OpFamily.ROPE: rope.rope},
+    ops={
+        OpFamily.SPARSE_ATTENTION_FWD: sparse_attention.sparse_attention_forward,
+        OpFamily.SPARSE_ATTENTION_BWD: sparse_attention.sparse_attention_backward,
+        OpFamily.INDEXER_SCORES: indexer.indexer_scores,
+        OpFamily.INDEXER_LOSS: partial(indexer_kl, mass=indexer_loss.attention_mass, kl=indexer_loss.kl_per_row),
+        OpFamily.COMPRESSOR: compressor.compress,
+        OpFamily.ROPE: rope.rope,
+    },
     probe=probe,
     version=lambda: probes.versions_line("triton"),
 )

@@ -1,12 +1,8 @@
 """Triton sparse attention in the CPU interpreter against the unfused reference (docs/math.md §7):
 outputs, LSE and the gradients of query, kv and sink, with and without a gradient through the LSE.
 
-Not collected by the default suite (the name does not start with `test_`): the test
-`test_interpreter_cases` of `test_triton_sparse_attention.py` runs this file in a child process with
-`TRITON_INTERPRET=1` set from the start. The interpreter has to be on before triton is first imported,
-because triton decides interpreted vs compiled when a function is decorated, its own `tl.sum`,
-`tl.max`, `tl.zeros` included; one process of the full suite cannot promise that, and every other test
-must keep the compiled (or no) Triton. Direct run: `TRITON_INTERPRET=1 python -m pytest <this file>`.
+Not collected by the default suite: `test_triton_sparse_attention.py` runs this file in a child
+process under the interpreter (`triton_support.run_interpreted`, which says why).
 
 Tolerance (fp32 kernel vs fp32 reference): the two differ only in summation order, atol 2e-5 / rtol 1e-4.
 """
@@ -14,7 +10,6 @@ Tolerance (fp32 kernel vs fp32 reference): the two differ only in summation orde
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import pytest
@@ -27,27 +22,15 @@ from megatron_dsa.backends.triton_kernels.sparse_attention import (
     sparse_attention_forward,
 )
 from megatron_dsa.ops.sparse_attention import sparse_attention
+from triton_support import interpreter  # noqa: F401  (fixture)
 
 CPU_TOL = dict(atol=2e-5, rtol=1e-4)
 NAMES = ("out", "lse", "grad_query", "grad_kv", "grad_sink")
 
 
 @pytest.fixture(autouse=True)
-def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every case here needs the interpreter switched on for the whole process (see the docstring)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.fail("run this file with TRITON_INTERPRET=1 (test_triton_sparse_attention.py does)")
-    from triton.runtime import interpreter as triton_interpreter
-
-    original = triton_interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope) -> None:
-        original(tensor, scope)
-        # triton 3.6's interpreter turns a runtime loop bound (a 1-element array) into an int with
-        # `int(array)`, which recent NumPy (2.4 here) rejects; `.item()` reads the same single value.
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(triton_interpreter, "_patch_lang_tensor", patch_lang_tensor)
+def _interpreter(interpreter: None) -> None:
+    """Every case here runs the kernels in the interpreter (`triton_support.interpreter`)."""
 
 
 # ---------------------------------------------------------------- helpers
