@@ -27,7 +27,8 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig, LayerKind  # noqa: E402
-from megatron_dsa.backends import AUTO, Backend, OpFamily, register_backend, resolve  # noqa: E402
+from megatron_dsa.backends import (AUTO, Backend, OpFamily, call_counts, register_backend,  # noqa: E402
+                                   reset_call_counts, resolve)
 from megatron_dsa.config import PRESETS  # noqa: E402
 from megatron_dsa.ops.layout import TokenLayout  # noqa: E402
 
@@ -122,8 +123,11 @@ def register_baseline_backend(batch: int, device: torch.device, dtype: torch.dty
 # ---------------------------------------------------------------- measurement
 @dataclass
 class Measurement:
-    median_ms: float
+    median_ms: float  # inf when the step ran out of memory
     peak_mib: Optional[float]  # None where the device keeps no allocator statistics (CPU)
+
+
+OUT_OF_MEMORY = Measurement(float("inf"), None)
 
 
 @dataclass
@@ -131,10 +135,16 @@ class Row:
     kind: LayerKind
     layer: Measurement
     baseline: Measurement
+    tflop: float  # essential work of one layer step (`essential_tflop`)
+    backends: str  # op → backend the layer's step used
 
     @property
     def ratio(self) -> float:
         return self.layer.median_ms / self.baseline.median_ms
+
+    @property
+    def tflops(self) -> float:
+        return self.tflop / (self.layer.median_ms * 1e-3)
 
 
 def synchronize(device: torch.device) -> None:
@@ -165,17 +175,41 @@ def timed_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> tuple[flo
     return elapsed_ms, peak
 
 
-def measure(layers: Sequence[HybridAttention], x: Tensor, grad_out: Tensor, repeats: int,
-            warmup: int) -> list[Measurement]:
-    """Median time and peak memory of each layer's training step. The layers take turns step by step,
-    so a change of machine load during the run affects all of them alike."""
-    for _ in range(warmup):
-        for layer in layers:
+def measure(layer: HybridAttention, x: Tensor, grad_out: Tensor, repeats: int, warmup: int) -> Measurement:
+    """Median time and peak memory of the layer's training step; `OUT_OF_MEMORY` if it does not fit."""
+    try:
+        for _ in range(warmup):
             train_step(layer, x, grad_out)
-    steps = [[timed_step(layer, x, grad_out) for layer in layers] for _ in range(repeats)]
-    return [Measurement(statistics.median(ms for ms, _ in runs),
-                        None if runs[0][1] is None else max(peak for _, peak in runs))
-            for runs in zip(*steps)]
+        runs = [timed_step(layer, x, grad_out) for _ in range(repeats)]
+    except torch.OutOfMemoryError:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.cuda.empty_cache()
+        return OUT_OF_MEMORY
+    return Measurement(statistics.median(ms for ms, _ in runs),
+                       None if runs[0][1] is None else max(peak for _, peak in runs))
+
+
+def essential_tflop(layer: HybridAttention, seq_len: int, batch: int) -> float:
+    """The layer step's essential work (kernels.md §7 conventions), from the last step's selection.
+
+    Projections: `2·T·numel(W)` per weight, ×3 for forward + backward. Sparse attention: `2·H·ΣK_t·
+    (D+D)` forward and `2·H·ΣK_t·(3D+2D)` backward over the valid selected rows `K_t`. Dense `M`:
+    the same with the causal pairs `T(T+1)/2` per sequence and `(Dqk, Dv)`. The indexer and its loss
+    are left out (small next to these at DSv4 dims: they are the ≈30% that is not projections)."""
+    weights = sum(p.numel() for name, p in layer.named_parameters() if p.dim() == 2 and not name.endswith("ape"))
+    flop = 6 * seq_len * batch * weights
+    core = getattr(layer, "core_attention", None)
+    if core is not None:
+        heads, dim = core.attn_sink.shape[0], layer.config.v_head_dim
+        pairs = int((core.last_selection.all() >= 0).sum())
+        flop += 2 * heads * pairs * (2 * dim + 5 * dim)
+    else:
+        c = layer.config
+        qk, v = c.mla_qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim
+        pairs = batch * seq_len * (seq_len + 1) // 2
+        flop += 2 * layer.local_heads * pairs * ((qk + v) + (3 * qk + 2 * v))
+    return flop / 1e12
 
 
 def build_layer(config: HybridAttentionConfig, kind: LayerKind, backend: str, device: torch.device,
@@ -185,14 +219,20 @@ def build_layer(config: HybridAttentionConfig, kind: LayerKind, backend: str, de
 
 def benchmark_kind(config: HybridAttentionConfig, kind: LayerKind, args: argparse.Namespace) -> Row:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    layer = build_layer(config, kind, config.attention_backend, device, dtype)
-    baseline = build_layer(config, kind, BASELINE_BACKEND, device, dtype)
+    layer = build_layer(config, kind, args.backend, device, dtype)
+    baseline = build_layer(config, kind, args.baseline, device, dtype)
     baseline.load_state_dict(layer.state_dict())
     x = torch.randn(args.seq_len, args.batch, config.hidden_size, device=device, dtype=dtype,
                     requires_grad=True)
     grad_out = torch.randn_like(x)
-    layer_time, baseline_time = measure((layer, baseline), x, grad_out, args.repeats, args.warmup)
-    return Row(kind, layer_time, baseline_time)
+    layer_time = measure(layer, x, grad_out, args.repeats, args.warmup)
+    reset_call_counts()
+    if layer_time is not OUT_OF_MEMORY:
+        train_step(layer, x, grad_out)  # one counted step: which backend ran each op
+    used = sorted({f"{op}={backend}" for (backend, op), calls in call_counts().items() if calls})
+    tflop = essential_tflop(layer, args.seq_len, args.batch) if layer_time is not OUT_OF_MEMORY else 0.0
+    baseline_time = measure(baseline, x, grad_out, args.repeats, args.warmup)
+    return Row(kind, layer_time, baseline_time, tflop, ", ".join(used))
 
 
 # ---------------------------------------------------------------- report
@@ -200,12 +240,22 @@ def format_mib(peak: Optional[float]) -> str:
     return "n/a" if peak is None else f"{peak:.1f}"
 
 
+def format_ms(measurement: Measurement) -> str:
+    return "OOM" if measurement is OUT_OF_MEMORY else f"{measurement.median_ms:.2f}"
+
+
 def format_table(rows: Sequence[Row]) -> str:
-    lines = ["| kind | layer ms | baseline ms | ratio | layer peak MiB | baseline peak MiB |",
-             "|------|---------:|------------:|------:|---------------:|------------------:|"]
-    lines += [f"| {row.kind.value} | {row.layer.median_ms:.2f} | {row.baseline.median_ms:.2f} | "
-              f"{row.ratio:.2f} | {format_mib(row.layer.peak_mib)} | {format_mib(row.baseline.peak_mib)} |"
-              for row in rows]
+    lines = ["| kind | layer ms | TFLOPS | baseline ms | ratio | layer peak MiB | baseline peak MiB |",
+             "|------|---------:|-------:|------------:|------:|---------------:|------------------:|"]
+    for row in rows:
+        fits = row.layer is not OUT_OF_MEMORY
+        ratio = f"{row.ratio:.2f}" if fits and row.baseline is not OUT_OF_MEMORY else "n/a"
+        lines.append(f"| {row.kind.value} | {format_ms(row.layer)} | {row.tflops:.1f} | " if fits else
+                     f"| {row.kind.value} | OOM | n/a | ")
+        lines[-1] += (f"{format_ms(row.baseline)} | {ratio} | {format_mib(row.layer.peak_mib)} | "
+                      f"{format_mib(row.baseline.peak_mib)} |")
+    lines.append("")
+    lines += [f"{row.kind.value}: {row.backends}" for row in rows if row.backends]
     return "\n".join(lines)
 
 
@@ -216,8 +266,9 @@ def describe_run(args: argparse.Namespace) -> str:
               else "peak MiB: n/a on CPU (no allocator statistics)")
     return (f"HybridAttention forward + backward, preset {args.preset}, S={args.seq_len}, B={args.batch}, "
             f"{args.dtype}, {name}, torch {torch.__version__}\n"
-            f"median of {args.repeats} steps after {args.warmup} warm-up, layer and baseline taking turns\n"
-            f"ratio = layer / naive dense-masked baseline (< 1: the layer is faster); {memory}")
+            f"median of {args.repeats} steps after {args.warmup} warm-up, layer first, then the baseline\n"
+            f"layer backend {args.backend}; ratio = layer / {args.baseline} baseline (< 1: the layer is faster); "
+            f"TFLOPS = essential work / layer time; {memory}")
 
 
 def parse_kinds(value: str) -> list[LayerKind]:
@@ -238,6 +289,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per layer (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones")
     parser.add_argument("--kinds", type=parse_kinds, default="WCHM", help="layer kinds, e.g. WC")
+    parser.add_argument("--backend", default=AUTO, help="the measured layer's attention_backend")
+    parser.add_argument("--baseline", default=BASELINE_BACKEND,
+                        help=f"the baseline layer's attention_backend ('{BASELINE_BACKEND}': dense-masked attention)")
     args = parser.parse_args(argv)
     if args.seq_len < 1 or args.batch < 1 or args.repeats < 1 or args.warmup < 0:
         parser.error("--seq-len, --batch and --repeats must be >= 1 and --warmup >= 0")

@@ -17,6 +17,7 @@ import torch
 
 import megatron_dsa.backends.cudnn as cudnn_backend
 import megatron_dsa.backends.flashmla as flashmla_backend
+import megatron_dsa.backends.triton_kernels.availability as triton_availability
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.backends import (
     BackendUnavailableError,
@@ -46,6 +47,7 @@ def clear_probe_caches() -> None:
     cudnn_backend.package_problem.cache_clear()
     flashmla_backend.package_problem.cache_clear()
     flashmla_backend._lse_is_base2.cache_clear()
+    triton_availability._package_problem.cache_clear()
 
 
 @pytest.fixture
@@ -53,7 +55,7 @@ def vendors(monkeypatch: pytest.MonkeyPatch):
     """Fresh registry state and probe caches; no vendor package importable unless a test installs one."""
     monkeypatch.setattr(registry, "_LOGGED_CHOICES", set())
     monkeypatch.setattr(registry, "_CALL_COUNTS", Counter())
-    for name in ("cudnn", "flash_mla", "flash_attn", "flash_attn.cute"):
+    for name in ("cudnn", "flash_mla", "flash_attn", "flash_attn.cute", "triton"):
         install(monkeypatch, name, None)
     clear_probe_caches()
     yield monkeypatch
