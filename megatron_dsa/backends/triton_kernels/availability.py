@@ -37,9 +37,12 @@ def triton_decline_reason(device: Optional[torch.device], explicit: bool = False
     The CPU interpreter is for tests: it serves only calls that asked for `triton` by name
     (`explicit`), so `auto` on a CPU never picks it."""
     problem = _package_problem()
-    if problem is not None or device is None:
-        return problem  # no device: the availability table asks about the package only
-    device = torch.device(device)
+    if problem is not None:
+        return problem
+    # No device named (the availability table): this machine's default accelerator, as for the
+    # vendor probes.
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         return None
     if device.type == "cpu" and interpreting():
