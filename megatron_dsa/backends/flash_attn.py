@@ -47,12 +47,26 @@ def dense_problem(call: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+def gqa_problem(call: Mapping[str, Any]) -> Optional[str]:
+    """FA4's SM90 backward asserts `head_dim == head_dim_v` when query heads share KV heads
+    (measured on an H200 with flash-attn-4 4.0.0b36: MLA dims 192/128 with GQA)."""
+    capability = probes.cuda_capability(call.get("device"))
+    heads, groups = call.get("heads"), call.get("groups")
+    if capability is None or capability[0] != 9 or heads is None or groups is None or heads == groups:
+        return None
+    if call.get("head_dim") != call.get("v_head_dim"):
+        return (f"FA4's SM90 backward needs qk head dim == v head dim with GQA "
+                f"({heads} query heads over {groups} KV heads, {call.get('head_dim')} != {call.get('v_head_dim')})")
+    return None
+
+
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
     return probes.first_problem(
         probes.import_problem(PACKAGE, INSTALL_HINT),
         probes.gpu_problem(call, (9, 10, 11), "FlashAttention-4"),
         probes.dtype_problem(call, (torch.bfloat16, torch.float16)),
         dense_problem(call),
+        gqa_problem(call),
     )
 
 

@@ -71,7 +71,8 @@ def rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
     _check_inputs(x, positions, inv_freq)
     angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     freq = inv_freq.to(x.device, angle_dtype).contiguous()
-    scalar = torch.tensor([amplitude], dtype=angle_dtype, device=x.device)  # a float64 amplitude stays exact
+    # A fill kernel, not a host-to-device copy: no sync, CUDA-graph capturable; float64 stays exact.
+    scalar = torch.full((1,), amplitude, dtype=angle_dtype, device=x.device)
     flat = x.contiguous().view(-1, x.shape[-1])
     return TritonRope.apply(flat, positions.contiguous(), freq, scalar, bool(inverse)).view(x.shape)
 
