@@ -1,0 +1,59 @@
+"""Where one layer step spends its GPU time: the top CUDA kernels of a forward + backward, by total time.
+
+    python benchmarks/profile_layer.py --preset dsv4-flash --seq-len 4096 --kind C
+
+Also prints which backend ran each op family and, for every op family, why `auto` declined the
+backends it skipped (the dispatcher's log). GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
+from megatron_dsa.backends import call_counts, reset_call_counts  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="dsv4-flash")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--kind", default="C", choices=list("WCHM"))
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--rows", type=int, default=15, help="kernels listed")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/profile_layer.py: needs a CUDA GPU; nothing to profile here")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = HybridAttentionConfig.from_preset(args.preset, attention_backend=args.backend)
+    layer = HybridAttention(config, kind=args.kind).cuda().bfloat16().train()
+    x = torch.randn(args.seq_len, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step() -> None:
+        out, _ = layer(x)
+        out.backward(grad)
+
+    for _ in range(3):  # compile, autotune, warm caches
+        step()
+    torch.cuda.synchronize()
+    reset_call_counts()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    print(", ".join(sorted(f"{op}={backend}" for (backend, op), n in call_counts().items() if n)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
