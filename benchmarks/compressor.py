@@ -12,16 +12,15 @@ Run from the repository root: `python benchmarks/compressor.py --help`. Needs CU
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from timing import forward_backward_ms  # noqa: E402
 from megatron_dsa.backends.triton_kernels.compressor import gated_pool as triton_pool  # noqa: E402
 from megatron_dsa.ops.compressor import channel_factor, gated_pool as unfused_pool  # noqa: E402
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout  # noqa: E402
@@ -38,19 +37,6 @@ def make_inputs(tokens: int, ratio: int, dc: int, dtype: torch.dtype):
     return kv, gate, ape, layout
 
 
-def median_ms(step: Callable[[], None], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def time_op(fn, inputs, repeats: int, warmup: int) -> tuple[float, float]:
     """(forward ms, backward ms) medians; backward alone = forward + backward − forward."""
     kv, gate, ape, layout = inputs
@@ -63,8 +49,7 @@ def time_op(fn, inputs, repeats: int, warmup: int) -> tuple[float, float]:
     def forward_backward() -> None:
         torch.autograd.grad(fn(kv, gate, ape, layout), (kv, gate, ape), grad)
 
-    fwd = median_ms(forward, repeats, warmup)
-    return fwd, max(median_ms(forward_backward, repeats, warmup) - fwd, 0.0)
+    return forward_backward_ms(forward, forward_backward, repeats, warmup)
 
 
 def min_bytes(kv: torch.Tensor, layout: CompressedLayout) -> tuple[int, int]:

@@ -11,16 +11,15 @@ Run from the repository root: `python benchmarks/indexer.py --help`. Needs CUDA;
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from timing import forward_backward_ms  # noqa: E402
 from megatron_dsa.backends.triton_kernels.indexer import indexer_scores as triton_scores  # noqa: E402
 from megatron_dsa.ops.indexer import indexer_scores as unfused_scores  # noqa: E402
 
@@ -38,19 +37,6 @@ def make_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype):
     return q, k, w, candidates
 
 
-def median_ms(step: Callable[[], None], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def time_op(fn, inputs, scale: float, repeats: int, warmup: int) -> tuple[float, float]:
     """(forward ms, backward ms) medians; backward alone = forward + backward − forward."""
     q, k, w, candidates = inputs
@@ -64,8 +50,7 @@ def time_op(fn, inputs, scale: float, repeats: int, warmup: int) -> tuple[float,
         scores = fn(q, k, w, candidates, scale)
         torch.autograd.grad(scores, (q, k, w), grad.masked_fill(candidates < 0, 0))
 
-    fwd = median_ms(forward, repeats, warmup)
-    return fwd, max(median_ms(forward_backward, repeats, warmup) - fwd, 0.0)
+    return forward_backward_ms(forward, forward_backward, repeats, warmup)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

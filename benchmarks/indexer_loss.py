@@ -13,17 +13,16 @@ Run from the repository root: `python benchmarks/indexer_loss.py --help`. Needs 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from timing import forward_backward_ms, median_ms  # noqa: E402
 from megatron_dsa.backends.triton_kernels.indexer_loss import attention_mass  # noqa: E402
 from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl  # noqa: E402
 from megatron_dsa.ops.indexer_loss import TINY, kl_per_row as unfused_kl, teacher_target  # noqa: E402
@@ -51,19 +50,6 @@ def make_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype, candidate
     return query, kv, lse
 
 
-def median_ms(step: Callable[[], None], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def triton_teacher(query: Tensor, kv: Tensor, candidates: Tensor, lse: Tensor, scale: float) -> Tensor:
     """The Triton mass, then the L1 normalisation the layer keeps in torch."""
     mass = attention_mass(query, kv, candidates, lse, scale)
@@ -87,8 +73,7 @@ def time_kl(fn, target: Tensor, valid: Tensor, repeats: int, warmup: int) -> tup
     def forward_backward() -> None:
         torch.autograd.grad(fn(student, target, valid), (student,), grad)
 
-    fwd = median_ms(forward, repeats, warmup)
-    return fwd, max(median_ms(forward_backward, repeats, warmup) - fwd, 0.0)
+    return forward_backward_ms(forward, forward_backward, repeats, warmup)
 
 
 def ratio(num: float, den: float) -> str:

@@ -17,7 +17,6 @@ Run from the repository root: `python benchmarks/sparse_attention.py --help`.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from timing import median_ms  # noqa: E402
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason  # noqa: E402
 from megatron_dsa.backends.triton_kernels.sparse_attention import (  # noqa: E402
     sparse_attention_backward,
@@ -97,22 +97,6 @@ def unfused_calls(p: Problem) -> tuple[Callable[[], object], Callable[[], object
 
 
 # ---------------------------------------------------------------- measurement
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
-    """Median of `repeats` CUDA-event timings after `warmup` untimed calls (the first Triton call of a
-    shape also autotunes, so it belongs to the warm-up)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 @dataclass
 class Row:
     rows: int

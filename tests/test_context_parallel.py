@@ -190,65 +190,22 @@ def test_non_divisible_length_names_the_multiple():
 
 
 
-def nccl_bf16_body(rank: int, world: int) -> None:
-    """bf16 CP-2 on two GPUs (NCCL, both comm types) vs the bf16 single-GPU layer, SBHD S=512.
-
-    Tolerances: `assert_bf16_parity`. The C layer keeps every visible entry so that bf16 near-ties
-    cannot change the selection.
-    """
+def nccl_bf16_parity(rank: int, world: int, state, config: HybridAttentionConfig, kind: str, seqlen: int,
+                     batch: int, seed: int, tag: str) -> None:
+    """bf16 CP-`world` layer (NCCL) vs the bf16 single-GPU layer with the same weights, zigzag SBHD:
+    outputs, input grads and CP-summed parameter grads (tolerances: `assert_bf16_parity`)."""
     device = torch.device("cuda", rank)
-    state = initialize_parallel_state(cp_size=world)
-    for kind in "WCHM":
-        for comm in ("p2p", "all_gather"):
-            config = cp_config(kind, "zigzag", comm, dsa_indexer_topk=128)
-            torch.manual_seed(3)
-            ref = HybridAttention(config, kind=kind).to(device)
-            if hasattr(ref, "core_attention"):
-                with torch.no_grad():
-                    ref.core_attention.attn_sink.normal_()
-            ref = ref.bfloat16()
-            x = torch.randn(512, 2, config.hidden_size, device=device).bfloat16().requires_grad_()
-            upstream = torch.randn(512, 2, config.hidden_size, device=device)
-            ref_out, _ = ref(x)
-            (ref_out.float() * upstream).sum().backward()
-            layer = HybridAttention(config, kind=kind, parallel_state=state).to(device)
-            layer = layer.bfloat16()
-            layer.load_state_dict(ref.state_dict())
-            mine = lambda t: shard_sequence(t, world, rank, "zigzag")  # noqa: E731
-            x_local = mine(x.detach()).clone().requires_grad_()
-            out, _ = layer(x_local)
-            (out.float() * mine(upstream)).sum().backward()
-            pairs = [("output", out, mine(ref_out)), ("input grad", x_local.grad, mine(x.grad))]
-            for name, param in layer.named_parameters():
-                grad = param.grad.float()
-                dist.all_reduce(grad, group=state.cp_group)
-                pairs.append((f"grad {name}", grad, dict(ref.named_parameters())[name].grad))
-            assert_bf16_parity(pairs, f"{kind}/{comm} rank={rank}")
-
-
-@pytest.mark.multigpu
-def test_context_parallel_nccl_bf16_matches_single_gpu():
-    run_distributed(nccl_bf16_body, 2, backend="nccl", timeout_s=300)
-
-
-def nccl_large_ring_body(rank: int, world: int) -> None:
-    """M kind, p2p ring, messages far beyond NCCL's internal buffers (K/V of 4096 local rows × 16
-    groups × 320 dims in bf16 ≈ 40 MiB per step): catches a ring whose sends and receives are not
-    paired group by group (that deadlocks only at this size; tiny tests pass). bf16 tolerances:
-    `assert_bf16_parity`."""
-    device = torch.device("cuda", rank)
-    state = initialize_parallel_state(cp_size=world)
-    config = cp_config("M", "zigzag", "p2p", hidden_size=1024, num_attention_heads=16,
-                       num_query_groups=16, qk_head_dim=128, v_head_dim=128, qk_pos_emb_head_dim=64,
-                       dsa_indexer_head_dim=64)
-    torch.manual_seed(5)
-    ref = HybridAttention(config, kind="M").to(device).bfloat16()
-    seqlen = 4096 * world
-    x = torch.randn(seqlen, 1, config.hidden_size, device=device).bfloat16().requires_grad_()
-    upstream = torch.randn(seqlen, 1, config.hidden_size, device=device)
+    torch.manual_seed(seed)
+    ref = HybridAttention(config, kind=kind).to(device)
+    if hasattr(ref, "core_attention"):
+        with torch.no_grad():
+            ref.core_attention.attn_sink.normal_()
+    ref = ref.bfloat16()
+    x = torch.randn(seqlen, batch, config.hidden_size, device=device).bfloat16().requires_grad_()
+    upstream = torch.randn(seqlen, batch, config.hidden_size, device=device)
     ref_out, _ = ref(x)
     (ref_out.float() * upstream).sum().backward()
-    layer = HybridAttention(config, kind="M", parallel_state=state).to(device).bfloat16()
+    layer = HybridAttention(config, kind=kind, parallel_state=state).to(device).bfloat16()
     layer.load_state_dict(ref.state_dict())
     mine = lambda t: shard_sequence(t, world, rank, "zigzag")  # noqa: E731
     x_local = mine(x.detach()).clone().requires_grad_()
@@ -259,7 +216,33 @@ def nccl_large_ring_body(rank: int, world: int) -> None:
         grad = param.grad.float()
         dist.all_reduce(grad, group=state.cp_group)
         pairs.append((f"grad {name}", grad, dict(ref.named_parameters())[name].grad))
-    assert_bf16_parity(pairs, f"M/p2p large rank={rank}")
+    assert_bf16_parity(pairs, f"{tag} rank={rank}")
+
+
+def nccl_bf16_body(rank: int, world: int) -> None:
+    """Every kind, both comm types, S=512, B=2. The C layer keeps every visible entry so that bf16
+    near-ties cannot change the selection."""
+    state = initialize_parallel_state(cp_size=world)
+    for kind in "WCHM":
+        for comm in ("p2p", "all_gather"):
+            config = cp_config(kind, "zigzag", comm, dsa_indexer_topk=128)
+            nccl_bf16_parity(rank, world, state, config, kind, 512, 2, 3, f"{kind}/{comm}")
+
+
+@pytest.mark.multigpu
+def test_context_parallel_nccl_bf16_matches_single_gpu():
+    run_distributed(nccl_bf16_body, 2, backend="nccl", timeout_s=300)
+
+
+def nccl_large_ring_body(rank: int, world: int) -> None:
+    """M kind, p2p ring, messages far beyond NCCL's internal buffers (K/V of 4096 local rows × 16
+    groups × 320 dims in bf16 ≈ 40 MiB per step): catches a ring whose sends and receives are not
+    paired group by group (that deadlocks only at this size; tiny tests pass)."""
+    state = initialize_parallel_state(cp_size=world)
+    config = cp_config("M", "zigzag", "p2p", hidden_size=1024, num_attention_heads=16,
+                       num_query_groups=16, qk_head_dim=128, v_head_dim=128, qk_pos_emb_head_dim=64,
+                       dsa_indexer_head_dim=64)
+    nccl_bf16_parity(rank, world, state, config, "M", 4096 * world, 1, 5, "M/p2p large")
 
 
 @pytest.mark.multigpu
