@@ -69,17 +69,18 @@ class LightningIndexer(nn.Module):
         self.compressor = Compressor(c, self.head_dim, c.compress_ratio(LayerKind.CSA), rotate=True)
 
     def features(self, x: Tensor, qr: Tensor, layout: CompressedLayout, inv_freq: Tensor,
-                 gather_keys: Callable[[Tensor], Tensor] = lambda k: k) -> tuple[Tensor, Tensor, Tensor]:
+                 gather_keys: Callable[[Tensor], Callable[[], Tensor]] = lambda k: lambda: k
+                 ) -> tuple[Tensor, Tensor, Tensor]:
         """Indexer queries `[T, HI, DI]`, keys `[Tc, DI]` and head weights `[T, HI]` (inputs detached).
 
-        `gather_keys` maps the locally pooled keys to the buffer the candidates index (context
-        parallelism all-gathers them; identity otherwise)."""
+        `gather_keys` starts moving the locally pooled keys to the buffer the candidates index
+        (context parallelism all-gathers them, overlapped with the query path; identity otherwise)."""
+        keys = gather_keys(self.compressor(x, layout, inv_freq))
         rope = dispatch(OpFamily.ROPE, self.config, device=x.device, dtype=x.dtype)
         q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
         q = hadamard_transform(rope(q, layout.tokens.positions, inv_freq))
-        k = gather_keys(self.compressor(x, layout, inv_freq))
         weights = self.linear_weights_proj(x) * self.heads ** -0.5
-        return q, k, weights
+        return q, keys(), weights
 
     def scores(self, features: tuple[Tensor, Tensor, Tensor], candidates: Tensor) -> Tensor:
         """Scores `[n, C]` (float32/64, −inf at invalid) of `candidates [n, C]` (rows of the keys) for
@@ -164,8 +165,8 @@ class CompressedSparseAttention(HighPrecisionModule):
         With `cp` (context parallelism) the rows are this rank's halo-extended pieces and the
         compressed entries of the whole sequence come from every rank."""
         c = self.config
-        kv_full, compressed_layout, entries = kv, None, None
-        gather = lambda rows: rows  # noqa: E731
+        compressed_layout, entries, compressed = None, None, None
+        gather = lambda rows: lambda: rows  # noqa: E731
         if self.compressor is not None:
             if cp is None:
                 compressed_layout = layout.compressed(self.ratio)
@@ -174,10 +175,8 @@ class CompressedSparseAttention(HighPrecisionModule):
                 compressed_layout = cp.compressed_layout(self.ratio)
                 entries = cp.visible_entries(self.ratio)
                 gather = lambda rows: cp.gather_entries(rows, self.ratio)  # noqa: E731
-            # Compressed rows follow the token rows in kv_full.
-            kv_full = torch.cat((kv, gather(self.compressor(x, compressed_layout, inv_freq))))
-        # The shared KV rows feed this rank's heads only: their gradient is summed over TP.
-        kv_full = copy_to_tensor_parallel_region(kv_full, self.tp_group)
+            # In flight (context parallelism) while the window and the indexer's selection run.
+            compressed = gather(self.compressor(x, compressed_layout, inv_freq))
         window = window_indices(layout, c.csa_window_size)
 
         features = None
@@ -189,6 +188,10 @@ class CompressedSparseAttention(HighPrecisionModule):
             columns = self.indexer.select(features, entries, c.dsa_indexer_topk)
             # Column j is entry j of the query's sequence, in every layout (CP included).
             selection = IndexSelection(window, offset_valid(entries.pick(columns), layout.num_rows), columns)
+        # Compressed rows follow the token rows in kv_full. The shared KV rows feed this rank's heads
+        # only: their gradient is summed over TP.
+        kv_full = kv if compressed is None else torch.cat((kv, compressed()))
+        kv_full = copy_to_tensor_parallel_region(kv_full, self.tp_group)
         self.last_selection = selection if cp is None else selection.rows(cp.outputs)
 
         # Forward and backward kernels are dispatched separately (counted as sparse_attention_fwd/bwd).

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -28,8 +28,8 @@ from megatron_dsa.ops.dense_attention import (attention_backward, attention_bloc
                                               merge_attention)
 from megatron_dsa.ops.indices import INVALID, VisibleEntries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
-from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, all_gather_rows, exchange_blocks,
-                                           RingTransfer)
+from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, RingTransfer, all_gather_rows, exchange_blocks,
+                                           start_all_gather_rows)
 
 CP_COMM_TYPES = ("p2p", "all_gather")
 
@@ -166,17 +166,28 @@ class ContextParallelRows:
         return max((len(range(*self.owned_entries(p, ratio)))
                     for pieces in self.plan.all_pieces for p in pieces), default=0)
 
-    def gather_entries(self, entries: Tensor, ratio: int) -> Tensor:
-        """This rank's pooled entries `[Σ counts, F]` → every rank's, `[cp · pieces · slots, F]`."""
-        slots = self.slots_per_piece(ratio)
-        index, cursor, empty = [], 0, entries.shape[0]
-        for piece in self.pieces:
-            count = len(range(*self.owned_entries(piece, ratio)))
-            index += list(range(cursor, cursor + count)) + [empty] * (slots - count)
-            cursor += count
+    def gather_entries(self, entries: Tensor, ratio: int) -> Callable[[], Tensor]:
+        """Start gathering this rank's pooled entries `[Σ counts, F]`; the returned call gives every
+        rank's, `[cp · pieces · slots, F]`. Compute queued in between overlaps the all-gather."""
         padded = torch.cat((entries, entries.new_zeros(1, entries.shape[1])))
-        return all_gather_rows(padded.index_select(0, torch.tensor(index, dtype=torch.long,
-                                                                       device=self.device)), self.group)
+        return start_all_gather_rows(padded.index_select(0, self._slot_rows(ratio)), self.group)
+
+    def _slot_rows(self, ratio: int) -> Tensor:
+        """Rows of `[entries ; zero row]` that fill this rank's fixed slots (built once per ratio, so
+        no host-to-device copy per step)."""
+        if ratio not in self._slot_rows_cache:
+            slots, index, cursor = self.slots_per_piece(ratio), [], 0
+            empty = sum(len(range(*self.owned_entries(piece, ratio))) for piece in self.pieces)
+            for piece in self.pieces:
+                count = len(range(*self.owned_entries(piece, ratio)))
+                index += list(range(cursor, cursor + count)) + [empty] * (slots - count)
+                cursor += count
+            self._slot_rows_cache[ratio] = torch.tensor(index, dtype=torch.long, device=self.device)
+        return self._slot_rows_cache[ratio]
+
+    @cached_property
+    def _slot_rows_cache(self) -> dict[int, Tensor]:
+        return {}
 
     def entry_table(self, ratio: int) -> Tensor:
         """`[nseq, C_max]` row of sequence `s`'s entry `j` in the gathered buffer (−1 past `C_s`)."""

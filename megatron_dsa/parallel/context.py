@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,27 +127,66 @@ def shard_packed(x: Tensor, cu_seqlens_padded: Sequence[int], cp_size: int, cp_r
 
 
 # ---------------------------------------------------------------- autograd collectives over CP
-class _AllGatherRows(torch.autograd.Function):
-    """Forward: all-gather equal-size row blocks. Backward: every rank's gradient for each block is
-    summed and the owner keeps its block (the adjoint of a gather)."""
+class _StartAllGatherRows(torch.autograd.Function):
+    """Forward posts an all-gather of equal-size row blocks (`async_op`) into a buffer it returns
+    unfilled; `_FinishAllGatherRows` waits. Backward: every rank's gradient for each block is summed
+    and the owner keeps its block (the adjoint of a gather)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+    def forward(ctx, x: Tensor, group: ProcessGroup, pending: "PendingGather") -> Tensor:
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
+        size = dist.get_world_size(group)
+        gathered = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        pending.source = x.contiguous()
+        pending.work = dist.all_gather(list(gathered.chunk(size)), pending.source, group=group, async_op=True)
+        return gathered
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None
+        return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None, None
+
+
+class _FinishAllGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gathered: Tensor, pending: "PendingGather") -> Tensor:
+        pending.wait()
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class PendingGather:
+    """An all-gather in flight: compute queued before `finish()` overlaps it (on NCCL the wait is a
+    stream dependency, not a host sync)."""
+
+    def __init__(self, x: Tensor, group: ProcessGroup):
+        self.work, self.source = None, None
+        self._gathered = _StartAllGatherRows.apply(x, group, self)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.work, self.source = None, None
+
+    def finish(self) -> Tensor:
+        """`[cp·n, ...]` in rank order (differentiable)."""
+        return _FinishAllGatherRows.apply(self._gathered, self)
+
+
+def start_all_gather_rows(x: Tensor, group: Optional[ProcessGroup]) -> Callable[[], Tensor]:
+    """Begin gathering `[n, ...]` from each rank; the returned call gives `[cp·n, ...]` in rank order."""
+    if group_size(group) == 1:
+        return lambda: x
+    return PendingGather(x, group).finish
 
 
 def all_gather_rows(x: Tensor, group: Optional[ProcessGroup]) -> Tensor:
     """`[n, ...]` from each rank → `[cp·n, ...]` in rank order (differentiable)."""
-    return _AllGatherRows.apply(x, group) if group_size(group) > 1 else x
+    return start_all_gather_rows(x, group)()
 
 
 class RingTransfer:
