@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -19,6 +20,26 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _chunk_budget(device: torch.device) -> int:
     """Logit elements per chunk: larger on GPUs, where tiny chunks would be launch-bound."""
     return CHUNK_ELEMENTS * (16 if device.type == "cuda" else 1)
+
+
+@contextlib.contextmanager
+def _tensor_core_matmuls(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """TF32 tensor-core matmuls for half-precision inputs on CUDA, exact float32 otherwise.
+
+    A bf16/fp16 value upcast to float32 has at most 11 significant bits, so TF32 (10 stored mantissa
+    bits + the implicit one) holds q, k, v and dO exactly and accumulates in float32; only the
+    float32 probabilities lose their low bits (still 3 more than bf16, which fused kernels round
+    them to). Without this the chunked attention runs on float32 SIMT GEMMs, about 10× slower.
+    """
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _query_chunks(rows: int, keys: int, heads: int, longest: int, causal: bool, budget: int):
@@ -71,14 +92,15 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tensor
     k_c, v_c = _expanded(k, v, q.shape[1], compute)
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=compute, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=compute, device=q.device)
-    for bounds in _query_chunks(q.shape[0], k.shape[0], q.shape[1], longest, segments is not None,
-                                _chunk_budget(q.device)):
-        start, stop, first_key, stop_key = bounds
-        logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
-        lse[start:stop] = torch.logsumexp(logits, dim=-1)
-        safe = torch.where(torch.isfinite(lse[start:stop]), lse[start:stop], 0.0)
-        probs = torch.exp(logits - safe.unsqueeze(-1))
-        out[start:stop] = torch.einsum("nhm,mhd->nhd", probs, v_c[first_key:stop_key])
+    with _tensor_core_matmuls(q.dtype, q.device):
+        for bounds in _query_chunks(q.shape[0], k.shape[0], q.shape[1], longest, segments is not None,
+                                    _chunk_budget(q.device)):
+            start, stop, first_key, stop_key = bounds
+            logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
+            lse[start:stop] = torch.logsumexp(logits, dim=-1)
+            safe = torch.where(torch.isfinite(lse[start:stop]), lse[start:stop], 0.0)
+            probs = torch.exp(logits - safe.unsqueeze(-1))
+            out[start:stop] = torch.einsum("nhm,mhd->nhd", probs, v_c[first_key:stop_key])
     return out, lse
 
 
@@ -98,20 +120,21 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tenso
     k_c, v_c = _expanded(k, v, q.shape[1], compute)
     grad_q = torch.empty_like(q_c)
     grad_k, grad_v = torch.zeros_like(k_c), torch.zeros_like(v_c)
-    for bounds in _query_chunks(q.shape[0], k.shape[0], q.shape[1], longest, segments is not None,
-                                _chunk_budget(q.device)):
-        start, stop, first_key, stop_key = bounds
-        logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
-        row_lse = lse[start:stop]
-        probs = torch.exp(logits - torch.where(torch.isfinite(row_lse), row_lse, 0.0).unsqueeze(-1))
-        d_out = grad_out[start:stop].to(compute)
-        d_probs = torch.einsum("nhd,mhd->nhm", d_out, v_c[first_key:stop_key])
-        row_delta = (probs * d_probs).sum(-1) if delta is None else delta[start:stop]
-        shift = row_delta if grad_lse is None else row_delta - grad_lse[start:stop].to(compute)
-        d_logits = probs * (d_probs - shift.unsqueeze(-1))
-        grad_q[start:stop] = torch.einsum("nhm,mhd->nhd", d_logits, k_c[first_key:stop_key]) * scale
-        grad_k[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", d_logits, q_c[start:stop]) * scale
-        grad_v[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", probs, d_out)
+    with _tensor_core_matmuls(q.dtype, q.device):
+        for bounds in _query_chunks(q.shape[0], k.shape[0], q.shape[1], longest, segments is not None,
+                                    _chunk_budget(q.device)):
+            start, stop, first_key, stop_key = bounds
+            logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
+            row_lse = lse[start:stop]
+            probs = torch.exp(logits - torch.where(torch.isfinite(row_lse), row_lse, 0.0).unsqueeze(-1))
+            d_out = grad_out[start:stop].to(compute)
+            d_probs = torch.einsum("nhd,mhd->nhm", d_out, v_c[first_key:stop_key])
+            row_delta = (probs * d_probs).sum(-1) if delta is None else delta[start:stop]
+            shift = row_delta if grad_lse is None else row_delta - grad_lse[start:stop].to(compute)
+            d_logits = probs * (d_probs - shift.unsqueeze(-1))
+            grad_q[start:stop] = torch.einsum("nhm,mhd->nhd", d_logits, k_c[first_key:stop_key]) * scale
+            grad_k[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", d_logits, q_c[start:stop]) * scale
+            grad_v[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", probs, d_out)
     # GQA: the query heads of one KV group share its K/V, so their gradients add up.
     groups, per_group = k.shape[1], q.shape[1] // k.shape[1]
     grad_k = grad_k.view(k.shape[0], groups, per_group, k.shape[-1]).sum(2)
