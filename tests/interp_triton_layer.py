@@ -15,7 +15,7 @@ from megatron_dsa.backends import call_counts, reset_call_counts
 from triton_support import interpreter  # noqa: F401  (fixture)
 
 TRITON_OPS = ("sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "indexer_loss",
-              "compressor", "rope")
+              "compressor", "rope", "norm_rope")
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -46,7 +46,7 @@ def test_layer_with_triton_kernels_matches_unfused(kind, sparse_loss):
     reset_call_counts()
     got = run(fused, x, upstream)
     used = {op for (backend, op), calls in call_counts().items() if backend == "triton" and calls}
-    wanted = {"sparse_attention_fwd", "sparse_attention_bwd", "rope"}
+    wanted = {"sparse_attention_fwd", "sparse_attention_bwd", "rope", "norm_rope"}
     if kind != "W":
         wanted.add("compressor")
     if kind == "C":

@@ -98,9 +98,9 @@ def test_call_counters_count_per_backend_and_op_and_reset(fake_backend: Backend)
 
 # ---------------------------------------------------------------- a whole layer
 EXPECTED_OPS = {
-    "W": {"rope", "sparse_attention_fwd"},
-    "C": {"rope", "compressor", "indexer_scores", "topk", "sparse_attention_fwd", "indexer_loss"},
-    "H": {"rope", "compressor", "sparse_attention_fwd"},
+    "W": {"rope", "norm_rope", "sparse_attention_fwd"},
+    "C": {"rope", "norm_rope", "compressor", "indexer_scores", "topk", "sparse_attention_fwd", "indexer_loss"},
+    "H": {"rope", "norm_rope", "compressor", "sparse_attention_fwd"},
     "M": {"rope", "dense_attention"},
 }
 

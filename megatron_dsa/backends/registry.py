@@ -33,6 +33,7 @@ class OpFamily(str, Enum):
     INDEXER_LOSS = "indexer_loss"
     COMPRESSOR = "compressor"
     ROPE = "rope"
+    NORM_ROPE = "norm_rope"  # (x, positions, inv_freq, eps) -> rope(rms_norm(x, None, eps), ...)
     DENSE_ATTENTION = "dense_attention"  # causal attention of the `M` kind
 
 

@@ -18,7 +18,6 @@ from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, o
 from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
 from megatron_dsa.layers.context_parallel import ContextParallelRows, context_halo, ring_attention
 from megatron_dsa.ops.layout import TokenLayout
-from megatron_dsa.ops.norms import rms_norm
 from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.rope import plain_inv_freq, yarn_inv_freq
 from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
@@ -197,9 +196,10 @@ class HybridAttention(HighPrecisionModule):
         c = self.config
         positions, inv_freq = layout.positions, self.rotary_inv_freq
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
+        norm_rope = dispatch(OpFamily.NORM_ROPE, c, device=x.device, dtype=x.dtype)
         qr = self.q_layernorm(self.linear_q_down_proj(x))  # [T, Rq], also the indexer's input
         q = self.linear_q_up_proj(qr).view(-1, self.local_heads, c.v_head_dim)
-        q = rope(rms_norm(q, None, c.layernorm_epsilon), positions, inv_freq)
+        q = norm_rope(q, positions, inv_freq, c.layernorm_epsilon)  # weightless per-head RMSNorm, then RoPE
         kv = rope(self.kv_layernorm(self.linear_kv_proj(x)), positions, inv_freq)  # K = V, [T, D]
         o = self.core_attention(q, kv, x, qr, layout, inv_freq, cp)
         o = rope(o, positions, inv_freq, inverse=True)  # relative positions in V; new storage

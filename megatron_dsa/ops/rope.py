@@ -15,6 +15,8 @@ import math
 import torch
 from torch import Tensor
 
+from megatron_dsa.ops.norms import rms_norm
+
 
 def plain_inv_freq(rotary_dim: int, base: float, rotary_percent: float = 1.0) -> Tensor:
     """`f_i = base^(−2i/P')` for the first `P' = P·rotary_percent` dims; 0 (identity) for the rest.
@@ -95,6 +97,15 @@ def rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
     if x.dim() == positions.dim() + 2:  # a head axis between rows and dims
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return apply_partial_rope(x, cos, sin, inverse=inverse)
+
+
+def norm_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
+    """Weightless RMSNorm over the last dim, then RoPE: `rope(rms_norm(x, None, eps), positions, inv_freq)`.
+
+    `x [T, Dh]` or `[T, H, Dh]`, `positions [T]`, `inv_freq [P/2]` → a new tensor shaped like x (the
+    per-head query path of the W/C/H kinds; fused kernels implement exactly this composition).
+    """
+    return rope(rms_norm(x, None, eps), positions, inv_freq)
 
 
 def _check_rotary_dim(rotary_dim: int) -> None:

@@ -1,20 +1,38 @@
 """Triton kernel of partial interleaved RoPE (see `rope.py` for the entry point and the math).
 
-A plain function: `lazy_jit.jitted` decorates it on first launch. x and out are contiguous `[R, Dh]`
-rows (R = T·H); row r belongs to token r // H.
+The kernel is a plain function: `lazy_jit.jitted` decorates it on first launch. `rotate_pairs`, the
+rounded rotation it shares with the fused RMSNorm + RoPE kernels, is decorated here: this module
+imports triton at the top and is itself imported only on first launch. x and out are contiguous
+`[R, Dh]` rows (R = T·H); row r belongs to token r // H.
 """
 
+import triton
 import triton.language as tl
+
+
+@triton.jit
+def rotate_pairs(even, odd, angles, amplitude, INVERSE: tl.constexpr, dtype: tl.constexpr,
+                 COMPUTE: tl.constexpr):
+    """Pairs `(even, odd)` `[rows, pairs]` (COMPUTE values that x's dtype holds) rotated by `angles`.
+
+    Rounding follows the reference op step by step: angles and cos/sin in COMPUTE (float32, or
+    float64 for float64 x), cos·amplitude and sin·amplitude rounded to x's `dtype`, each product
+    rounded to `dtype`, then their sum rounded again (what eager PyTorch does for 16-bit x). The
+    results are COMPUTE values that `dtype` holds. `INVERSE` rotates by −angles."""
+    cos = (tl.cos(angles) * amplitude).to(dtype).to(COMPUTE)
+    sin = (tl.sin(angles) * amplitude).to(dtype).to(COMPUTE)
+    if INVERSE:
+        sin = -sin
+    new_even = (even * cos).to(dtype).to(COMPUTE) - (odd * sin).to(dtype).to(COMPUTE)
+    new_odd = (odd * cos).to(dtype).to(COMPUTE) + (even * sin).to(dtype).to(COMPUTE)
+    return new_even, new_odd
 
 
 def rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, amp_ptr, R, H,
                 NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_HALF: tl.constexpr, INVERSE: tl.constexpr, COMPUTE: tl.constexpr):
-    """out[:, :NOPE] = x[:, :NOPE]; pairs (x[NOPE+2i], x[NOPE+2i+1]) rotated by pos·freq[i].
-
-    Rounding follows the reference op step by step: angles and cos/sin in COMPUTE (float32, or
-    float64 for float64 x), cos·amplitude and sin·amplitude rounded to x's dtype, each product
-    rounded to x's dtype, then their sum rounded again (what eager PyTorch does for 16-bit x)."""
+    """out[:, :NOPE] = x[:, :NOPE]; pairs (x[NOPE+2i], x[NOPE+2i+1]) rotated by pos·freq[i]
+    (rounded as `rotate_pairs` says)."""
     dtype = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -29,16 +47,10 @@ def rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, amp_ptr, R, H,
     mask = row_ok[:, None] & (pairs[None, :] < HALF)
     positions = tl.load(pos_ptr + rows // H, mask=row_ok, other=0).to(COMPUTE)
     freq = tl.load(freq_ptr + pairs, mask=pairs < HALF, other=0.0)
-    amplitude = tl.load(amp_ptr)
     angles = positions[:, None] * freq[None, :]
-    cos = (tl.cos(angles) * amplitude).to(dtype).to(COMPUTE)
-    sin = (tl.sin(angles) * amplitude).to(dtype).to(COMPUTE)
-    if INVERSE:
-        sin = -sin
     even_offsets = rows[:, None] * width + NOPE + 2 * pairs[None, :]
     even = tl.load(x_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE)
     odd = tl.load(x_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE)
-    new_even = (even * cos).to(dtype).to(COMPUTE) - (odd * sin).to(dtype).to(COMPUTE)
-    new_odd = (odd * cos).to(dtype).to(COMPUTE) + (even * sin).to(dtype).to(COMPUTE)
+    new_even, new_odd = rotate_pairs(even, odd, angles, tl.load(amp_ptr), INVERSE, dtype, COMPUTE)
     tl.store(out_ptr + even_offsets, new_even.to(dtype), mask=mask)
     tl.store(out_ptr + even_offsets + 1, new_odd.to(dtype), mask=mask)

@@ -22,7 +22,8 @@ BLOCK_ROWS = 32  # rows (token·head) per program
 BLOCK_COPY = 128  # pass-through dims copied per step
 
 
-def _pow2(size: int) -> int:
+def pow2(size: int) -> int:
+    """The smallest power of two ≥ size (≥ 1): a block that covers `size`."""
     return max(1, 1 << (size - 1).bit_length())
 
 
@@ -38,8 +39,8 @@ def _launch(x: Tensor, positions: Tensor, freq: Tensor, amplitude: Tensor, inver
     heads = rows // positions.shape[0]
     jitted(kernels.rope_kernel)[(-(-rows // BLOCK_ROWS),)](
         x, out, positions, freq, amplitude, rows, heads,
-        NOPE=x.shape[1] - 2 * half, HALF=half, BLOCK_R=BLOCK_ROWS, BLOCK_N=min(BLOCK_COPY, _pow2(x.shape[1])),
-        BLOCK_HALF=_pow2(half), INVERSE=inverse,
+        NOPE=x.shape[1] - 2 * half, HALF=half, BLOCK_R=BLOCK_ROWS, BLOCK_N=min(BLOCK_COPY, pow2(x.shape[1])),
+        BLOCK_HALF=pow2(half), INVERSE=inverse,
         COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32)
     return out
 
@@ -68,7 +69,7 @@ def rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
     reference does). Same contract as `megatron_dsa.ops.rope.rope`; positions and inv_freq get no
     gradient.
     """
-    _check_inputs(x, positions, inv_freq)
+    check_inputs(x, positions, inv_freq)
     angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     freq = inv_freq.to(x.device, angle_dtype).contiguous()
     # A fill kernel, not a host-to-device copy: no sync, CUDA-graph capturable; float64 stays exact.
@@ -77,21 +78,22 @@ def rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
     return TritonRope.apply(flat, positions.contiguous(), freq, scalar, bool(inverse)).view(x.shape)
 
 
-def _check_inputs(x: Tensor, positions: Tensor, inv_freq: Tensor) -> None:
+def check_inputs(x: Tensor, positions: Tensor, inv_freq: Tensor, op: str = "rope") -> None:
+    """Raise `ValueError`/`TypeError` naming the argument of `op` that Triton's RoPE cannot take."""
     if x.dim() not in (2, 3):
-        raise ValueError(f"rope expects x [T, Dh] or [T, H, Dh], got {tuple(x.shape)}")
+        raise ValueError(f"{op} expects x [T, Dh] or [T, H, Dh], got {tuple(x.shape)}")
     if positions.dim() != 1 or positions.shape[0] != x.shape[0]:
-        raise ValueError(f"rope positions must be [T] with T = {x.shape[0]}, got {tuple(positions.shape)}")
+        raise ValueError(f"{op} positions must be [T] with T = {x.shape[0]}, got {tuple(positions.shape)}")
     if inv_freq.dim() != 1 or inv_freq.shape[0] == 0:
-        raise ValueError(f"rope inv_freq must be a non-empty [P/2] vector, got {tuple(inv_freq.shape)}")
+        raise ValueError(f"{op} inv_freq must be a non-empty [P/2] vector, got {tuple(inv_freq.shape)}")
     if x.shape[-1] < 2 * inv_freq.shape[0]:
         raise ValueError(f"rotary dims (2*{inv_freq.shape[0]}) exceed the head dim {x.shape[-1]}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"triton rope needs x of dtype among {SUPPORTED_DTYPES}, got {x.dtype}")
+        raise TypeError(f"triton {op} needs x of dtype among {SUPPORTED_DTYPES}, got {x.dtype}")
     if not positions.is_floating_point() and positions.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"rope positions must be int32, int64 or floating, got {positions.dtype}")
+        raise TypeError(f"{op} positions must be int32, int64 or floating, got {positions.dtype}")
     if positions.device != x.device:
-        raise ValueError(f"rope positions on {positions.device} but x on {x.device}")
+        raise ValueError(f"{op} positions on {positions.device} but x on {x.device}")
     reason = triton_decline_reason(x.device, explicit=True)
     if reason is not None:
-        raise ValueError(f"triton rope cannot run on x's device: {reason}")
+        raise ValueError(f"triton {op} cannot run on x's device: {reason}")

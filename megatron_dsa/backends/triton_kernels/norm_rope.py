@@ -1,0 +1,93 @@
+"""Weightless RMSNorm then partial interleaved RoPE as one Triton kernel: a drop-in for
+`megatron_dsa.ops.rope.norm_rope`, i.e. `rope(rms_norm(x, None, eps), positions, inv_freq)`.
+
+Forward, per row of `Dh = NOPE + P` dims: `rstd = rsqrt(mean(x²) + eps)` in float32 (float64 for
+float64 x), `n = x·rstd` rounded to x's dtype (as `rms_norm` rounds once), the first NOPE dims of n
+written, its last P dims rotated as interleaved pairs with the reference's rounding steps. One read
+of x and one write of the output, against about five float32 passes plus one RoPE pass unfused.
+
+Backward, one pass over x and the output gradient g: `gn = ∂L/∂n` is g on the first NOPE dims and
+the pairs rotated back by −θ (the rotation's Jacobian is its transpose); then the RMSNorm backward
+`dx = rstd·gn − x·rstd³·mean(gn·x)` in float32, rounded once. Only x, positions and the frequencies
+are saved; the statistics are recomputed. The output is always fresh storage and no input is written.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.rope import check_inputs, pow2
+
+# Elements of one row block held in registers (per tensor): 8 rows of Dh = 512 per program.
+BLOCK_ELEMENTS = 4096
+MAX_BLOCK_ROWS = 32
+NUM_WARPS = 8
+
+
+def _launch(x: Tensor, positions: Tensor, freq: Tensor, eps: Tensor, grad: Optional[Tensor] = None) -> Tensor:
+    """The forward (`grad` None) or, given `grad = ∂L/∂out`, the backward over the rows of `x [R, Dh]`.
+
+    x and grad contiguous `[R, Dh]`; `positions [R / heads]`; `freq [P/2]` and `eps [1]` in the
+    statistics dtype. Returns a new `[R, Dh]` tensor: the output, or ∂L/∂x."""
+    from megatron_dsa.backends.triton_kernels import _norm_rope_kernels as kernels
+    import triton.language as tl
+
+    out = torch.empty_like(x)
+    rows, width, half = x.shape[0], x.shape[1], freq.shape[0]
+    if out.numel() == 0:
+        return out
+    block_d = pow2(width)
+    block_r = max(1, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // block_d))
+    if grad is None:
+        kernel, row_tensors = kernels.norm_rope_forward_kernel, (x, out)
+    else:
+        kernel, row_tensors = kernels.norm_rope_backward_kernel, (x, grad, out)
+    jitted(kernel)[(-(-rows // block_r),)](
+        *row_tensors, positions, freq, eps, rows, rows // positions.shape[0],
+        NOPE=width - 2 * half, HALF=half, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_HALF=pow2(half),
+        COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=NUM_WARPS)
+    return out
+
+
+class TritonNormRope(torch.autograd.Function):
+    """`(x [R, Dh], positions, freq [P/2], eps [1]) → rope(rms_norm(x)) [R, Dh]`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, positions: Tensor, freq: Tensor, eps: Tensor) -> Tensor:
+        ctx.save_for_backward(x, positions, freq, eps)
+        return _launch(x, positions, freq, eps)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, positions, freq, eps = ctx.saved_tensors
+        grad_x = _launch(x, positions, freq, eps, grad=grad_out.contiguous())
+        return grad_x, None, None, None
+
+
+def norm_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
+    """`rope(rms_norm(x, None, eps), positions, inv_freq)` for `x [T, Dh]` or `x [T, H, Dh]` (new storage).
+
+    `positions [T]`; `inv_freq [P/2]`: the pair frequencies (any float dtype/device, converted to the
+    statistics dtype as the reference does); `eps`: the RMSNorm epsilon. Same contract as
+    `megatron_dsa.ops.rope.norm_rope`; positions and inv_freq get no gradient.
+    """
+    check_inputs(x, positions, inv_freq, op="norm_rope")
+    _check_eps(eps)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    freq = inv_freq.to(x.device, compute).contiguous()
+    # A fill kernel, not a host-to-device copy: no sync, CUDA-graph capturable; float64 eps stays exact.
+    eps_tensor = torch.full((1,), float(eps), dtype=compute, device=x.device)
+    flat = x.contiguous().view(-1, x.shape[-1])
+    return TritonNormRope.apply(flat, positions.contiguous(), freq, eps_tensor).view(x.shape)
+
+
+def _check_eps(eps: float) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"norm_rope eps must be a float, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"norm_rope eps must be finite and >= 0, got {eps}")
