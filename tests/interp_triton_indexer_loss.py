@@ -14,6 +14,7 @@ from megatron_dsa.backends.triton_kernels import indexer_loss as triton_loss
 from megatron_dsa.backends.triton_kernels.availability import interpreting
 from megatron_dsa.ops.indexer_loss import kl_per_row as reference_kl
 from megatron_dsa.ops.indexer_loss import teacher_target
+from saved_tensors import SavedTensorGuard
 from indexer_cases import random_candidates
 from indexer_loss_cases import SCALE, kl_inputs, mass_inputs, reference_mass, run_kl
 
@@ -144,22 +145,12 @@ def test_empty_inputs(tokens, width):
 def test_kl_saves_through_save_for_backward():
     """Every tensor backward reads goes through `ctx.save_for_backward` (seen by saved-tensor hooks)
     and is unchanged when backward unpacks it (bug class A1.1)."""
-    packed = []
-
-    def pack(tensor):
-        packed.append(tensor)
-        return tensor, tensor.clone()
-
-    def unpack(saved):
-        tensor, copy = saved
-        assert torch.equal(tensor, copy)
-        return tensor
-
     student, target, valid = kl_inputs(9, 16)
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with SavedTensorGuard().watching() as guard:
         kl = triton_loss.kl_per_row(student, target, valid)
-    assert any(t is student for t in packed) and len(packed) == 6
+    assert any(t is student for t in guard.tensors) and guard.packed == 6
     (grad,) = torch.autograd.grad(kl.sum(), (student,))
+    assert guard.unpacked == 6
     assert torch.isfinite(grad).all()
 
 

@@ -14,6 +14,7 @@ import torch
 from megatron_dsa.backends import OpFamily, resolve
 from megatron_dsa.backends.triton_kernels import norm_rope as triton_norm_rope
 from megatron_dsa.ops.rope import norm_rope as reference_norm_rope, plain_inv_freq
+from saved_tensors import SavedTensorGuard
 from triton_support import interpreter  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
@@ -85,22 +86,11 @@ def test_tensor_saved_by_autograd_is_not_changed():
     come out unchanged, and so must what the kernel saved itself (x, positions, frequencies, eps).
     A kernel writing through the raw pointer does not bump `_version`, hence the clone comparison."""
     x, positions, inv_freq = _case((8, 2, 40), 16, torch.float32)
-    packed = []
-
-    def pack(t):
-        packed.append((t, t._version, t.detach().clone()))
-        return len(packed) - 1
-
-    def unpack(i):
-        t, version, copy = packed[i]
-        assert t._version == version and torch.equal(t, copy), "a saved tensor changed before backward"
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with SavedTensorGuard().watching() as guard:
         y = x * 1.5
         out = (y * y).sum() + triton_norm_rope.norm_rope(y, positions, inv_freq, EPS).sum()
     out.backward()
-    assert len(packed) >= 5, "the kernel's saved tensors were not seen: the check did not run"
+    assert guard.unpacked >= 5, "the kernel's saved tensors were not seen: the check did not run"
 
 
 def test_dispatch_runs_the_kernel_when_requested_by_name():

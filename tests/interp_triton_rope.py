@@ -12,6 +12,7 @@ import torch
 from megatron_dsa.backends.triton_kernels import rope as triton_rope
 from megatron_dsa.backends.triton_kernels.availability import interpreting
 from megatron_dsa.ops.rope import plain_inv_freq, rope as reference_rope
+from saved_tensors import SavedTensorGuard
 
 if not interpreting():
     pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_rope.py)", allow_module_level=True)
@@ -56,22 +57,11 @@ def test_tensor_saved_by_autograd_is_not_changed():
     """A1.1 (Megatron #5526): rotating a tensor another op saved for backward must not rewrite it.
     A kernel writing through the raw pointer does not bump `_version`, hence the clone comparison."""
     x, positions, inv_freq = _case((8, 2, 40), 16, torch.float32)
-    packed = []
-
-    def pack(t):
-        packed.append((t, t._version, t.detach().clone()))
-        return len(packed) - 1
-
-    def unpack(i):
-        t, version, copy = packed[i]
-        assert t._version == version and torch.equal(t, copy), "a saved tensor changed before backward"
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with SavedTensorGuard().watching() as guard:
         y = x * 1.5
         out = (y * y).sum() + triton_rope.rope(y, positions, inv_freq, inverse=True).sum()
     out.backward()
-    assert packed, "no tensor was saved: the check did not run"
+    assert guard.unpacked > 0, "no tensor was saved: the check did not run"
 
 
 def test_invalid_inputs_raise():

@@ -17,6 +17,7 @@ from reference_layer import (
     yarn_correction_range,
     yarn_inv_freq,
 )
+from saved_tensors import SavedTensorGuard
 from test_layer_parity import INDEXER_PREFIX, inputs, make_config, make_layer, run_layer
 
 SEQLEN = 48  # 12 groups of 4, 6 of 8, 3 of 16
@@ -40,34 +41,12 @@ def all_grads(layer: HybridAttention) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ A1.1 saved tensors
-class SavedTensorGuard:
-    """saved_tensors_hooks that remember `(t, t._version, t.clone())` and check them at unpack.
-
-    Both checks are needed: a kernel writing through a raw pointer does not bump `_version`."""
-
-    def __init__(self):
-        self.packed = self.unpacked = 0
-
-    def pack(self, tensor):
-        self.packed += 1
-        return tensor, tensor._version, tensor.clone()
-
-    def unpack(self, saved):
-        tensor, version, copy = saved
-        self.unpacked += 1
-        assert tensor._version == version, "a tensor saved for backward was modified in place"
-        torch.testing.assert_close(tensor, copy, rtol=0, atol=0, equal_nan=True,
-                                   msg="a tensor saved for backward changed its values")
-        return tensor
-
-
 @pytest.mark.parametrize("case", list(KIND_CASES))
 def test_saved_tensors_are_not_mutated(case):
     _, layer = kind_layer(case)
     x, upstream = inputs(layer.config, SEQLEN)
     x.requires_grad_()
-    guard = SavedTensorGuard()
-    with torch.autograd.graph.saved_tensors_hooks(guard.pack, guard.unpack):
+    with SavedTensorGuard().watching() as guard:
         out, _ = layer(x)
         out.backward(upstream)
     assert guard.packed > 0 and guard.unpacked > 0
