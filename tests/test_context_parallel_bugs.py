@@ -508,3 +508,22 @@ def test_rope_positions_of_cp_rows_are_global(cp, packed):
         local = shard_packed(x, cu, cp, rank)
         rotated = rope(local, rows.outputs(positions), inv_freq)
         assert torch.equal(rotated, shard_packed(rope(x, global_positions, inv_freq), cu, cp, rank))
+
+
+@pytest.mark.parametrize("lengths,cp,partition", [([16, 32, 8], 2, "zigzag"), ([40, 8, 24], 4, "zigzag"),
+                                                  ([64, 16], 4, "contiguous"), ([8, 8, 8, 8], 4, "zigzag")])
+def test_halo_owners_match_a_walk_over_every_position(lengths, cp, partition):
+    """The bisection lookup of halo-row owners equals the plain definition: the piece (of any rank)
+    whose positions contain the row — including halos longer than a piece (several owners)."""
+    from megatron_dsa.layers.context_parallel import _halo_owners
+
+    plan = ContextParallelPlan.build(lengths, cp, partition, lengths)
+    for rank in range(cp):
+        for halo in (1, 3, 7, 20):
+            needed = {(p.sequence, pos) for p in plan.pieces(rank)
+                      for pos in range(p.start - min(halo, p.start), p.start)}
+            expected = {(piece.sequence, pos): (owner, slot, piece)
+                        for owner, pieces in enumerate(plan.all_pieces) for slot, piece in enumerate(pieces)
+                        for pos in range(piece.start, piece.start + piece.length)
+                        if (piece.sequence, pos) in needed}
+            assert _halo_owners(plan, rank, halo) == expected, (rank, halo)
