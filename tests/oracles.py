@@ -397,3 +397,8 @@ def indexer_loss_oracle(query: Tensor, kv: Tensor, window: Sequence[Sequence[int
     rows = kl_rows_oracle(student, target, valid)
     total = sum(rows[1:], rows[0])
     return coeff * (total if per_token else total / len(rows))
+
+
+def pick_columns(table: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """`table[t, columns[t, i]]`, −1 where the column is −1."""
+    return torch.where(columns >= 0, torch.gather(table, 1, columns.clamp_min(0)), -1)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_dsa.ops.indexer import indexer_scores
-from megatron_dsa.ops.indices import gather_valid, topk_columns, visible_compressed_indices
+from megatron_dsa.ops.indices import topk_columns, visible_compressed_indices
 from megatron_dsa.ops.layout import TokenLayout
-from oracles import INVALID, indexer_scores_oracle, topk_oracle, visible_compressed_oracle
+from oracles import INVALID, indexer_scores_oracle, pick_columns, topk_oracle, visible_compressed_oracle
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -81,7 +81,7 @@ def test_topk_over_visible_entries_matches_brute_force(topk):
     valid = candidates >= 0
     columns = topk_columns(scores, valid, topk)
     assert columns.tolist() == topk_oracle(oracle_scores.tolist(), valid.tolist(), topk)
-    selected = gather_valid(candidates, columns)
+    selected = pick_columns(candidates, columns)
     visible = visible_compressed_oracle(lengths, ratio)
     for t, row in enumerate(selected.tolist()):
         chosen = [i for i in row if i != INVALID]

@@ -13,11 +13,11 @@ import torch
 
 import megatron_dsa.ops.sparse_attention as sparse_module
 from megatron_dsa.ops.indexer_loss import kl_per_row, reduce_indexer_loss, teacher_target
-from megatron_dsa.ops.indices import (gather_valid, offset_valid, topk_columns, visible_compressed_indices,
+from megatron_dsa.ops.indices import (offset_valid, topk_columns, visible_compressed_indices,
                                       window_indices)
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import full_normaliser, sparse_attention
-from oracles import INVALID, indexer_loss_oracle, kl_rows_oracle, teacher_target_oracle
+from oracles import INVALID, indexer_loss_oracle, kl_rows_oracle, pick_columns, teacher_target_oracle
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -51,7 +51,7 @@ class Problem:
         (the gathered student is its own leaf, so gradients are taken with respect to it)."""
         columns = topk_columns(self.scores, self.visible >= 0, TOPK)
         student = torch.gather(self.scores.detach(), 1, columns.clamp_min(0))
-        return gather_valid(self.visible, columns), student.requires_grad_()
+        return pick_columns(self.visible, columns), student.requires_grad_()
 
     def full_lse(self, candidates, sparse):
         if sparse:  # the attention's own LSE (sink excluded) + the sink, as the layer does

@@ -6,7 +6,7 @@ Everything here is integer-valued, so every comparison is exact (tier T0, `==` /
 import pytest
 import torch
 
-from megatron_dsa.ops.indices import (gather_valid, offset_valid, topk_columns, visible_compressed_indices,
+from megatron_dsa.ops.indices import (offset_valid, topk_columns, visible_compressed_indices,
                                       window_indices)
 from megatron_dsa.ops.layout import TokenLayout
 from oracles import (INVALID, compressed_counts_oracle, segment_starts, topk_oracle, visible_compressed_oracle,
@@ -233,11 +233,3 @@ def test_offset_valid_keeps_invalid_invalid():
     assert offset_valid(ids, 1).tolist() == [[-1, 1, 6], [4, -1, -1]]  # −1 + 1 would be 0
 
 
-def test_gather_valid_maps_columns_and_keeps_minus_one():
-    table = torch.tensor([[10, 11, 12, -1], [20, 21, 22, 23]])
-    columns = torch.tensor([[2, -1, 0], [-1, -1, 3]])
-    assert gather_valid(table, columns).tolist() == [[12, -1, 10], [-1, -1, 23]]
-    # a selected column whose table entry is −1 stays −1
-    assert gather_valid(table, torch.tensor([[3], [1]])).tolist() == [[-1], [21]]
-    empty = gather_valid(torch.zeros(2, 0, dtype=torch.long), torch.full((2, 3), -1))
-    assert empty.tolist() == [[-1] * 3] * 2

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -32,7 +32,6 @@ from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, RingTransfer, all_gather_rows, exchange_blocks,
                                            start_all_gather_rows)
 
-CP_COMM_TYPES = ("p2p", "all_gather")
 
 
 def block_relation(query: Piece, key: Piece) -> str:
@@ -386,9 +385,3 @@ def context_halo(window: int, ratio: int) -> int:
     (`2r − 1` for the overlapping ratio 4, `r − 1` otherwise)."""
     compressor = 0 if ratio == 0 else (2 * ratio - 1 if ratio == 4 else ratio - 1)
     return max(window - 1, compressor, 0)
-
-
-def check_comm_type(comm_type: Optional[str]) -> str:
-    if comm_type not in CP_COMM_TYPES:
-        raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {comm_type!r}")
-    return comm_type

@@ -92,14 +92,6 @@ def topk_columns(scores: Tensor, valid: Tensor, k: int) -> Tensor:
     return torch.where(torch.gather(valid, 1, order), order, INVALID)
 
 
-def gather_valid(table: Tensor, columns: Tensor) -> Tensor:
-    """`table[t, columns[t, i]]`, −1 where the column is −1. table: `[T, C]` ids, columns `[T, K]`."""
-    if table.shape[1] == 0:
-        return torch.full_like(columns, INVALID)
-    picked = torch.gather(table, 1, columns.clamp_min(0))
-    return torch.where(columns >= 0, picked, INVALID)
-
-
 def offset_valid(indices: Tensor, offset: int) -> Tensor:
     """Add `offset` to valid ids only: −1 stays −1 (bug class A4.4)."""
     return torch.where(indices >= 0, indices + offset, INVALID)
