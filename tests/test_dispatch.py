@@ -132,3 +132,17 @@ def test_csa_layer_computes_the_indexer_loss_only_in_training(clean_registry: No
 def test_unknown_config_backend_fails_at_construction(clean_registry: None) -> None:
     with pytest.raises(ValueError, match=r"unknown backend\(s\) \['nope'\].*'unfused'"):
         HybridAttention(tiny_config(attention_backend="nope"), kind="W")
+
+
+def test_auto_never_picks_the_triton_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TRITON_INTERPRET=1 on a CPU, Triton serves only calls that name it: `auto` keeps the
+    unfused reference (the interpreter is a test tool, orders of magnitude slower)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu = torch.device("cpu")
+    for op in (OpFamily.SPARSE_ATTENTION_FWD, OpFamily.INDEXER_SCORES, OpFamily.ROPE):
+        assert resolve(op, device=cpu, dtype=torch.float32)[0] == "unfused"
+        assert resolve(op, "triton", device=cpu, dtype=torch.float32)[0] == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(BackendUnavailableError, match="Triton needs CUDA"):
+        resolve(OpFamily.ROPE, "triton", device=cpu, dtype=torch.float32)
