@@ -25,6 +25,7 @@ from megatron_dsa.ops.indices import topk_columns
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
 from distributed import cosine, relative_error
+from saved_tensors import SavedTensorGuard
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -175,10 +176,10 @@ def layer_run(config: HybridAttentionConfig, kind: str, state, hidden: torch.Ten
     return layer.state_dict(), out, x.grad, grads, call_counts()
 
 
-@pytest.mark.parametrize("kind, overrides", [
-    ("C", {}),
-    ("M", dict(v_head_dim=128, qk_head_dim=128, qk_pos_emb_head_dim=64, kv_lora_rank=512)),
-])
+M_FUSABLE = dict(v_head_dim=128, qk_head_dim=128, qk_pos_emb_head_dim=64, kv_lora_rank=512)  # dense kernels take ≤ 256
+
+
+@pytest.mark.parametrize("kind, overrides", [("W", {}), ("C", {}), ("H", {}), ("M", M_FUSABLE)])
 def test_layer_auto_matches_unfused_at_dsv4_flash_dims(kind, overrides) -> None:
     torch.manual_seed(0)
     config = HybridAttentionConfig.from_preset("dsv4-flash", num_layers=1, layer_pattern=kind, **overrides)
@@ -188,7 +189,8 @@ def test_layer_auto_matches_unfused_at_dsv4_flash_dims(kind, overrides) -> None:
         config.replace(attention_backend="unfused"), kind, state, hidden)
     assert {backend for backend, _ in reference_counts} == {"unfused"}
     fused_ops = {op for backend, op in fused_counts if backend != "unfused"}
-    expected = {"C": {"sparse_attention_fwd", "sparse_attention_bwd", "topk"}, "M": {"dense_attention"}}[kind]
+    sparse = {"sparse_attention_fwd", "sparse_attention_bwd"}
+    expected = {"W": sparse, "C": sparse | {"topk"}, "H": sparse, "M": {"dense_attention"}}[kind]
     if not fused_ops & expected:
         pytest.skip(f"no fused backend available for {sorted(expected)} here: {fused_counts}")
     print("fused calls:", fused_counts)
@@ -202,3 +204,20 @@ def test_layer_auto_matches_unfused_at_dsv4_flash_dims(kind, overrides) -> None:
             assert cosine(grads[name], grads_ref[name]) >= 0.99, name
         else:
             assert_close_bf16(name, grads[name], grads_ref[name], grad=True)
+
+
+@pytest.mark.parametrize("kind, overrides", [("W", {}), ("C", {}), ("H", {}), ("M", M_FUSABLE)])
+def test_fused_layer_never_changes_a_saved_tensor(kind, overrides) -> None:
+    """A1.1 on the fused path (`auto`): every tensor autograd saved, ours and the kernels', is
+    unchanged when backward reads it (version counter and a bitwise copy: a kernel writing through
+    a raw pointer does not bump the version)."""
+    config = HybridAttentionConfig.from_preset("dsv4-flash", num_layers=1, layer_pattern=kind, **overrides)
+    layer = HybridAttention(config, kind=kind).to(CUDA, torch.bfloat16).train()
+    x = torch.randn(1024, 1, config.hidden_size, device=CUDA).bfloat16().requires_grad_()
+    reset_call_counts()
+    with SavedTensorGuard().watching() as guard:
+        out, _ = layer(x)
+        out.float().square().sum().backward()
+    assert guard.packed > 0 and guard.unpacked > 0
+    assert any(backend != "unfused" for backend, _ in call_counts()), call_counts()
+    assert torch.isfinite(x.grad).all()
