@@ -25,6 +25,7 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.compressor import compress as reference_compress
 from megatron_dsa.ops.layout import CompressedLayout
@@ -40,17 +41,9 @@ BLOCK_CHANNELS = 64
 NUM_WARPS = 8
 
 
-def _pow2(size: int) -> int:
-    return max(1, 1 << (size - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _tiles(ratio: int, dc: int) -> dict:
-    slots = min(_pow2(ratio), SLOTS_PER_TILE)
-    return dict(BLOCK_E=max(1, TILE_ROWS // slots), BLOCK_S=slots, BLOCK_C=min(BLOCK_CHANNELS, _pow2(dc)))
+    slots = min(pow2(ratio), SLOTS_PER_TILE)
+    return dict(BLOCK_E=max(1, TILE_ROWS // slots), BLOCK_S=slots, BLOCK_C=min(BLOCK_CHANNELS, pow2(dc)))
 
 
 def _run(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, ratio: int, **buffers) -> None:
@@ -64,7 +57,7 @@ def _run(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, r
     if entries == 0 or dc == 0:
         return
     tiles = _tiles(ratio, dc)
-    grid = (_cdiv(entries, tiles["BLOCK_E"]), _cdiv(dc, tiles["BLOCK_C"]))
+    grid = (cdiv(entries, tiles["BLOCK_E"]), cdiv(dc, tiles["BLOCK_C"]))
     jitted(kernels.gated_pool_kernel)[grid](
         kv_ptr=kv, gate_ptr=gate, ape_ptr=ape, own_ptr=own, prev_ptr=previous, E=entries, DC=dc, RATIO=ratio,
         COFF=coff, BACKWARD=buffers["out_ptr"] is None,
@@ -83,7 +76,7 @@ def _backward(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tens
               grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`(dkv, dgate, dape)` for the contiguous upstream `grad [E, Dc]` (other arguments as `_forward`)."""
     compute = torch.float64 if kv.dtype == torch.float64 else torch.float32
-    blocks = _cdiv(own.shape[0], _tiles(ratio, kv.shape[1] // channel_factor(ratio))["BLOCK_E"])
+    blocks = cdiv(own.shape[0], _tiles(ratio, kv.shape[1] // channel_factor(ratio))["BLOCK_E"])
     grad_kv, grad_gate = torch.zeros_like(kv), torch.zeros_like(gate)  # rows no entry reads stay 0
     partial = torch.empty((blocks, ratio, kv.shape[1]), dtype=compute, device=kv.device)  # every block writes all
     _run(kv, gate, ape, own, previous, ratio, out_ptr=None, grad_ptr=grad, dkv_ptr=grad_kv, dgate_ptr=grad_gate,

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Candidate columns per tile: a [64 heads, 128 dims] x [128, 64] dot per row for 16-bit inputs; float32
@@ -31,24 +32,10 @@ FORWARD_ROWS = 16  # query rows per forward program: they share the gathered key
 BACKWARD_K_ROWS = 64  # query rows per dk program: one atomic flush per run of equal ids
 
 
-def _block(size: int, cap: int = 1 << 30) -> int:
-    """Power-of-two tile extent >= size, at least 16 (the smallest `tl.dot` operand side)."""
-    return min(cap, max(16, 1 << (size - 1).bit_length()))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"  # float32 with TF32 allowed; ignored for 16-bit inputs
-
-
 def _tiles(q: Tensor, width: int) -> dict:
-    return dict(BLOCK_H=_block(q.shape[1]), BLOCK_D=_block(q.shape[2]), BLOCK_C=_block(width, BLOCK_C[q.dtype]),
-                PRECISION=_dot_precision(q.dtype), num_warps=NUM_WARPS)
+    return dict(BLOCK_H=pow2(q.shape[1], MIN_DOT), BLOCK_D=pow2(q.shape[2], MIN_DOT),
+                BLOCK_C=pow2(width, MIN_DOT, BLOCK_C[q.dtype]),
+                PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS)
 
 
 def _forward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float) -> Tensor:
@@ -59,7 +46,7 @@ def _forward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: f
     if rows == 0 or width == 0:
         return scores
     tiles = _tiles(q, width)
-    grid = (_cdiv(rows, FORWARD_ROWS), _cdiv(width, tiles["BLOCK_C"]))
+    grid = (cdiv(rows, FORWARD_ROWS), cdiv(width, tiles["BLOCK_C"]))
     jitted(kernels.indexer_forward_kernel)[grid](
         q, k, weights, candidates, scores, rows, width, q.shape[1], q.shape[2], scale,
         ROWS=FORWARD_ROWS, **tiles)
@@ -80,7 +67,7 @@ def _backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, grad: T
     jitted(kernels.indexer_backward_q_kernel)[(rows,)](
         *args, grad_q, grad_w, width, q.shape[1], q.shape[2], scale, **tiles)
     if need_k and width > 0:
-        grid = (_cdiv(rows, BACKWARD_K_ROWS), _cdiv(width, tiles["BLOCK_C"]))
+        grid = (cdiv(rows, BACKWARD_K_ROWS), cdiv(width, tiles["BLOCK_C"]))
         jitted(kernels.indexer_backward_k_kernel)[grid](
             *args, grad_k, rows, width, q.shape[1], q.shape[2], scale, ROWS=BACKWARD_K_ROWS, **tiles)
     return grad_q, grad_k.to(k.dtype), grad_w

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
-from megatron_dsa.backends.triton_kernels.indexer import _block, _cdiv, _dot_precision
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 
 MASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Candidate columns per mass program: the [BLOCK_H, BLOCK_C] float32 logits stay in registers (64
@@ -62,11 +62,12 @@ def attention_mass(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tens
     if mass.numel() == 0:
         return mass
     heads, dim = query.shape[1], query.shape[2]
-    block_c = _block(width, MASS_BLOCK_C)
-    jitted(kernels.attention_mass_kernel)[(rows, _cdiv(width, block_c))](
+    block_c = pow2(width, MIN_DOT, MASS_BLOCK_C)
+    jitted(kernels.attention_mass_kernel)[(rows, cdiv(width, block_c))](
         query, kv, candidates, full_lse, mass, kv.shape[0], width, heads, float(scale),
-        DIM=dim, BLOCK_H=_block(heads), BLOCK_D=_block(dim, MASS_BLOCK_D[query.dtype]), BLOCK_C=block_c,
-        PRECISION=_dot_precision(query.dtype), num_warps=MASS_NUM_WARPS)
+        DIM=dim, BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_DOT, MASS_BLOCK_D[query.dtype]),
+        BLOCK_C=block_c,
+        PRECISION=dot_precision(query.dtype), num_warps=MASS_NUM_WARPS)
     return mass
 
 
@@ -81,7 +82,7 @@ def _kl_forward(student: Tensor, target: Tensor, valid: Tensor) -> tuple[Tensor,
         return kl, row_max, log_norm, mass
     jitted(kernels.kl_forward_kernel)[(rows,)](
         student, target, valid, kl, row_max, log_norm, mass, width,
-        BLOCK_C=_block(width, KL_BLOCK_C), num_warps=KL_NUM_WARPS)
+        BLOCK_C=pow2(width, MIN_DOT, KL_BLOCK_C), num_warps=KL_NUM_WARPS)
     return kl, row_max, log_norm, mass
 
 
@@ -96,7 +97,7 @@ def _kl_backward(student: Tensor, target: Tensor, valid: Tensor, row_max: Tensor
         return grad
     jitted(kernels.kl_backward_kernel)[(rows,)](
         student, target, valid, row_max, log_norm, mass, grad_kl, grad, width,
-        BLOCK_C=_block(width, KL_BLOCK_C), num_warps=KL_NUM_WARPS)
+        BLOCK_C=pow2(width, MIN_DOT, KL_BLOCK_C), num_warps=KL_NUM_WARPS)
     return grad
 
 

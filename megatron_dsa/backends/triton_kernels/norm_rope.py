@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
-from megatron_dsa.backends.triton_kernels.rope import check_inputs, pow2
+from megatron_dsa.backends.triton_kernels.rope import check_inputs
+from megatron_dsa.backends.triton_kernels.tiles import pow2
 
 # Elements of one row block held in registers (per tensor): 8 rows of Dh = 512 per program.
 BLOCK_ELEMENTS = 4096

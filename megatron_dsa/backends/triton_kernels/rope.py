@@ -16,15 +16,11 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.tiles import pow2
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BLOCK_ROWS = 32  # rows (token·head) per program
 BLOCK_COPY = 128  # pass-through dims copied per step
-
-
-def pow2(size: int) -> int:
-    """The smallest power of two ≥ size (≥ 1): a block that covers `size`."""
-    return max(1, 1 << (size - 1).bit_length())
 
 
 def _launch(x: Tensor, positions: Tensor, freq: Tensor, amplitude: Tensor, inverse: bool) -> Tensor:

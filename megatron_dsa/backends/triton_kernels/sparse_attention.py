@@ -45,11 +45,11 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 1024
 MAX_BLOCK_H = 64  # heads per program: one Hopper warpgroup MMA tile
-MIN_DOT = 16  # tl.dot needs every dimension >= 16
 INTERPRETER_BLOCK_K = 16
 LOG2E = math.log2(math.e)
 
@@ -74,7 +74,7 @@ BACKWARD_CONFIGS = ((64, 16, 8, 2), (32, 16, 4, 2), (32, 32, 8, 2), (16, 32, 4, 
 
 def _head_block(heads: int, cap: int = MAX_BLOCK_H) -> int:
     """Heads per program: a power of two >= 16 (`tl.dot` minimum; extra heads are masked), <= `cap`."""
-    return min(cap, max(MIN_DOT, _next_pow2(heads)))
+    return pow2(heads, MIN_DOT, cap)
 
 
 def _cuda_configs(candidates: tuple[tuple[int, int, int, int], ...]) -> list:
@@ -124,15 +124,11 @@ def _kernels() -> _Kernels:
 
 
 # ---------------------------------------------------------------- tiling and launch
-def _next_pow2(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
-
-
 def _head_dim_chunks(dim: int) -> tuple[int, int]:
     """`(main, tail)` power-of-two chunks covering `dim` (tail 0: none), e.g. 576 → (512, 64)."""
     main = max(MIN_DOT, 1 << (dim.bit_length() - 1))
     rest = dim - main
-    return main, (max(MIN_DOT, _next_pow2(rest)) if rest > 0 else 0)
+    return main, (pow2(rest, MIN_DOT) if rest > 0 else 0)
 
 
 def _launch(kernel: Any, autotuned: bool, rows: int, heads: int, dim: int, *args: Any, **meta: Any) -> None:
@@ -142,19 +138,11 @@ def _launch(kernel: Any, autotuned: bool, rows: int, heads: int, dim: int, *args
         meta.update(BLOCK_H=_head_block(heads), BLOCK_K=INTERPRETER_BLOCK_K, num_warps=4, num_stages=1)
     # Program id = row * head blocks + head block: the head blocks of one row run side by side, so they
     # meet the row's kv rows in L2 together.
-    kernel[lambda config: (rows * _cdiv(heads, config["BLOCK_H"]),)](*args, **meta)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    kernel[lambda config: (rows * cdiv(heads, config["BLOCK_H"]),)](*args, **meta)
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact fp32; ignored for 16-bit
 
 
 # ---------------------------------------------------------------- input checks and preparation
@@ -252,7 +240,7 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
         _launch(kernels.forward, kernels.autotuned, rows, heads, dim,
                 operands.query, operands.kv, operands.indices, operands.sink, out, lse,
                 float(scale) * LOG2E, heads, operands.kv_rows, operands.indices.shape[1], dim,
-                DOT_PRECISION=_dot_precision(query.dtype))
+                DOT_PRECISION=dot_precision(query.dtype))
     return out, lse
 
 
@@ -287,5 +275,5 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
                     lse.to(torch.float32).contiguous(), grad_out.to(query.dtype).contiguous(), dlse,
                     grad_query, grad_kv, sink_terms,
                     float(scale), float(scale) * LOG2E, heads, operands.kv_rows, operands.indices.shape[1], dim,
-                    HAS_DLSE=has_dlse, DOT_PRECISION=_dot_precision(query.dtype))
+                    HAS_DLSE=has_dlse, DOT_PRECISION=dot_precision(query.dtype))
     return grad_query, grad_kv[:kv.shape[0]].to(kv.dtype), sink_terms.sum(0).to(sink.dtype)
