@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from megatron_dsa.backends.triton_kernels import compressor as triton_compressor
-from megatron_dsa.backends.triton_kernels.availability import interpreting
 from megatron_dsa.ops import compressor as reference
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.rope import plain_inv_freq
 from compressor_cases import cumulative, inputs, packed_layout, run
 
-if not interpreting():
-    pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_compressor.py)", allow_module_level=True)
+from triton_support import interpreter  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 DC = {4: 24, 8: 16, 16: 32}  # 24: a channel count that is not a power of two (masked channels)

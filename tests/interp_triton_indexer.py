@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from megatron_dsa.backends.triton_kernels import indexer as triton_indexer
-from megatron_dsa.backends.triton_kernels.availability import interpreting
 from megatron_dsa.ops.indexer import indexer_scores as reference_scores
 from indexer_cases import SCALE, causal_candidates, inputs, random_candidates, run
 
-if not interpreting():
-    pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_indexer.py)", allow_module_level=True)
+from triton_support import interpreter  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from megatron_dsa.backends.triton_kernels import indexer_loss as triton_loss
-from megatron_dsa.backends.triton_kernels.availability import interpreting
 from megatron_dsa.ops.indexer_loss import kl_per_row as reference_kl
 from megatron_dsa.ops.indexer_loss import teacher_target
 from saved_tensors import SavedTensorGuard
 from indexer_cases import random_candidates
 from indexer_loss_cases import SCALE, kl_inputs, mass_inputs, reference_mass, run_kl
 
-if not interpreting():
-    pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_indexer_loss.py)", allow_module_level=True)
+from triton_support import interpreter  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 MASS_TOL = dict(rtol=1e-5, atol=1e-6)
 KL_TOL = dict(rtol=1e-5, atol=1e-5)

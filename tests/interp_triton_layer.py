@@ -14,6 +14,8 @@ from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.backends import call_counts, reset_call_counts
 from triton_support import interpreter  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.usefixtures("interpreter")
+
 TRITON_OPS = ("sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "indexer_loss",
               "compressor", "rope", "norm_rope")
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -27,7 +29,6 @@ def run(layer: HybridAttention, x: torch.Tensor, upstream: torch.Tensor):
     return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}, layer.last_indexer_loss
 
 
-@pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("kind,sparse_loss", [("W", True), ("C", True), ("C", False), ("H", True)])
 def test_layer_with_triton_kernels_matches_unfused(kind, sparse_loss):
     config = HybridAttentionConfig.from_preset(

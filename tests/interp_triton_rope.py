@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from megatron_dsa.backends.triton_kernels import rope as triton_rope
-from megatron_dsa.backends.triton_kernels.availability import interpreting
 from megatron_dsa.ops.rope import plain_inv_freq, rope as reference_rope
 from saved_tensors import SavedTensorGuard
 
-if not interpreting():
-    pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_rope.py)", allow_module_level=True)
+from triton_support import interpreter  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 

@@ -28,9 +28,7 @@ CPU_TOL = dict(atol=2e-5, rtol=1e-4)
 NAMES = ("out", "lse", "grad_query", "grad_kv", "grad_sink")
 
 
-@pytest.fixture(autouse=True)
-def _interpreter(interpreter: None) -> None:
-    """Every case here runs the kernels in the interpreter (`triton_support.interpreter`)."""
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 
 # ---------------------------------------------------------------- helpers
