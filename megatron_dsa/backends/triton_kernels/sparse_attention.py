@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from megatron_dsa.backends.sparse_layout import kernel_ids
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 
@@ -207,12 +208,10 @@ class _Prepared:
 
 
 def _prepare(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> _Prepared:
-    rows, kv_rows = query.shape[0], kv.shape[0]
-    if indices.dtype == torch.int64:
-        # Out-of-range int64 ids become -1 first: a plain cast could wrap them into [0, M).
-        indices = torch.where((indices >= 0) & (indices < kv_rows), indices, -1).to(torch.int32)
-    if indices.shape[1] == 0:
-        indices = torch.full((rows, 1), -1, dtype=torch.int32, device=query.device)
+    kv_rows = kv.shape[0]
+    # int32 ids, -1 at every invalid slot (out-of-range int64 ids never wrap into [0, M)), and at
+    # least one column so an empty selection still launches.
+    indices = kernel_ids(indices, kv_rows, alignment=1)
     kv_operand = kv if kv_rows > 0 else kv.new_zeros(1, kv.shape[1])
     return _Prepared(query.contiguous(), kv_operand.contiguous(), indices.contiguous(),
                      sink.detach().to(torch.float32).contiguous(), kv_rows)
