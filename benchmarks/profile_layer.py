@@ -29,6 +29,7 @@ def main() -> int:
     parser.add_argument("--kind", default="C", choices=list("WCHM"))
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--rows", type=int, default=15, help="kernels listed")
+    parser.add_argument("--trace", help="also write a Chrome trace (host and GPU timelines) here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/profile_layer.py: needs a CUDA GPU; nothing to profile here")
@@ -47,10 +48,13 @@ def main() -> int:
         step()
     torch.cuda.synchronize()
     reset_call_counts()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.trace else [])
+    with profile(activities=activities) as prof:
         step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     print(", ".join(sorted(f"{op}={backend}" for (backend, op), n in call_counts().items() if n)))
     return 0
 

@@ -78,20 +78,21 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
     """The `sparse_attention_bwd` contract on `DSA.sparse_attention_backward_wrapper`.
 
     Heads are padded to 64/128 with zero queries, zero output gradients and −inf sinks (a −inf sink
-    has no mass, so the padding heads contribute nothing to dkv); rows without keys get a finite
-    stand-in LSE and a zero output gradient, so their gradient is exactly 0 as in the reference.
+    has no mass, so the padding heads contribute nothing to dkv). Rows without keys get a finite
+    stand-in LSE; their `out` is exactly 0 (the forward contract), so `<dO, O> = 0` gives them a zero
+    sink gradient, and with no indices they add nothing to dq or dkv, as in the reference. Neither
+    `out` nor `grad_out` is copied (one full `[N, H, D]` pass each, 0.35 ms at S=4096 on an H200).
     """
     if grad_lse is not None:
         raise ValueError("the cuDNN sparse backward has no lse-gradient input (the probe declines it)")
     rows, heads, _ = query.shape
     width = padded_heads(heads)
     empty = torch.isneginf(lse)  # [N, H]: rows without keys (our forward's contract)
-    keep = ~empty.unsqueeze(-1)
     result = _dsa().sparse_attention_backward_wrapper(
         pad_heads(query, width),
         kv.contiguous(),
-        pad_heads(torch.where(keep, out, 0).to(query.dtype), width),
-        pad_heads(torch.where(keep, grad_out, 0).to(query.dtype), width),
+        pad_heads(out.to(query.dtype), width),
+        pad_heads(grad_out.to(query.dtype), width),
         pad_heads(torch.where(empty, 0.0, lse.float()), width),
         pad_heads(sink.float(), width, float("-inf")),
         kernel_ids(indices, kv.shape[0], _index_alignment(query.device)),

@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
-from torch import Tensor
 import torch
+from torch import Tensor
+
+# Built once per (n, dtype, device); a few KiB each.
+_MATRICES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Unscaled `H_n` `[n, n]` of ±1 (exact in every dtype), Sylvester order:
+    `H[i, j] = (−1)^popcount(i & j)` (symmetric).
+
+    Built with device ops (no host-to-device copy, so it is CUDA-graph capturable); cached, except
+    while a CUDA graph is being captured (the graph's memory pool must not own the cache)."""
+    key = (n, dtype, torch.device(device))
+    cached = _MATRICES.get(key)
+    if cached is not None:
+        return cached
+    index = torch.arange(n, device=device)
+    common = index[:, None] & index[None, :]
+    parity = torch.zeros_like(common)
+    for bit in range(max(n - 1, 1).bit_length()):
+        parity ^= (common >> bit) & 1
+    matrix = (1 - 2 * parity).to(dtype)
+    if not (matrix.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _MATRICES[key] = matrix
+    return matrix
 
 
 def hadamard_transform(x: Tensor) -> Tensor:
     """`y = H_n x / sqrt(n)` with `H_2n = [[H_n, H_n], [H_n, −H_n]]`; `n = x.shape[-1]` a power of 2.
 
-    Butterfly form: `log2(n)` passes of pairwise sums and differences. Self-inverse.
+    One matmul with the ±1 matrix, then the scale (1/sqrt(128) is not exact in bf16, so it is not
+    folded into the matrix): for the indexer's n = 128 that is a small GEMM, far cheaper on a GPU
+    than `log2(n)` elementwise butterfly passes. Self-inverse.
     """
     n = x.shape[-1]
     if n <= 0 or n & (n - 1):
         raise ValueError(f"Hadamard transform needs a power-of-two last dim, got {n}")
-    lead = x.shape[:-1]
-    y = x
-    span = 1
-    while span < n:
-        pairs = y.reshape(*lead, n // (2 * span), 2, span)
-        first, second = pairs.unbind(-2)
-        y = torch.stack((first + second, first - second), dim=-2).reshape(*lead, n)
-        span *= 2
-    return y * n ** -0.5
+    return (x @ hadamard_matrix(n, x.dtype, x.device)) * n ** -0.5

@@ -61,7 +61,8 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
 
     query `[N, H, D]`, kv `[M, D]`, indices `[N, K]` int32/int64 (outside `[0, M)` ignored), sink `[H]`.
     Returns `out [N, H, D]` (query dtype) and `lse [N, H]` (float32; float64 for float64 input):
-    natural log over the valid keys, sink excluded, −inf for a row without keys.
+    natural log over the valid keys, sink excluded, −inf for a row without keys (whose `out` is
+    exactly 0: every forward backend keeps that contract, and the cuDNN backward relies on it).
     """
     rows, heads, dim = query.shape
     indices = indices.long()

@@ -11,7 +11,7 @@ once from memory; the rotated dims are loaded a second time as interleaved pairs
 import triton
 import triton.language as tl
 
-from megatron_dsa.backends.triton_kernels._rope_kernels import rotate_pairs
+from megatron_dsa.backends.triton_kernels._rope_kernels import pair_layout, rotate_pairs
 
 
 @triton.jit
@@ -24,19 +24,6 @@ def _load_rows(x_ptr, eps_ptr, rows, row_ok, WIDTH: tl.constexpr, BLOCK_D: tl.co
     x = tl.load(x_ptr + offsets, mask=row_ok[:, None] & (dims[None, :] < WIDTH), other=0.0).to(COMPUTE)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / WIDTH + tl.load(eps_ptr))
     return x, rstd, offsets, dims
-
-
-@triton.jit
-def _pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE: tl.constexpr, HALF: tl.constexpr,
-                 WIDTH: tl.constexpr, BLOCK_HALF: tl.constexpr, COMPUTE: tl.constexpr):
-    """`(even_offsets, mask, angles)` `[BLOCK_R, BLOCK_HALF]` of the rotated pairs: pair i of row r
-    sits at dims NOPE + 2i, NOPE + 2i + 1 and turns by positions[r // H]·freq[i] (in COMPUTE)."""
-    pairs = tl.arange(0, BLOCK_HALF)
-    mask = row_ok[:, None] & (pairs[None, :] < HALF)
-    positions = tl.load(pos_ptr + rows // H, mask=row_ok, other=0).to(COMPUTE)
-    freq = tl.load(freq_ptr + pairs, mask=pairs < HALF, other=0.0)
-    angles = positions[:, None] * freq[None, :]
-    return rows[:, None] * WIDTH + NOPE + 2 * pairs[None, :], mask, angles
 
 
 def norm_rope_forward_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, R, H,
@@ -52,8 +39,8 @@ def norm_rope_forward_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, R, H,
     nope_mask = row_ok[:, None] & (dims[None, :] < NOPE)
     tl.store(out_ptr + offsets, (x * rstd[:, None]).to(dtype), mask=nope_mask)
 
-    even_offsets, mask, angles = _pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
-                                              BLOCK_HALF, COMPUTE)
+    even_offsets, mask, angles = pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
+                                             BLOCK_HALF, COMPUTE)
     even = tl.load(x_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE)
     odd = tl.load(x_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE)
     even = (even * rstd[:, None]).to(dtype).to(COMPUTE)  # the normalised value the reference rotates
@@ -79,8 +66,8 @@ def norm_rope_backward_kernel(x_ptr, grad_ptr, dx_ptr, pos_ptr, freq_ptr, eps_pt
     nope_mask = row_ok[:, None] & (dims[None, :] < NOPE)
     grad_nope = tl.load(grad_ptr + offsets, mask=nope_mask, other=0.0).to(COMPUTE)
 
-    even_offsets, mask, angles = _pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
-                                              BLOCK_HALF, COMPUTE)
+    even_offsets, mask, angles = pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
+                                             BLOCK_HALF, COMPUTE)
     grad_even = tl.load(grad_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE)
     grad_odd = tl.load(grad_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE)
     grad_even, grad_odd = rotate_pairs(grad_even, grad_odd, angles, 1.0, True, dtype, COMPUTE)

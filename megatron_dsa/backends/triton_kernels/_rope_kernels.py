@@ -28,27 +28,36 @@ def rotate_pairs(even, odd, angles, amplitude, INVERSE: tl.constexpr, dtype: tl.
     return new_even, new_odd
 
 
-def rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, amp_ptr, R, H,
-                NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, INVERSE: tl.constexpr, COMPUTE: tl.constexpr):
-    """out[:, :NOPE] = x[:, :NOPE]; pairs (x[NOPE+2i], x[NOPE+2i+1]) rotated by pos·freq[i]
-    (rounded as `rotate_pairs` says)."""
-    dtype = out_ptr.dtype.element_ty
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    width = NOPE + 2 * HALF
-    for start in tl.static_range(0, NOPE, BLOCK_N):  # the pass-through dims: a copy
-        dims = start + tl.arange(0, BLOCK_N)
-        mask = row_ok[:, None] & (dims[None, :] < NOPE)
-        offsets = rows[:, None] * width + dims[None, :]
-        tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
-
+@triton.jit
+def pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE: tl.constexpr, HALF: tl.constexpr,
+                WIDTH: tl.constexpr, BLOCK_HALF: tl.constexpr, COMPUTE: tl.constexpr):
+    """`(even_offsets, mask, angles)` `[BLOCK_R, BLOCK_HALF]` of the rotated pairs: pair i of row r
+    sits at dims NOPE + 2i, NOPE + 2i + 1 and turns by positions[r // H]·freq[i] (in COMPUTE)."""
     pairs = tl.arange(0, BLOCK_HALF)
     mask = row_ok[:, None] & (pairs[None, :] < HALF)
     positions = tl.load(pos_ptr + rows // H, mask=row_ok, other=0).to(COMPUTE)
     freq = tl.load(freq_ptr + pairs, mask=pairs < HALF, other=0.0)
     angles = positions[:, None] * freq[None, :]
-    even_offsets = rows[:, None] * width + NOPE + 2 * pairs[None, :]
+    return rows[:, None] * WIDTH + NOPE + 2 * pairs[None, :], mask, angles
+
+
+def rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, amp_ptr, R, H,
+                NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, INVERSE: tl.constexpr, COMPUTE: tl.constexpr):
+    """out[:, :NOPE] = x[:, :NOPE]; pairs (x[NOPE+2i], x[NOPE+2i+1]) rotated by pos·freq[i]
+    (rounded as `rotate_pairs` says). `BLOCK_D ≥ WIDTH`: whole rows are read at once (coalesced);
+    the rotated dims are read a second time as interleaved pairs, from the cache."""
+    dtype = out_ptr.dtype.element_ty
+    WIDTH: tl.constexpr = NOPE + 2 * HALF
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    dims = tl.arange(0, BLOCK_D)
+    offsets = rows[:, None] * WIDTH + dims[None, :]
+    nope_mask = row_ok[:, None] & (dims[None, :] < NOPE)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=nope_mask), mask=nope_mask)
+
+    even_offsets, mask, angles = pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
+                                             BLOCK_HALF, COMPUTE)
     even = tl.load(x_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE)
     odd = tl.load(x_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE)
     new_even, new_odd = rotate_pairs(even, odd, angles, tl.load(amp_ptr), INVERSE, dtype, COMPUTE)

@@ -21,13 +21,9 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
-from megatron_dsa.backends.triton_kernels.rope import check_inputs
-from megatron_dsa.backends.triton_kernels.tiles import pow2
+from megatron_dsa.backends.triton_kernels.rope import NUM_WARPS, check_inputs, row_block
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
 
-# Elements of one row block held in registers (per tensor): 8 rows of Dh = 512 per program.
-BLOCK_ELEMENTS = 4096
-MAX_BLOCK_ROWS = 32
-NUM_WARPS = 8
 
 
 def _launch(x: Tensor, positions: Tensor, freq: Tensor, eps: Tensor, grad: Optional[Tensor] = None) -> Tensor:
@@ -42,13 +38,12 @@ def _launch(x: Tensor, positions: Tensor, freq: Tensor, eps: Tensor, grad: Optio
     rows, width, half = x.shape[0], x.shape[1], freq.shape[0]
     if out.numel() == 0:
         return out
-    block_d = pow2(width)
-    block_r = max(1, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // block_d))
+    block_d, block_r = row_block(width)
     if grad is None:
         kernel, row_tensors = kernels.norm_rope_forward_kernel, (x, out)
     else:
         kernel, row_tensors = kernels.norm_rope_backward_kernel, (x, grad, out)
-    jitted(kernel)[(-(-rows // block_r),)](
+    jitted(kernel)[(cdiv(rows, block_r),)](
         *row_tensors, positions, freq, eps, rows, rows // positions.shape[0],
         NOPE=width - 2 * half, HALF=half, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_HALF=pow2(half),
         COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=NUM_WARPS)
