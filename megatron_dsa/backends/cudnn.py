@@ -138,15 +138,19 @@ def topk(scores: Tensor, valid: Tensor, k: int) -> Tensor:
 
 
 def _in_reference_order(picked: Tensor, ranked: Tensor, valid: Tensor) -> Tensor:
-    """Valid picks sorted by (score descending, column ascending), −1 after them."""
+    """Valid picks sorted by (score descending, column ascending), −1 after them.
+
+    One sort of int64 keys: the score's order-preserving int32 image in the high half, the reversed
+    column in the low half (so equal scores put the lower column first), invalid picks lowest."""
     cols = valid.shape[1]
-    in_range = (picked >= 0) & (picked < cols)
-    ok = in_range & torch.gather(valid, 1, picked.clamp(0, cols - 1))
-    by_column = torch.where(ok, picked, cols).sort(dim=1).values  # ascending columns, invalid last
-    ids = torch.where(by_column < cols, by_column, -1)
-    values = torch.where(ids >= 0, torch.gather(ranked, 1, ids.clamp_min(0)), float("-inf"))
-    order = values.sort(dim=1, descending=True, stable=True).indices  # stable: ties keep column order
-    return torch.gather(ids, 1, order)
+    column = picked.clamp(0, cols - 1)
+    ok = (picked >= 0) & (picked < cols) & torch.gather(valid, 1, column)
+    score = torch.gather(ranked, 1, column) + 0.0  # −0.0 → +0.0: equal scores must tie
+    bits = score.view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order of the bits = float order
+    key = torch.where(ok, ordered * 2**32 + (2**31 - 1 - column), torch.iinfo(torch.int64).min)
+    order = key.sort(dim=1, descending=True).indices
+    return torch.where(torch.gather(ok, 1, order), torch.gather(column, 1, order), -1)
 
 
 def _topk_problem(call: Mapping[str, Any]) -> Optional[str]:
