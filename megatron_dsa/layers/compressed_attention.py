@@ -130,6 +130,7 @@ class IndexSelection:
     window: Tensor
     compressed: Optional[Tensor]
     entries: Optional[Tensor] = None  # [T, K] indexer picks as entry numbers j of the sequence (−1 none)
+    entry_rows: Optional[Tensor] = None  # [T, K] the picks' rows of the compressed buffer (−1 none)
 
     def all(self) -> Tensor:
         return self.window if self.compressed is None else torch.cat((self.window, self.compressed), 1)
@@ -137,7 +138,8 @@ class IndexSelection:
     def rows(self, pick: Callable[[Tensor], Tensor]) -> "IndexSelection":
         """The same selection restricted to some query rows (`pick` selects rows of each tensor)."""
         keep = lambda t: None if t is None else pick(t)  # noqa: E731
-        return IndexSelection(pick(self.window), keep(self.compressed), keep(self.entries))
+        return IndexSelection(pick(self.window), keep(self.compressed), keep(self.entries),
+                              keep(self.entry_rows))
 
 
 class CompressedSparseAttention(HighPrecisionModule):
@@ -187,7 +189,8 @@ class CompressedSparseAttention(HighPrecisionModule):
             features = self.indexer.features(x.detach(), qr.detach(), compressed_layout, inv_freq, gather)
             columns = self.indexer.select(features, entries, c.dsa_indexer_topk)
             # Column j is entry j of the query's sequence, in every layout (CP included).
-            selection = IndexSelection(window, offset_valid(entries.pick(columns), layout.num_rows), columns)
+            picked = entries.pick(columns)
+            selection = IndexSelection(window, offset_valid(picked, layout.num_rows), columns, picked)
         # Compressed rows follow the token rows in kv_full. The shared KV rows feed this rank's heads
         # only: their gradient is summed over TP.
         kv_full = kv if compressed is None else torch.cat((kv, compressed()))
@@ -219,8 +222,7 @@ class CompressedSparseAttention(HighPrecisionModule):
         query, kv_full = query.detach(), kv_full.detach()
         sink = self.attn_sink.detach()
         if c.dsa_indexer_use_sparse_loss:
-            entry_rows = entries.pick(selection.entries)
-            candidates = selection.compressed
+            entry_rows, candidates = selection.entry_rows, selection.compressed
             full_lse = torch.logaddexp(lse.detach(), sink.to(lse.dtype))  # = the layer's real normaliser
         else:
             entry_rows = entries.rows()
