@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -162,32 +162,65 @@ def train_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> None:
 def timed_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> tuple[float, Optional[float]]:
     """Wall time (ms) of one training forward + backward, and the peak memory (MiB) it allocated on top
     of what was live before it (CUDA only, else None)."""
-    device = x.device
+    return timed(partial(train_step, layer, x, grad_out), x.device)
+
+
+def timed(step: Callable[[], None], device: torch.device) -> tuple[float, Optional[float]]:
+    """Wall time (ms) of `step` and the peak memory (MiB) it allocated above what was live before it."""
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     live = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     start = time.perf_counter()
-    train_step(layer, x, grad_out)
+    step()
     synchronize(device)
     elapsed_ms = (time.perf_counter() - start) * 1e3
     peak = (torch.cuda.max_memory_allocated(device) - live) / MIB if device.type == "cuda" else None
     return elapsed_ms, peak
 
 
-def measure(layer: HybridAttention, x: Tensor, grad_out: Tensor, repeats: int, warmup: int) -> Measurement:
-    """Median time and peak memory of the layer's training step; `OUT_OF_MEMORY` if it does not fit."""
+def captured_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> Callable[[], None]:
+    """The training step captured as one CUDA graph (static x and grad_out; warmed up on a side stream,
+    as the PyTorch CUDA-graph docs describe): the returned callable replays it. Replays cost no host
+    time per kernel, so the replayed step shows what the GPU work alone takes."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def step() -> None:
+        out, _ = layer(x)
+        torch.autograd.grad(out, [x, *params], grad_out, allow_unused=True)
+
+    side = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(x.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def measure(layer: HybridAttention, x: Tensor, grad_out: Tensor, repeats: int, warmup: int,
+            cuda_graph: bool = False) -> Measurement:
+    """Median time and peak memory of the layer's training step (eager, or replays of its CUDA graph);
+    `OUT_OF_MEMORY` if it does not fit."""
     try:
-        for _ in range(warmup):
-            train_step(layer, x, grad_out)
-        runs = [timed_step(layer, x, grad_out) for _ in range(repeats)]
+        if cuda_graph:
+            replay = captured_step(layer, x, grad_out)
+            runs = [timed(replay, x.device) for _ in range(warmup + repeats)][warmup:]
+        else:
+            for _ in range(warmup):
+                train_step(layer, x, grad_out)
+            runs = [timed_step(layer, x, grad_out) for _ in range(repeats)]
     except torch.OutOfMemoryError:
         layer.zero_grad(set_to_none=True)
         x.grad = None
         torch.cuda.empty_cache()
         return OUT_OF_MEMORY
-    return Measurement(statistics.median(ms for ms, _ in runs),
-                       None if runs[0][1] is None else max(peak for _, peak in runs))
+    # A replay allocates nothing (the graph's pool was reserved at capture): no peak to report.
+    peaks = None if cuda_graph or runs[0][1] is None else max(peak for _, peak in runs)
+    return Measurement(statistics.median(ms for ms, _ in runs), peaks)
 
 
 def essential_tflop(layer: HybridAttention, seq_len: int, batch: int) -> float:
@@ -225,7 +258,7 @@ def benchmark_kind(config: HybridAttentionConfig, kind: LayerKind, args: argpars
     x = torch.randn(args.seq_len, args.batch, config.hidden_size, device=device, dtype=dtype,
                     requires_grad=True)
     grad_out = torch.randn_like(x)
-    layer_time = measure(layer, x, grad_out, args.repeats, args.warmup)
+    layer_time = measure(layer, x, grad_out, args.repeats, args.warmup, args.cuda_graph)
     reset_call_counts()
     if layer_time is not OUT_OF_MEMORY:
         train_step(layer, x, grad_out)  # one counted step: which backend ran each op
@@ -266,7 +299,8 @@ def describe_run(args: argparse.Namespace) -> str:
               else "peak MiB: n/a on CPU (no allocator statistics)")
     return (f"HybridAttention forward + backward, preset {args.preset}, S={args.seq_len}, B={args.batch}, "
             f"{args.dtype}, {name}, torch {torch.__version__}\n"
-            f"median of {args.repeats} steps after {args.warmup} warm-up, layer first, then the baseline\n"
+            f"median of {args.repeats} steps after {args.warmup} warm-up, layer first, then the baseline"
+            f"{' (layer: CUDA-graph replays)' if args.cuda_graph else ''}\n"
             f"layer backend {args.backend}; ratio = layer / {args.baseline} baseline (< 1: the layer is faster); "
             f"TFLOPS = essential work / layer time; {memory}")
 
@@ -292,7 +326,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--backend", default=AUTO, help="the measured layer's attention_backend")
     parser.add_argument("--baseline", default=BASELINE_BACKEND,
                         help=f"the baseline layer's attention_backend ('{BASELINE_BACKEND}': dense-masked attention)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time replays of the measured layer's step captured as one CUDA graph "
+                             "(no per-kernel host time; the baseline stays eager)")
     args = parser.parse_args(argv)
+    if args.cuda_graph and not args.device.startswith("cuda"):
+        parser.error("--cuda-graph needs a CUDA device")
     if args.seq_len < 1 or args.batch < 1 or args.repeats < 1 or args.warmup < 0:
         parser.error("--seq-len, --batch and --repeats must be >= 1 and --warmup >= 0")
     return args
