@@ -31,6 +31,8 @@ from megatron_dsa.backends import (
 from megatron_dsa.backends.flash_attn import dense_attention as fa4_dense_attention
 from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
+from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
+from megatron_dsa.ops.indexer_loss import indexer_kl_backward as reference_indexer_kl_backward
 from megatron_dsa.ops.indices import topk_columns
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
@@ -209,6 +211,56 @@ def test_cudnn_topk_matches_topk_columns_exactly(vendors) -> None:
     values, seq_lens = dsa.calls[-1][1]["values"], dsa.calls[-1][1]["seq_lens"]
     assert values.shape[1] == 16 and torch.isneginf(values[:, 13:]).all()  # 32-byte rows
     assert seq_lens[2] == 0 and seq_lens[3] <= 5
+
+
+def indexer_kl_problem(rows: int, heads: int, width: int, keys: int = 9):
+    """bf16 indexer inputs (DI = 128), candidates with −1 slots and an empty row, a teacher target, the
+    reference student scores, and non-negative row weights with a zero (padding) row."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(rows, heads, 128, generator=gen).bfloat16()
+    k = torch.randn(keys, 128, generator=gen).bfloat16()
+    weights = torch.randn(rows, heads, generator=gen).bfloat16()
+    candidates = torch.randint(0, keys, (rows, width), generator=gen)
+    candidates[:, -2:] = -1
+    candidates[2] = -1
+    mass = torch.rand(rows, width, generator=gen) * (candidates >= 0)
+    target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
+    student = reference_indexer_scores(q, k, weights, candidates, 0.09)
+    grad_rows = torch.rand(rows, generator=gen) * 1e-3
+    grad_rows[5] = 0.0
+    return q, k, weights, candidates, target, student, grad_rows
+
+
+def test_cudnn_indexer_kl_backward_matches_the_reference(vendors) -> None:
+    """Row weights through the target, 128-wide slots, 64 heads, row chunks: the same gradients as the
+    reference `indexer_kl_bwd` (both in float32 from the same bf16 inputs, outputs rounded to bf16)."""
+    dsa = with_cudnn(vendors)
+    vendors.setattr(cudnn_backend, "INDEXER_ROW_CHUNK", 5)
+    problem = indexer_kl_problem(rows=11, heads=4, width=6)
+    got = cudnn_backend.indexer_kl_backward(*problem, 0.09)
+    expected = reference_indexer_kl_backward(*problem, 0.09)
+    for name, a, b in zip(("dq", "dk", "dweights"), got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert relative_error(a.float(), b.float()) <= 1e-2, name  # bf16 rounding of equal float32 sums
+    calls = [call for kind, call in dsa.calls if kind == "indexer_bwd"]
+    assert [call["q"].shape[1] for call in calls] == [5, 5, 1]  # row chunks
+    assert all(call["q"].shape[2] == 64 and call["ids"].shape[-1] == 128 for call in calls)
+    assert [float(call["grad_loss"]) for call in calls] == [5.0, 5.0, 1.0]  # undoes the kernel's mean
+    first = calls[0]
+    assert (first["ids"][0, :, 4:] == -1).all() and (first["target"][0, :, 4:] == 0).all()
+    assert (first["target"][0, 2] == 0).all()  # the row without candidates
+
+
+def test_cudnn_indexer_kl_backward_declines_what_it_cannot_run(vendors) -> None:
+    with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    call = dict(device=torch.device("cuda"), dtype=torch.bfloat16, heads=64, head_dim=128, topk=512, dense=False)
+    assert cudnn_backend.probe(OpFamily.INDEXER_KL_BWD, call) is None
+    for change, reason in ((dict(dense=True), "dense"), (dict(dtype=torch.float32), "float32"),
+                           (dict(head_dim=64), "head dim"), (dict(heads=128), "heads"),
+                           (dict(topk=4096), "top-k")):
+        problem = cudnn_backend.probe(OpFamily.INDEXER_KL_BWD, {**call, **change})
+        assert problem is not None and reason in problem, (change, problem)
 
 
 # ---------------------------------------------------------------- autograd composition

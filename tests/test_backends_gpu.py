@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig
-from megatron_dsa.backends import (BackendUnavailableError, OpFamily, call_counts, probes, reset_call_counts,
-                                   resolve)
+from megatron_dsa.backends import (BackendUnavailableError, OpFamily, call_counts, dispatch, probes,
+                                   reset_call_counts, resolve)
 from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
+from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
+from megatron_dsa.ops.indexer_loss import indexer_kl_backward as reference_indexer_kl_backward
 from megatron_dsa.ops.indices import topk_columns
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
@@ -115,6 +117,33 @@ def test_cudnn_topk_matches_topk_columns_with_ties_and_short_rows() -> None:
         expected = topk_columns(scores, visible, k)
         for _ in range(3):  # the same result every run
             assert torch.equal(topk(scores, visible, k), expected), k
+
+
+def test_cudnn_indexer_kl_backward_matches_unfused() -> None:
+    """cuDNN's fused indexer backward (KL gradient + scores backward) against the reference, at the
+    dsv4-flash indexer dims (64 heads × 128, top-k 512) with −1 slots, an empty row and row weights."""
+    require("cudnn", "nvidia-cudnn-frontend not installed")
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    rows, heads, keys, width, scale = 2048, 64, 512, 512, 128 ** -0.5
+    q = torch.randn(rows, heads, 128, device=CUDA, generator=gen).bfloat16()
+    k = torch.randn(keys, 128, device=CUDA, generator=gen).bfloat16()
+    weights = (torch.randn(rows, heads, device=CUDA, generator=gen) * heads ** -0.5).bfloat16()
+    candidates = torch.randint(0, keys, (rows, width), device=CUDA, generator=gen)
+    candidates[:, -100:] = -1
+    candidates[7] = -1
+    mass = torch.rand(rows, width, device=CUDA, generator=gen) * (candidates >= 0)
+    target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
+    student = reference_indexer_scores(q, k, weights, candidates, scale)
+    grad_rows = torch.full((rows,), 1e-3 / rows, device=CUDA)
+    grad_rows[11] = 0.0
+    reset_call_counts()
+    kernel = dispatch(OpFamily.INDEXER_KL_BWD, "cudnn", device=CUDA, dtype=torch.bfloat16, heads=heads,
+                      head_dim=128, topk=width, dense=False)
+    fused = kernel(q, k, weights, candidates, target, student, grad_rows, scale)
+    assert call_counts() == {("cudnn", "indexer_kl_bwd"): 1}
+    expected = reference_indexer_kl_backward(q, k, weights, candidates, target, student, grad_rows, scale)
+    for name, a, b in zip(("dq", "dk", "dweights"), fused, expected):
+        assert_close_bf16(name, a, b, grad=True)
 
 
 # ---------------------------------------------------------------- dense attention (M kind)

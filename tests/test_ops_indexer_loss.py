@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import megatron_dsa.ops.sparse_attention as sparse_module
-from megatron_dsa.ops.indexer_loss import kl_per_row, reduce_indexer_loss, teacher_target
+from megatron_dsa.ops.indexer import indexer_scores
+from megatron_dsa.ops.indexer_loss import indexer_kl_backward, kl_per_row, reduce_indexer_loss, teacher_target
 from megatron_dsa.ops.indices import (offset_valid, topk_columns, visible_compressed_indices,
                                       window_indices)
 from megatron_dsa.ops.layout import TokenLayout
@@ -229,3 +230,32 @@ def test_invalid_candidates_get_zero_target_and_rows_sum_to_one():
     torch.testing.assert_close(target[has].sum(1), torch.ones(int(has.sum()), dtype=F64), **TOL)
     assert torch.equal(target[~has], torch.zeros_like(target[~has]))
     assert INVALID in candidates.tolist()[0]
+
+
+@pytest.mark.parametrize("with_zero_mass", [False, True])
+def test_indexer_kl_backward_equals_autograd_through_scores_and_kl(with_zero_mass):
+    """The `indexer_kl_bwd` reference (closed-form KL gradient, then the scores backward) equals
+    autograd through `indexer_scores` and `kl_per_row` for a weighted row sum, with invalid slots, a
+    row without candidates, zero-mass valid slots and a zero-weight (padding) row."""
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, dim, keys, width = 9, 3, 4, 7, 5
+    q = torch.randn(rows, heads, dim, generator=gen, dtype=F64, requires_grad=True)
+    k = torch.randn(keys, dim, generator=gen, dtype=F64, requires_grad=True)
+    weights = torch.randn(rows, heads, generator=gen, dtype=F64, requires_grad=True)
+    candidates = torch.randint(0, keys, (rows, width), generator=gen)
+    candidates[:, -1] = INVALID
+    candidates[4] = INVALID  # no candidate at all
+    mass = torch.rand(rows, width, generator=gen, dtype=F64) * (candidates >= 0)
+    if with_zero_mass:
+        mass[1, :2] = 0.0
+    target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)
+    grad_rows = torch.rand(rows, generator=gen, dtype=F64)
+    grad_rows[7] = 0.0
+
+    student = indexer_scores(q, k, weights, candidates, SCALE)
+    loss = (kl_per_row(student, target, candidates >= 0) * grad_rows).sum()
+    expected = torch.autograd.grad(loss, (q, k, weights))
+    got = indexer_kl_backward(q.detach(), k.detach(), weights.detach(), candidates, target,
+                              student.detach(), grad_rows, SCALE)
+    for name, a, b in zip(("q", "k", "weights"), got, expected):
+        torch.testing.assert_close(a, b, **TOL, msg=name)

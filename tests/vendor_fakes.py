@@ -51,6 +51,40 @@ class FakeCudnnDSA:
         return {"indices": picked.flip(1).to(torch.int32), "values": None}
 
 
+    def indexer_backward_wrapper(self, index_q, weights, index_k, attn_score, index_score, topk_indices,
+                                 grad_loss, sm_scale=1.0, loss_coeff=1.0, block_I=128,
+                                 topk_indices_global=False, d_index_q=None, d_weights=None,
+                                 d_index_k=None, **_):
+        """The documented math. Score gradient (written over attn_score, as the kernel does):
+        `g − predict·Σg`, `g = −max(target, e^−100)·[predict ≥ e^−100]·loss_coeff·grad_loss/(B·S_q)`;
+        then the backward of `Σ_h w_h·ReLU(sm_scale·<q_h, k>)` over the valid slots."""
+        self.calls.append(("indexer_bwd", dict(q=index_q, w=weights, target=attn_score.clone(),
+                                               predict=index_score, ids=topk_indices,
+                                               grad_loss=grad_loss.clone(), scale=sm_scale)))
+        batch, rows, heads, _ = index_q.shape
+        assert index_q.dtype == weights.dtype == index_k.dtype == torch.bfloat16
+        assert attn_score.dtype == index_score.dtype == torch.float32 and topk_indices.dtype == torch.int32
+        assert heads >= 64 and topk_indices.shape[-1] % block_I == 0 and topk_indices_global
+        assert grad_loss.shape == (1,) and grad_loss.dtype == torch.float32
+        clip = math.exp(-100.0)
+        g = -attn_score.clamp_min(clip) * (index_score >= clip) * loss_coeff * grad_loss / (batch * rows)
+        attn_score.copy_(g - index_score * g.sum(-1, keepdim=True))
+        keys_flat = index_k.reshape(-1, index_k.shape[-1]).float()
+        valid = topk_indices >= 0
+        keys = keys_flat[topk_indices.clamp_min(0).long()]  # [B, S, K, D]
+        dots = torch.einsum("bshd,bskd->bshk", index_q.float(), keys) * sm_scale
+        signal = (attn_score * valid).unsqueeze(2)  # [B, S, 1, K]
+        grad_dots = signal * weights.float().unsqueeze(-1) * (dots > 0)
+        dq = torch.einsum("bshk,bskd->bshd", grad_dots, keys) * sm_scale
+        dw = (signal * torch.relu(dots)).sum(-1)
+        dk = torch.zeros_like(keys_flat)
+        dk.index_add_(0, torch.where(valid, topk_indices, 0).long().flatten(),
+                      (torch.einsum("bshk,bshd->bskd", grad_dots, index_q.float()) * sm_scale).flatten(0, 2))
+        d_index_k = torch.empty_like(index_k) if d_index_k is None else d_index_k
+        d_index_k.copy_(dk.view(index_k.shape))
+        return {"d_index_q": dq.to(index_q.dtype), "d_weights": dw.to(weights.dtype), "d_index_k": d_index_k}
+
+
 def fake_cudnn(dsa: FakeCudnnDSA) -> types.ModuleType:
     module = types.ModuleType("cudnn")
     module.__version__ = "1.32.0"

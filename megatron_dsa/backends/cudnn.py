@@ -5,6 +5,8 @@
   forward returns, and the plain softmax scale (it applies log2(e) itself: passing a pre-multiplied
   scale would apply it twice, bug class A2.1; the GPU test with a non-default scale catches that).
   It has no LSE-gradient input, so it declines calls whose `lse_grad` is set.
+* `indexer_kl_bwd` (sparse indexer loss): `DSA.indexer_backward_wrapper`, the KL gradient fused
+  into the indexer-scores backward; per-row loss weights enter through the target (see there).
 * `topk`: `DSA.indexer_top_k_wrapper` (radix top-k, SM90+, k <= 2048), post-processed to the exact
   `ops.indices.topk_columns` contract (−1 padding, highest first, ties to the lower column).
 * `dense_attention` (`M` kind): torch's bundled cuDNN SDPA kernel (the aten op behind
@@ -42,6 +44,10 @@ INSTALL_HINT = "install the [cudnn] extra (pip install 'megatron_dsa[cudnn]')"
 SPARSE_HEAD_DIM = 512  # our V is the whole KV row; the kernel's D=576 mode uses only 512 dims as V
 TOPK_MAX = 2048
 TOPK_COLUMN_ALIGNMENT = 8  # rows of 32 bytes in float32
+INDEXER_BLOCK = 128  # the indexer backward's top-k block (SM90 asserts top-k % 128 == 0)
+INDEXER_MIN_HEADS = 64  # SM90 asserts at least 64 indexer heads (fewer are padded with zero weights)
+INDEXER_HEAD_DIM = 128
+INDEXER_ROW_CHUNK = 32768  # query rows per call (the kernel's grid limit, as Megatron chunks them)
 
 
 def _dsa() -> Any:
@@ -58,7 +64,7 @@ def package_problem() -> Optional[str]:
     if probes.version_tuple(version) < MIN_VERSION:
         return f"{DISTRIBUTION} {version or '(unknown version)'} is older than 1.32 (no DSA kernels); {INSTALL_HINT}"
     try:  # DSA is a lazy namespace: touching the wrappers imports CuTe DSL now, not mid-backward
-        for wrapper in ("sparse_attention_backward_wrapper", "indexer_top_k_wrapper"):
+        for wrapper in ("sparse_attention_backward_wrapper", "indexer_top_k_wrapper", "indexer_backward_wrapper"):
             getattr(_dsa(), wrapper)
     except Exception as error:  # noqa: BLE001 - a missing CuTe DSL shows up as any import error
         return f"cudnn.DSA not usable ({type(error).__name__}: {error}); {INSTALL_HINT}"
@@ -161,6 +167,66 @@ def _topk_problem(call: Mapping[str, Any]) -> Optional[str]:
     )
 
 
+# ---------------------------------------------------------------- indexer KL backward (sparse loss)
+def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, target: Tensor,
+                        student: Tensor, grad_rows: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The `indexer_kl_bwd` contract on `DSA.indexer_backward_wrapper` (the sparse loss).
+
+    The kernel differentiates `loss_coeff·mean_t KL_t` with one runtime scalar `grad_loss`; its score
+    gradient is `g − predict·Σg` with `g = −target·loss_coeff·grad_loss/rows` (targets and predictions
+    below `e^−100` clipped). Passing `target·grad_rows[t]` as the target, `grad_loss = rows` and
+    `loss_coeff = 1` makes that `grad_rows[t]·(predict·Σtarget − target)`: our weighted gradient, for
+    the non-negative row weights a loss gives. The kernel applies `scale` itself (inside the ReLU, as
+    our scores do on the weights side). Candidates are padded to the kernel's 128-wide block with −1
+    and zero target and prediction (no gradient there); heads are padded to 64 with zero queries and
+    weights; ids are global rows of k (one batch of all rows), in row chunks of at most 32768 (the
+    kernel's grid limit); dk accumulates in float32 across chunks.
+    """
+    rows, heads, _ = q.shape
+    width = probes.round_up(max(candidates.shape[1], 1), INDEXER_BLOCK)
+    valid = (candidates >= 0) & (candidates < k.shape[0])
+    floor = torch.finfo(torch.float32).min
+    predict = torch.where(valid, torch.softmax(torch.where(valid, student.float(), floor), -1), 0.0)
+    weighted = torch.where(valid, target.float() * grad_rows.float().unsqueeze(-1), 0.0)
+
+    def slots(t: Tensor, value: float) -> Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value).unsqueeze(0)
+
+    q_heads = max(heads, INDEXER_MIN_HEADS)
+    q_padded, w_padded = pad_heads(q, q_heads).unsqueeze(0), pad_heads(weights, q_heads).unsqueeze(0)
+    ids = slots(torch.where(valid, candidates, -1).to(torch.int32), -1)
+    keys = k.contiguous().unsqueeze(0)
+    grad_q, grad_w = torch.empty_like(q), torch.empty_like(weights)
+    grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    for start in range(0, rows, INDEXER_ROW_CHUNK):
+        chunk = slice(start, start + INDEXER_ROW_CHUNK)
+        count = q_padded[:, chunk].shape[1]
+        result = _dsa().indexer_backward_wrapper(
+            q_padded[:, chunk].contiguous(), w_padded[:, chunk].contiguous(), keys,
+            slots(weighted[chunk], 0.0).contiguous(), slots(predict[chunk], 0.0).contiguous(),
+            ids[:, chunk].contiguous(), torch.full((1,), float(count), dtype=torch.float32, device=q.device),
+            sm_scale=float(scale), loss_coeff=1.0, topk_indices_global=True,
+            d_index_k=torch.empty(keys.shape, dtype=torch.float32, device=k.device))
+        grad_q[chunk] = result["d_index_q"][0, :, :heads]
+        grad_w[chunk] = result["d_weights"][0, :, :heads]
+        grad_k += result["d_index_k"][0]
+    return grad_q, grad_k.to(k.dtype), grad_w
+
+
+def _indexer_kl_problem(call: Mapping[str, Any]) -> Optional[str]:
+    heads, head_dim, topk = call.get("heads"), call.get("head_dim"), call.get("topk")
+    return probes.first_problem(
+        "the dense indexer loss (the kernel scores selected slots; Megatron refuses cuDNN's SM90 dense "
+        "path as unreliable)" if call.get("dense") else None,
+        probes.dtype_problem(call, (torch.bfloat16,)),
+        f"indexer head dim {head_dim} unsupported (needs {INDEXER_HEAD_DIM})"
+        if head_dim is not None and head_dim != INDEXER_HEAD_DIM else None,
+        f"{heads} indexer heads: more than {INDEXER_MIN_HEADS} not validated"
+        if heads is not None and heads > INDEXER_MIN_HEADS else None,
+        f"top-k {topk} exceeds the kernel's maximum {TOPK_MAX}" if topk is not None and topk > TOPK_MAX else None,
+    )
+
+
 # ---------------------------------------------------------------- dense attention (torch's cuDNN SDPA)
 def _cudnn_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
@@ -187,6 +253,8 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         return problem
     if op is OpFamily.SPARSE_ATTENTION_BWD:
         return _sparse_backward_problem(call)
+    if op is OpFamily.INDEXER_KL_BWD:
+        return _indexer_kl_problem(call)
     return _topk_problem(call)
 
 
@@ -194,6 +262,7 @@ CUDNN = Backend(
     name="cudnn",
     priority=20,  # dense attention: after flash_attn (faster on H200), before torch_sdpa
     ops={OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward, OpFamily.TOPK: topk,
+         OpFamily.INDEXER_KL_BWD: indexer_kl_backward,
          OpFamily.DENSE_ATTENTION: batched_dense_attention(_cudnn_sdpa)},
     probe=probe,
     version=lambda: probes.versions_line(DISTRIBUTION, "nvidia-cutlass-dsl"),

@@ -31,6 +31,7 @@ class OpFamily(str, Enum):
     INDEXER_SCORES = "indexer_scores"
     TOPK = "topk"
     INDEXER_LOSS = "indexer_loss"
+    INDEXER_KL_BWD = "indexer_kl_bwd"  # (q, k, weights, candidates, target, student, grad_rows, scale) -> grads
     COMPRESSOR = "compressor"
     ROPE = "rope"
     NORM_ROPE = "norm_rope"  # (x, positions, inv_freq, eps) -> rope(rms_norm(x, None, eps), ...)

@@ -8,7 +8,7 @@ from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.compressor import compress
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores
-from megatron_dsa.ops.indexer_loss import indexer_kl
+from megatron_dsa.ops.indexer_loss import indexer_kl, indexer_kl_backward
 from megatron_dsa.ops.indices import topk_columns
 from megatron_dsa.ops.rope import norm_rope, rope
 from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
@@ -22,6 +22,7 @@ UNFUSED = Backend(
         OpFamily.INDEXER_SCORES: indexer_scores,
         OpFamily.TOPK: topk_columns,
         OpFamily.INDEXER_LOSS: indexer_kl,
+        OpFamily.INDEXER_KL_BWD: indexer_kl_backward,
         OpFamily.COMPRESSOR: compress,
         OpFamily.ROPE: rope,
         OpFamily.NORM_ROPE: norm_rope,

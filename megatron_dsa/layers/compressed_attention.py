@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from megatron_dsa.backends import OpFamily, dispatch
+from megatron_dsa.backends.indexer_kl import indexer_kl_loss
 from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
@@ -64,6 +65,7 @@ class LightningIndexer(nn.Module):
         super().__init__()
         c = self.config = config
         self.heads, self.head_dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
+        self.scale = self.head_dim ** -0.5  # applied once, inside the scores (spec §4.2)
         self.linear_wq_b = linear(c.q_lora_rank, self.heads * self.head_dim, c.init_method_std)
         self.linear_weights_proj = linear(c.hidden_size, self.heads, c.init_method_std)
         self.compressor = Compressor(c, self.head_dim, c.compress_ratio(LayerKind.CSA), rotate=True)
@@ -87,7 +89,7 @@ class LightningIndexer(nn.Module):
         the query rows the features hold."""
         q, k, weights = features
         op = dispatch(OpFamily.INDEXER_SCORES, self.config, device=q.device, dtype=q.dtype)
-        return op(q, k, weights, candidates, self.head_dim ** -0.5)
+        return op(q, k, weights, candidates, self.scale)
 
     def select(self, features: tuple[Tensor, Tensor, Tensor], entries: VisibleEntries, topk: int) -> Tensor:
         """`[T, min(topk, C)]` entry numbers of each row's top-k visible entries (−1 = none).
@@ -229,10 +231,13 @@ class CompressedSparseAttention(HighPrecisionModule):
             candidates = offset_valid(entry_rows, layout.num_rows)
             full_lse = full_normaliser(query, kv_full, torch.cat((selection.window, candidates), 1), sink,
                                        c.softmax_scale)
-        student = self.indexer.scores(features, entry_rows)
         loss_op = dispatch(OpFamily.INDEXER_LOSS, c, device=query.device, dtype=query.dtype,
                            heads=query.shape[1], head_dim=query.shape[-1])
-        per_row = loss_op(student, query, kv_full, candidates, full_lse, c.softmax_scale, self.tp_group)
+        teacher = lambda student: loss_op(student, query, kv_full, candidates, full_lse,  # noqa: E731
+                                          c.softmax_scale, self.tp_group, return_target=True)
+        q, k, weights = features
+        per_row = indexer_kl_loss(q, k, weights, entry_rows, teacher, self.indexer.scale,
+                                  dense=not c.dsa_indexer_use_sparse_loss, requested=c)
         if layout.has_padding:  # padding (and CP halo) rows never enter the loss or its divisor
             real = layout.query_valid
             divisor = real.sum() if global_rows is None else global_rows

@@ -47,21 +47,29 @@ class IndexerScoresFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_scores: Tensor):
         q, k, weights, candidates = ctx.saved_tensors
-        scale, compute = ctx.scale, _compute_dtype(q.dtype)
-        grad_q = torch.empty_like(q)
-        grad_w = torch.empty_like(weights)
-        grad_k = torch.zeros((k.shape[0] + 1, k.shape[1]), dtype=compute, device=k.device)
-        grad_scores = torch.where(candidates >= 0, grad_scores.to(compute), 0.0)
-        for chunk in _chunks(q.shape[0], candidates.shape[1], q.shape[1], q.shape[2]):
-            keys = _gathered_keys(k, candidates[chunk], compute)
-            q_c, w_c, g = q[chunk].to(compute), weights[chunk].to(compute) * scale, grad_scores[chunk]
-            dots = torch.einsum("thd,tcd->thc", q_c, keys)
-            grad_w[chunk] = (torch.einsum("tc,thc->th", g, torch.relu(dots)) * scale).to(weights.dtype)
-            grad_dots = g.unsqueeze(1) * w_c.unsqueeze(-1) * (dots > 0)
-            grad_q[chunk] = torch.einsum("thc,tcd->thd", grad_dots, keys).to(q.dtype)
-            rows = torch.where(candidates[chunk] >= 0, candidates[chunk], k.shape[0])
-            grad_k.index_add_(0, rows.flatten(), torch.einsum("thc,thd->tcd", grad_dots, q_c).flatten(0, 1))
-        return grad_q, grad_k[:-1].to(k.dtype), grad_w, None, None
+        return (*indexer_scores_backward(q, k, weights, candidates, grad_scores, ctx.scale), None, None)
+
+
+def indexer_scores_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, grad_scores: Tensor,
+                            scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`(grad_q, grad_k, grad_weights)` of `indexer_scores` given `grad_scores [T, C]` (ignored at
+    invalid candidates), in the dtypes of q, k and weights. The per-head dots are recomputed in
+    row chunks."""
+    compute = _compute_dtype(q.dtype)
+    grad_q = torch.empty_like(q)
+    grad_w = torch.empty_like(weights)
+    grad_k = torch.zeros((k.shape[0] + 1, k.shape[1]), dtype=compute, device=k.device)
+    grad_scores = torch.where(candidates >= 0, grad_scores.to(compute), 0.0)
+    for chunk in _chunks(q.shape[0], candidates.shape[1], q.shape[1], q.shape[2]):
+        keys = _gathered_keys(k, candidates[chunk], compute)
+        q_c, w_c, g = q[chunk].to(compute), weights[chunk].to(compute) * scale, grad_scores[chunk]
+        dots = torch.einsum("thd,tcd->thc", q_c, keys)
+        grad_w[chunk] = (torch.einsum("tc,thc->th", g, torch.relu(dots)) * scale).to(weights.dtype)
+        grad_dots = g.unsqueeze(1) * w_c.unsqueeze(-1) * (dots > 0)
+        grad_q[chunk] = torch.einsum("thc,tcd->thd", grad_dots, keys).to(q.dtype)
+        rows = torch.where(candidates[chunk] >= 0, candidates[chunk], k.shape[0])
+        grad_k.index_add_(0, rows.flatten(), torch.einsum("thc,thd->tcd", grad_dots, q_c).flatten(0, 1))
+    return grad_q, grad_k[:-1].to(k.dtype), grad_w
 
 
 def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float) -> Tensor:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from megatron_dsa.ops.indexer import indexer_scores_backward
 from megatron_dsa.ops.sparse_attention import _chunk_scores, _rows_per_chunk
 from megatron_dsa.parallel.mappings import all_reduce_no_grad
 
@@ -69,6 +70,17 @@ def kl_per_row(student_scores: Tensor, target: Tensor, valid: Tensor) -> Tensor:
     return terms.sum(-1)
 
 
+def kl_gradient(student_scores: Tensor, target: Tensor, valid: Tensor, grad_rows: Tensor) -> Tensor:
+    """`∂(Σ_t grad_rows[t]·KL_t)/∂student [T, C]` of `kl_per_row`, in closed form:
+    `grad_rows[t]·(pred·Σ_P target − target·[P])` over the valid candidates (P: valid with target > 0),
+    0 at invalid ones and in rows without valid candidates."""
+    floor = torch.finfo(student_scores.dtype).min
+    pred = torch.softmax(torch.where(valid, student_scores, floor), dim=-1)
+    mass = torch.where(valid & (target > 0), target, 0.0)
+    grad = pred * mass.sum(-1, keepdim=True) - mass
+    return torch.where(valid, grad, 0.0) * grad_rows.unsqueeze(-1)
+
+
 def reduce_indexer_loss(per_row: Tensor, coeff: float, per_token: bool,
                         num_rows: Union[int, Tensor]) -> Tensor:
     """`coeff · Σ KL_t` (per-token mode, finalised later by the global token count) or
@@ -83,15 +95,32 @@ def reduce_indexer_loss(per_row: Tensor, coeff: float, per_token: bool,
 
 MassFn = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
 KLFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+ScoresBackwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor, Tensor]]
 
 
 def indexer_kl(student_scores: Tensor, query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor,
                scale: float, tp_group: Optional[ProcessGroup] = None, *, mass: MassFn = attention_mass,
-               kl: KLFn = kl_per_row) -> Tensor:
+               kl: KLFn = kl_per_row, return_target: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Per-row KL `[T]` between the attention's mass over `candidates [T, C]` (the teacher) and the
     softmax of `student_scores [T, C]` over the valid candidates: the `indexer_loss` op family.
+    With `return_target`, `(KL [T], teacher target [T, C])` (what a fused backward needs).
 
     `mass` and `kl` are the two kernels; fused backends pass theirs, the composition stays here.
     """
-    target = normalise_target(mass(query, kv, candidates, full_lse, scale), tp_group)
-    return kl(student_scores, target.to(student_scores.dtype), candidates >= 0)
+    target = normalise_target(mass(query, kv, candidates, full_lse, scale), tp_group).to(student_scores.dtype)
+    per_row = kl(student_scores, target, candidates >= 0)
+    return (per_row, target) if return_target else per_row
+
+
+def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, target: Tensor,
+                        student_scores: Tensor, grad_rows: Tensor, scale: float, *,
+                        scores_backward: ScoresBackwardFn = indexer_scores_backward
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """The `indexer_kl_bwd` op family: `(grad_q, grad_k, grad_weights)` of `Σ_t grad_rows[t]·KL_t`, where
+    `KL_t` compares `target [T, C]` with the softmax of the indexer scores `student_scores [T, C]` of
+    `(q [T, HI, DI], k [Tc, DI], weights [T, HI], candidates [T, C], scale)` (see `indexer_scores`).
+
+    `scores_backward` is the indexer-scores backward kernel; fused backends that fuse the KL gradient
+    into it register their own function instead."""
+    grad_scores = kl_gradient(student_scores, target.to(student_scores.dtype), candidates >= 0, grad_rows)
+    return scores_backward(q, k, weights, candidates, grad_scores, scale)

@@ -104,6 +104,15 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
                                      candidates.contiguous(), float(scale))
 
 
+def indexer_scores_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, grad_scores: Tensor,
+                            scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`(grad_q, grad_k, grad_weights)` of `indexer_scores` given `grad_scores [T, C]`: the same contract
+    as `megatron_dsa.ops.indexer.indexer_scores_backward`, on the backward kernels."""
+    _check_inputs(q, k, weights, candidates)
+    return _backward(q.contiguous(), k.contiguous(), weights.contiguous(), candidates.contiguous(),
+                     grad_scores.float().contiguous(), float(scale), need_k=True)
+
+
 def _check_inputs(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor) -> None:
     if q.dim() != 3 or k.dim() != 2 or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"indexer expects q [T, HI, DI] and k [Tc, DI], got {tuple(q.shape)}, {tuple(k.shape)}")
