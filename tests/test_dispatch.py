@@ -140,7 +140,7 @@ def test_auto_never_picks_the_triton_interpreter_on_cpu(monkeypatch: pytest.Monk
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cpu = torch.device("cpu")
-    for op in (OpFamily.SPARSE_ATTENTION_FWD, OpFamily.INDEXER_SCORES, OpFamily.ROPE):
+    for op in (OpFamily.SPARSE_ATTENTION_FWD, OpFamily.INDEXER_SCORES, OpFamily.ROPE, OpFamily.RMS_NORM):
         assert resolve(op, device=cpu, dtype=torch.float32)[0] == "unfused"
         assert resolve(op, "triton", device=cpu, dtype=torch.float32)[0] == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")
