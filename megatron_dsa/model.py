@@ -103,7 +103,7 @@ class TransformerLayer(nn.Module):
 def sequence_parallel_norm(attention: HybridAttentionConfig, eps: float) -> RMSNorm:
     """An RMSNorm; under sequence parallelism it sees only this rank's rows, so its weight gradient
     is partial and must be summed over TP (`SEQUENCE_PARALLEL_GRAD` marks it)."""
-    norm = RMSNorm(attention.hidden_size, eps)
+    norm = RMSNorm(attention.hidden_size, eps, attention)
     if attention.sequence_parallel:
         setattr(norm.weight, SEQUENCE_PARALLEL_GRAD, True)
     return norm

@@ -17,7 +17,7 @@ from triton_support import interpreter  # noqa: F401  (fixture)
 pytestmark = pytest.mark.usefixtures("interpreter")
 
 TRITON_OPS = ("sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "indexer_loss",
-              "compressor", "rope", "norm_rope")
+              "compressor", "rope", "norm_rope", "rms_norm")
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -47,12 +47,13 @@ def test_layer_with_triton_kernels_matches_unfused(kind, sparse_loss):
     reset_call_counts()
     got = run(fused, x, upstream)
     used = {op for (backend, op), calls in call_counts().items() if backend == "triton" and calls}
-    wanted = {"sparse_attention_fwd", "sparse_attention_bwd", "rope", "norm_rope"}
+    wanted = {"sparse_attention_fwd", "sparse_attention_bwd", "rope", "norm_rope", "rms_norm"}
     if kind != "W":
         wanted.add("compressor")
     if kind == "C":
         wanted |= {"indexer_scores", "indexer_loss"}
     assert used == wanted, f"triton ran {sorted(used)}, expected {sorted(wanted)}"
+    assert call_counts()[("triton", "rms_norm")] == 2  # q_layernorm and kv_layernorm
     torch.testing.assert_close(got[0], expected[0], **TOL, msg="output")
     torch.testing.assert_close(got[1], expected[1], **TOL, msg="input grad")
     for name, grad in expected[2].items():

@@ -98,10 +98,11 @@ def test_call_counters_count_per_backend_and_op_and_reset(fake_backend: Backend)
 
 # ---------------------------------------------------------------- a whole layer
 EXPECTED_OPS = {
-    "W": {"rope", "norm_rope", "sparse_attention_fwd"},
-    "C": {"rope", "norm_rope", "compressor", "indexer_scores", "topk", "sparse_attention_fwd", "indexer_loss"},
-    "H": {"rope", "norm_rope", "compressor", "sparse_attention_fwd"},
-    "M": {"rope", "dense_attention"},
+    "W": {"rms_norm", "rope", "norm_rope", "sparse_attention_fwd"},
+    "C": {"rms_norm", "rope", "norm_rope", "compressor", "indexer_scores", "topk", "sparse_attention_fwd",
+          "indexer_loss"},
+    "H": {"rms_norm", "rope", "norm_rope", "compressor", "sparse_attention_fwd"},
+    "M": {"rms_norm", "rope", "dense_attention"},
 }
 
 
@@ -140,7 +141,7 @@ def test_auto_never_picks_the_triton_interpreter_on_cpu(monkeypatch: pytest.Monk
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cpu = torch.device("cpu")
-    for op in (OpFamily.SPARSE_ATTENTION_FWD, OpFamily.INDEXER_SCORES, OpFamily.ROPE):
+    for op in (OpFamily.SPARSE_ATTENTION_FWD, OpFamily.INDEXER_SCORES, OpFamily.ROPE, OpFamily.RMS_NORM):
         assert resolve(op, device=cpu, dtype=torch.float32)[0] == "unfused"
         assert resolve(op, "triton", device=cpu, dtype=torch.float32)[0] == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -8,6 +8,7 @@ from megatron_dsa.backends.registry import (
     BackendUnavailableError,
     BackendSelector,
     OpFamily,
+    Requested,
     availability_table,
     call_counts,
     check_backend_choice,
@@ -19,7 +20,7 @@ from megatron_dsa.backends.registry import (
 )
 
 __all__ = [
-    "AUTO", "Backend", "BackendSelector", "BackendUnavailableError", "OpFamily", "availability_table",
-    "call_counts", "check_backend_choice", "dispatch", "register_backend", "registered_backends",
-    "reset_call_counts", "resolve",
+    "AUTO", "Backend", "BackendSelector", "BackendUnavailableError", "OpFamily", "Requested",
+    "availability_table", "call_counts", "check_backend_choice", "dispatch", "register_backend",
+    "registered_backends", "reset_call_counts", "resolve",
 ]

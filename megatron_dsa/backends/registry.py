@@ -35,6 +35,7 @@ class OpFamily(str, Enum):
     COMPRESSOR = "compressor"
     ROPE = "rope"
     NORM_ROPE = "norm_rope"  # (x, positions, inv_freq, eps) -> rope(rms_norm(x, None, eps), ...)
+    RMS_NORM = "rms_norm"  # (x [..., D], weight [D] or None, eps) -> y, as ops.norms.rms_norm
     DENSE_ATTENTION = "dense_attention"  # causal attention of the `M` kind
 
 

@@ -10,14 +10,16 @@ import torch
 
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
-from megatron_dsa.backends.triton_kernels import compressor, indexer, indexer_loss, norm_rope, rope, sparse_attention
+from megatron_dsa.backends.triton_kernels import (compressor, indexer, indexer_loss, norm_rope, rms_norm, rope,
+                                                  sparse_attention)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl, indexer_kl_backward
 
 # The kernels accumulate in float32; float64 stays on the unfused reference path.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# RoPE, RMSNorm + RoPE and the compressor's pooling also run float64 (elementwise / row reductions).
-DTYPES = {op: KERNEL_DTYPES + (torch.float64,) for op in (OpFamily.ROPE, OpFamily.NORM_ROPE, OpFamily.COMPRESSOR)}
+# RoPE, RMSNorm (+ RoPE) and the compressor's pooling also run float64 (elementwise / row reductions).
+DTYPES = {op: KERNEL_DTYPES + (torch.float64,)
+          for op in (OpFamily.ROPE, OpFamily.NORM_ROPE, OpFamily.RMS_NORM, OpFamily.COMPRESSOR)}
 
 
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
@@ -39,6 +41,7 @@ TRITON = Backend(
         OpFamily.COMPRESSOR: compressor.compress,
         OpFamily.ROPE: rope.rope,
         OpFamily.NORM_ROPE: norm_rope.norm_rope,
+        OpFamily.RMS_NORM: rms_norm.rms_norm,
     },
     probe=probe,
     version=lambda: probes.versions_line("triton"),

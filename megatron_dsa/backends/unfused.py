@@ -10,6 +10,7 @@ from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores
 from megatron_dsa.ops.indexer_loss import indexer_kl, indexer_kl_backward
 from megatron_dsa.ops.indices import topk_columns
+from megatron_dsa.ops.norms import rms_norm
 from megatron_dsa.ops.rope import norm_rope, rope
 from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
 
@@ -26,6 +27,7 @@ UNFUSED = Backend(
         OpFamily.COMPRESSOR: compress,
         OpFamily.ROPE: rope,
         OpFamily.NORM_ROPE: norm_rope,
+        OpFamily.RMS_NORM: rms_norm,
         OpFamily.DENSE_ATTENTION: causal_attention,
     },
     version=lambda: f"torch {torch.__version__}",

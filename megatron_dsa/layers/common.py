@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from megatron_dsa.ops.norms import rms_norm
+from megatron_dsa.backends import OpFamily, Requested, dispatch
 
 
 def bits(dtype: torch.dtype) -> int:
@@ -36,20 +36,25 @@ class HighPrecisionModule(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a learnable gain `weight [dim]` (Megatron `*_layernorm.weight`)."""
+    """RMSNorm with a learnable gain `weight [dim]` (Megatron `*_layernorm.weight`).
 
-    def __init__(self, dim: int, eps: float):
+    `backend` picks the `rms_norm` implementation per call: the layer config (its per-op choice),
+    `"auto"` or a backend name. forward(x `[..., dim]`) → `[..., dim]` in x's dtype."""
+
+    def __init__(self, dim: int, eps: float, backend: Requested):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend = backend
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        norm = dispatch(OpFamily.RMS_NORM, self.backend, device=x.device, dtype=x.dtype)
+        return norm(x, self.weight, self.eps)
 
 
-def make_norm(dim: int, eps: float, enabled: bool) -> nn.Module:
+def make_norm(dim: int, eps: float, enabled: bool, backend: Requested) -> nn.Module:
     """`RMSNorm` when `enabled` (`qk_layernorm=True`), else `Identity` (no parameter), as Megatron."""
-    return RMSNorm(dim, eps) if enabled else nn.Identity()
+    return RMSNorm(dim, eps, backend) if enabled else nn.Identity()
 
 
 def linear(in_features: int, out_features: int, std: float) -> nn.Linear:

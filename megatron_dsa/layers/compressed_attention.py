@@ -48,7 +48,8 @@ class Compressor(HighPrecisionModule):
         self.linear_wkv = linear(config.hidden_size, width, std)
         self.linear_wgate = linear(config.hidden_size, width, std)
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32).normal_(std=std))
-        self.norm = RMSNorm(head_dim, config.layernorm_epsilon)
+        # Holds the norm's weight and eps; the compressor op applies them (its backend, its norm).
+        self.norm = RMSNorm(head_dim, config.layernorm_epsilon, config)
 
     def forward(self, x: Tensor, layout: CompressedLayout, inv_freq: Tensor) -> Tensor:
         """`x [T, d]` → compressed entries `[capacity, Dc]` (RoPE at `j·r`, Hadamard if `rotate`)."""

@@ -85,7 +85,7 @@ class HybridAttention(HighPrecisionModule):
         self.local_heads = divide(c.num_attention_heads, tp, "num_attention_heads")
         std = c.init_method_std
         self.linear_q_down_proj = linear(c.hidden_size, c.q_lora_rank, std)
-        self.q_layernorm = make_norm(c.q_lora_rank, c.layernorm_epsilon, c.qk_layernorm)
+        self.q_layernorm = make_norm(c.q_lora_rank, c.layernorm_epsilon, c.qk_layernorm, c)
         self.linear_q_up_proj = ColumnParallelLinear(c.q_lora_rank, c.num_attention_heads * self._q_head_dim(),
                                                      self.tp_group, std)
         self._build_kv_path()
@@ -101,7 +101,7 @@ class HybridAttention(HighPrecisionModule):
         c = self.config
         self.local_groups = divide(c.o_groups, self.parallel_state.tp_size, "o_groups")
         self.linear_kv_proj = linear(c.hidden_size, c.v_head_dim, c.init_method_std)
-        self.kv_layernorm = make_norm(c.v_head_dim, c.layernorm_epsilon, c.qk_layernorm)
+        self.kv_layernorm = make_norm(c.v_head_dim, c.layernorm_epsilon, c.qk_layernorm, c)
         group_width = c.num_attention_heads * c.v_head_dim // c.o_groups
         self.linear_o_group_proj = mark_tensor_parallel(nn.Parameter(
             torch.empty(self.local_groups * c.o_lora_rank, group_width).normal_(std=c.init_method_std)), 0)
@@ -245,7 +245,7 @@ class DenseMLAttention(HybridAttention):
         rank, rope_dim = c.mla_kv_lora_rank, c.qk_pos_emb_head_dim
         self.local_groups = divide(c.mla_num_query_groups, self.parallel_state.tp_size, "num_query_groups")
         self.linear_kv_down_proj = linear(c.hidden_size, rank + rope_dim, c.init_method_std)
-        self.kv_layernorm = make_norm(rank, c.layernorm_epsilon, c.qk_layernorm)
+        self.kv_layernorm = make_norm(rank, c.layernorm_epsilon, c.qk_layernorm, c)
         self.linear_kv_up_proj = ColumnParallelLinear(
             rank, c.mla_num_query_groups * (c.mla_qk_head_dim + c.v_head_dim), self.tp_group,
             c.init_method_std)

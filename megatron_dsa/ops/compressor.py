@@ -8,7 +8,7 @@ The pooling weights are an independent softmax per channel over the slots.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -66,13 +66,15 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
 
 def compress(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
              layout: CompressedLayout, inv_freq: Tensor, rotate: bool,
-             pool: Callable[[Tensor, Tensor, Tensor, CompressedLayout], Tensor] = gated_pool) -> Tensor:
+             pool: Callable[[Tensor, Tensor, Tensor, CompressedLayout], Tensor] = gated_pool,
+             norm: Callable[[Tensor, Optional[Tensor], float], Tensor] = rms_norm) -> Tensor:
     """The whole compressor: projections → gated pool → RMSNorm → RoPE at `j·r` → (Hadamard).
 
     x: `[T, d]` token rows (raw layer input). wkv, wgate: `[coff·Dc, d]`. ape: `[r, coff·Dc]`.
-    norm_weight: `[Dc]`. Returns `[capacity, Dc]`. `pool` is the gated pooling (a fused kernel may
-    replace the reference `gated_pool`; the rest of the composition stays the same).
+    norm_weight: `[Dc]`. Returns `[capacity, Dc]`. `pool` is the gated pooling and `norm` the RMSNorm
+    (fused kernels may replace the reference `gated_pool` and `rms_norm`; the rest of the
+    composition stays the same).
     """
     pooled = pool(x @ wkv.t(), x @ wgate.t(), ape, layout)
-    out = rope(rms_norm(pooled, norm_weight, eps), layout.positions, inv_freq)
+    out = rope(norm(pooled, norm_weight, eps), layout.positions, inv_freq)
     return hadamard_transform(out) if rotate else out

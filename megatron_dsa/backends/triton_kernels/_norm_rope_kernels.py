@@ -2,28 +2,16 @@
 the math).
 
 Plain functions: `lazy_jit.jitted` decorates the kernels on first launch (the helpers they call are
-decorated when this module is imported, which happens only then). x, out, grad and dx are
+decorated when their modules are imported, which happens only then). x, out, grad and dx are
 contiguous `[R, WIDTH]` rows (R = T·H, WIDTH = NOPE + 2·HALF); row r belongs to token r // H. One
 program handles `BLOCK_R` whole rows: `BLOCK_D ≥ WIDTH` covers a row at once, so each row is read
 once from memory; the rotated dims are loaded a second time as interleaved pairs, from the cache.
 """
 
-import triton
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._rms_norm_kernels import load_rows
 from megatron_dsa.backends.triton_kernels._rope_kernels import pair_layout, rotate_pairs
-
-
-@triton.jit
-def _load_rows(x_ptr, eps_ptr, rows, row_ok, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr,
-               COMPUTE: tl.constexpr):
-    """`(x [BLOCK_R, BLOCK_D] in COMPUTE (0 past the row), rstd [BLOCK_R], offsets, dims)`:
-    rstd = rsqrt(mean(x²) + eps), the reference's statistics in COMPUTE."""
-    dims = tl.arange(0, BLOCK_D)
-    offsets = rows[:, None] * WIDTH + dims[None, :]
-    x = tl.load(x_ptr + offsets, mask=row_ok[:, None] & (dims[None, :] < WIDTH), other=0.0).to(COMPUTE)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / WIDTH + tl.load(eps_ptr))
-    return x, rstd, offsets, dims
 
 
 def norm_rope_forward_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, R, H,
@@ -35,7 +23,7 @@ def norm_rope_forward_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, R, H,
     WIDTH: tl.constexpr = NOPE + 2 * HALF
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
-    x, rstd, offsets, dims = _load_rows(x_ptr, eps_ptr, rows, row_ok, WIDTH, BLOCK_D, COMPUTE)
+    x, rstd, offsets, dims = load_rows(x_ptr, eps_ptr, rows, row_ok, WIDTH, BLOCK_D, COMPUTE)
     nope_mask = row_ok[:, None] & (dims[None, :] < NOPE)
     tl.store(out_ptr + offsets, (x * rstd[:, None]).to(dtype), mask=nope_mask)
 
@@ -62,7 +50,7 @@ def norm_rope_backward_kernel(x_ptr, grad_ptr, dx_ptr, pos_ptr, freq_ptr, eps_pt
     WIDTH: tl.constexpr = NOPE + 2 * HALF
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
-    x, rstd, offsets, dims = _load_rows(x_ptr, eps_ptr, rows, row_ok, WIDTH, BLOCK_D, COMPUTE)
+    x, rstd, offsets, dims = load_rows(x_ptr, eps_ptr, rows, row_ok, WIDTH, BLOCK_D, COMPUTE)
     nope_mask = row_ok[:, None] & (dims[None, :] < NOPE)
     grad_nope = tl.load(grad_ptr + offsets, mask=nope_mask, other=0.0).to(COMPUTE)
 

@@ -14,16 +14,15 @@ are saved; the statistics are recomputed. The output is always fresh storage and
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.rms_norm import compute_dtype, eps_tensor
 from megatron_dsa.backends.triton_kernels.rope import NUM_WARPS, check_inputs, row_block
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
-
 
 
 def _launch(x: Tensor, positions: Tensor, freq: Tensor, eps: Tensor, grad: Optional[Tensor] = None) -> Tensor:
@@ -73,17 +72,8 @@ def norm_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Ten
     `megatron_dsa.ops.rope.norm_rope`; positions and inv_freq get no gradient.
     """
     check_inputs(x, positions, inv_freq, op="norm_rope")
-    _check_eps(eps)
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute = compute_dtype(x.dtype)
+    eps_t = eps_tensor(eps, "norm_rope", compute, x.device)
     freq = inv_freq.to(x.device, compute).contiguous()
-    # A fill kernel, not a host-to-device copy: no sync, CUDA-graph capturable; float64 eps stays exact.
-    eps_tensor = torch.full((1,), float(eps), dtype=compute, device=x.device)
     flat = x.contiguous().view(-1, x.shape[-1])
-    return TritonNormRope.apply(flat, positions.contiguous(), freq, eps_tensor).view(x.shape)
-
-
-def _check_eps(eps: float) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"norm_rope eps must be a float, got {type(eps).__name__}")
-    if not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"norm_rope eps must be finite and >= 0, got {eps}")
+    return TritonNormRope.apply(flat, positions.contiguous(), freq, eps_t).view(x.shape)
