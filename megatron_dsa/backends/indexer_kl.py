@@ -9,7 +9,7 @@ Only the inputs, the target and the student scores are saved.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -33,9 +33,10 @@ class IndexerKLFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, teacher: Teacher,
-                scale: float, dense: bool, requested: Requested) -> Tensor:
-        scores = dispatch(OpFamily.INDEXER_SCORES, requested, device=q.device, dtype=q.dtype)
-        student = scores(q, k, weights, candidates, scale)
+                scale: float, dense: bool, requested: Requested, student: Optional[Tensor]) -> Tensor:
+        if student is None:
+            scores = dispatch(OpFamily.INDEXER_SCORES, requested, device=q.device, dtype=q.dtype)
+            student = scores(q, k, weights, candidates, scale)
         per_row, target = teacher(student)
         ctx.save_for_backward(q, k, weights, candidates, target, student)
         ctx.scale, ctx.dense, ctx.requested = scale, dense, requested
@@ -47,12 +48,15 @@ class IndexerKLFunction(torch.autograd.Function):
         kernel = dispatch(OpFamily.INDEXER_KL_BWD, ctx.requested, **kl_call(q, candidates, ctx.dense))
         grad_q, grad_k, grad_w = kernel(q, k, weights, candidates, target, student,
                                         grad_rows.to(student.dtype).contiguous(), ctx.scale)
-        return grad_q, grad_k, grad_w, None, None, None, None, None
+        return grad_q, grad_k, grad_w, None, None, None, None, None, None
 
 
 def indexer_kl_loss(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, teacher: Teacher, scale: float,
-                    dense: bool, requested: Requested = AUTO) -> Tensor:
+                    dense: bool, requested: Requested = AUTO, student: Optional[Tensor] = None) -> Tensor:
     """Per-row KL `[T]` of the indexer against `teacher`: `candidates [T, C]` are rows of the indexer keys
     `k` (−1 = none); `dense` says the candidates are every visible entry (the dense loss), not a
-    top-k selection. `requested`: `auto`, a backend name, or the layer config (per-op choice)."""
-    return IndexerKLFunction.apply(q, k, weights, candidates, teacher, float(scale), dense, requested)
+    top-k selection. `requested`: `auto`, a backend name, or the layer config (per-op choice).
+    `student`: the candidates' indexer scores when already computed (the selection scored them),
+    else they are computed here."""
+    return IndexerKLFunction.apply(q, k, weights, candidates, teacher, float(scale), dense, requested,
+                                   None if student is None else student.detach())

@@ -92,21 +92,27 @@ class LightningIndexer(nn.Module):
         op = dispatch(OpFamily.INDEXER_SCORES, self.config, device=q.device, dtype=q.dtype)
         return op(q, k, weights, candidates, self.scale)
 
-    def select(self, features: tuple[Tensor, Tensor, Tensor], entries: VisibleEntries, topk: int) -> Tensor:
-        """`[T, min(topk, C)]` entry numbers of each row's top-k visible entries (−1 = none).
+    def select(self, features: tuple[Tensor, Tensor, Tensor], entries: VisibleEntries,
+               topk: int) -> tuple[Tensor, Tensor]:
+        """`[T, min(topk, C)]` entry numbers of each row's top-k visible entries (−1 = none), and their
+        scores (float32/64, −inf at −1): the sparse indexer loss reuses them as its student scores.
 
         Scored in row chunks without autograd, so the `[T, C]` scores never exist at once."""
         q, k, weights = features
-        chunks = []
+        columns, picked_scores = [], []
         with torch.no_grad():
             for rows in entries.row_chunks(SELECTION_CHUNK_ELEMENTS):
                 candidates = entries.rows(rows)
                 scores = self.scores((q[rows], k, weights[rows]), candidates)
                 pick = dispatch(OpFamily.TOPK, self.config, device=q.device, dtype=scores.dtype, topk=topk)
-                chunks.append(pick(scores, candidates >= 0, topk))
-        if not chunks:
-            return torch.empty(0, min(topk, entries.width), dtype=torch.long, device=q.device)
-        return torch.cat(chunks)
+                chosen = pick(scores, candidates >= 0, topk)
+                columns.append(chosen)
+                picked_scores.append(torch.where(chosen >= 0, scores.gather(1, chosen.clamp_min(0)),
+                                                 float("-inf")))
+        if not columns:
+            empty = torch.empty(0, min(topk, entries.width), device=q.device)
+            return empty.long(), empty
+        return torch.cat(columns), torch.cat(picked_scores)
 
 
 class IndexerLossAutoScaler(torch.autograd.Function):
@@ -134,6 +140,7 @@ class IndexSelection:
     compressed: Optional[Tensor]
     entries: Optional[Tensor] = None  # [T, K] indexer picks as entry numbers j of the sequence (−1 none)
     entry_rows: Optional[Tensor] = None  # [T, K] the picks' rows of the compressed buffer (−1 none)
+    entry_scores: Optional[Tensor] = None  # [T, K] the picks' indexer scores (−inf at −1), no autograd
 
     def all(self) -> Tensor:
         return self.window if self.compressed is None else torch.cat((self.window, self.compressed), 1)
@@ -142,7 +149,7 @@ class IndexSelection:
         """The same selection restricted to some query rows (`pick` selects rows of each tensor)."""
         keep = lambda t: None if t is None else pick(t)  # noqa: E731
         return IndexSelection(pick(self.window), keep(self.compressed), keep(self.entries),
-                              keep(self.entry_rows))
+                              keep(self.entry_rows), keep(self.entry_scores))
 
 
 class CompressedSparseAttention(HighPrecisionModule):
@@ -190,10 +197,10 @@ class CompressedSparseAttention(HighPrecisionModule):
                                        offset_valid(entries.rows(), layout.num_rows))
         else:
             features = self.indexer.features(x.detach(), qr.detach(), compressed_layout, inv_freq, gather)
-            columns = self.indexer.select(features, entries, c.dsa_indexer_topk)
+            columns, scores = self.indexer.select(features, entries, c.dsa_indexer_topk)
             # Column j is entry j of the query's sequence, in every layout (CP included).
             picked = entries.pick(columns)
-            selection = IndexSelection(window, offset_valid(picked, layout.num_rows), columns, picked)
+            selection = IndexSelection(window, offset_valid(picked, layout.num_rows), columns, picked, scores)
         # Compressed rows follow the token rows in kv_full. The shared KV rows feed this rank's heads
         # only: their gradient is summed over TP.
         kv_full = kv if compressed is None else torch.cat((kv, compressed()))
@@ -224,8 +231,9 @@ class CompressedSparseAttention(HighPrecisionModule):
         c = self.config
         query, kv_full = query.detach(), kv_full.detach()
         sink = self.attn_sink.detach()
+        student = None  # the dense loss scores every visible entry anew
         if c.dsa_indexer_use_sparse_loss:
-            entry_rows, candidates = selection.entry_rows, selection.compressed
+            entry_rows, candidates, student = selection.entry_rows, selection.compressed, selection.entry_scores
             full_lse = torch.logaddexp(lse.detach(), sink.to(lse.dtype))  # = the layer's real normaliser
         else:
             entry_rows = entries.rows()
@@ -238,7 +246,7 @@ class CompressedSparseAttention(HighPrecisionModule):
                                           c.softmax_scale, self.tp_group, return_target=True)
         q, k, weights = features
         per_row = indexer_kl_loss(q, k, weights, entry_rows, teacher, self.indexer.scale,
-                                  dense=not c.dsa_indexer_use_sparse_loss, requested=c)
+                                  dense=not c.dsa_indexer_use_sparse_loss, requested=c, student=student)
         if layout.has_padding:  # padding (and CP halo) rows never enter the loss or its divisor
             real = layout.query_valid
             divisor = real.sum() if global_rows is None else global_rows
