@@ -182,14 +182,15 @@ class CompressedSparseAttention(HighPrecisionModule):
         if self.compressor is not None:
             if cp is None:
                 compressed_layout = layout.compressed(self.ratio)
-                entries = visible_compressed_entries(compressed_layout)
+                entries = layout.derived(("visible_entries", self.ratio),
+                                         lambda: visible_compressed_entries(compressed_layout))
             else:
                 compressed_layout = cp.compressed_layout(self.ratio)
                 entries = cp.visible_entries(self.ratio)
                 gather = lambda rows: cp.gather_entries(rows, self.ratio)  # noqa: E731
             # In flight (context parallelism) while the window and the indexer's selection run.
             compressed = gather(self.compressor(x, compressed_layout, inv_freq))
-        window = window_indices(layout, c.csa_window_size)
+        window = layout.derived(("window", c.csa_window_size), lambda: window_indices(layout, c.csa_window_size))
 
         features = None
         if self.indexer is None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 from torch import Tensor
+
+
+MAX_SHARED_LAYOUTS = 16  # uniform shapes kept (a training run uses one or two)
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,9 +38,22 @@ class TokenLayout:
 
     @classmethod
     def uniform(cls, batch: int, seqlen: int, device: torch.device) -> "TokenLayout":
-        """`batch` sequences of `seqlen` tokens, batch-major (row `b·S + s`)."""
-        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device=device, dtype=torch.long)
-        return cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen)
+        """`batch` sequences of `seqlen` tokens, batch-major (row `b·S + s`).
+
+        Shared per `(batch, seqlen, device)`: every layer and step of a shape reuses one layout and
+        what was derived from it (its index rows are pure functions of the shape), which saves a few
+        dozen small kernels per layer forward. Not shared when built inside a CUDA-graph capture
+        (its tensors hold values only in the graph's replays)."""
+        key = (batch, seqlen, torch.device(device))
+        layout = _UNIFORM_LAYOUTS.get(key)
+        if layout is None:
+            cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device=device, dtype=torch.long)
+            layout = cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen)
+            if not (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+                if len(_UNIFORM_LAYOUTS) >= MAX_SHARED_LAYOUTS:
+                    _UNIFORM_LAYOUTS.pop(next(iter(_UNIFORM_LAYOUTS)))  # the oldest shape
+                _UNIFORM_LAYOUTS[key] = layout
+        return layout
 
     @classmethod
     def packed(cls, cu_seqlens: Tensor, num_rows: int, device: torch.device,
@@ -111,7 +127,18 @@ class TokenLayout:
         return local + self.position_offsets[self.segment_ids]
 
     def compressed(self, ratio: int) -> "CompressedLayout":
-        return CompressedLayout.build(self, ratio)
+        return self.derived(("compressed", ratio), lambda: CompressedLayout.build(self, ratio))
+
+    def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """`build()`, computed once per layout and `key`: for values that depend on the layout only
+        (compressed layouts, index rows), so that layers sharing a layout share them."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+    @cached_property
+    def _derived(self) -> dict[Hashable, Any]:
+        return {}
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,3 +221,6 @@ class CompressedLayout:
         causal = torch.div(self.tokens.positions + 1, self.ratio, rounding_mode="floor")
         entries = self.cu_compressed[1:] - self.cu_compressed[:-1]
         return torch.minimum(causal, entries[self.tokens.segment_ids])
+
+
+_UNIFORM_LAYOUTS: dict[tuple[int, int, torch.device], TokenLayout] = {}
