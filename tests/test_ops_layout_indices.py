@@ -233,3 +233,15 @@ def test_offset_valid_keeps_invalid_invalid():
     assert offset_valid(ids, 1).tolist() == [[-1, 1, 6], [4, -1, -1]]  # −1 + 1 would be 0
 
 
+
+
+def test_uniform_layouts_and_what_is_derived_from_them_are_shared_per_shape():
+    device = torch.device("cpu")
+    first = TokenLayout.uniform(2, 24, device)
+    assert TokenLayout.uniform(2, 24, device) is first
+    assert TokenLayout.uniform(3, 24, device) is not first
+    assert first.compressed(4) is first.compressed(4) and first.compressed(4) is not first.compressed(8)
+    built = []
+    window = first.derived(("window", 3), lambda: built.append(1) or window_indices(first, 3))
+    assert first.derived(("window", 3), lambda: built.append(1)) is window and built == [1]
+    torch.testing.assert_close(window, window_indices(TokenLayout.packed(first.cu_seqlens, 48, device), 3))
