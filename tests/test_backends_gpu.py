@@ -26,6 +26,7 @@ from megatron_dsa.ops.indexer_loss import indexer_kl_backward as reference_index
 from megatron_dsa.ops.indices import topk_columns
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
+from cuda_graphs import capture
 from distributed import cosine, relative_error
 from saved_tensors import SavedTensorGuard
 
@@ -271,16 +272,7 @@ def test_fused_layer_cuda_graph_replay_matches_eager(kind) -> None:
         out, _ = layer(static_x)
         return (out, *torch.autograd.grad(out, [static_x, *params], static_grad, allow_unused=True))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    reset_call_counts()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture(step, before_capture=reset_call_counts)
     assert any(backend != "unfused" for backend, _ in call_counts()), call_counts()
 
     with torch.no_grad():

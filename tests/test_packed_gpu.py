@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from cuda_graphs import capture
 from test_packed_support import (
     Packed, assert_filler_rows_zero, make_layer, pack, random_segments, run_layer,
 )
@@ -144,15 +145,7 @@ def test_cuda_graph_replay_with_changed_boundaries_matches_eager(variant, no_tf3
                  zip(grads, [static_hidden, *params])]
         return out.detach().clone(), grads, None if loss is None else loss.clone()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_result = step()
+    graph, static_result = capture(step)
 
     for key in ("second", "first", "second"):
         packed, grad_out = layouts[key]
