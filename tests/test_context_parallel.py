@@ -8,6 +8,7 @@ indexer losses of the CP ranks add up to the single-process loss; the selected c
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from distributed import assert_bf16_parity, run_distributed
 from megatron_dsa import HybridAttention, HybridAttentionConfig
+from megatron_dsa.backends import call_counts, reset_call_counts
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import initialize_parallel_state
 from megatron_dsa.parallel.context import shard_packed, shard_sequence, unshard_sequence
@@ -227,6 +229,13 @@ def nccl_bf16_body(rank: int, world: int) -> None:
         for comm in ("p2p", "all_gather"):
             config = cp_config(kind, "zigzag", comm, dsa_indexer_topk=128)
             nccl_bf16_parity(rank, world, state, config, kind, 512, 2, 3, f"{kind}/{comm}")
+    # Indexer head dim 128: where the cuDNN frontend is installed its fused indexer backward runs
+    # under CP (halo rows weighted 0, ids into the all-gathered keys), and must have run.
+    reset_call_counts()
+    config = cp_config("C", "zigzag", "p2p", dsa_indexer_topk=128, dsa_indexer_head_dim=128)
+    nccl_bf16_parity(rank, world, state, config, "C", 512, 2, 3, "C/p2p indexer 128")
+    if importlib.util.find_spec("cudnn") is not None:
+        assert call_counts()[("cudnn", "indexer_kl_bwd")] > 0, call_counts()
 
 
 @pytest.mark.multigpu
