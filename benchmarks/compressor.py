@@ -20,12 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from timing import forward_backward_ms  # noqa: E402
+from timing import DTYPES, cuda_available, forward_backward_ms, kernel_parser  # noqa: E402
 from megatron_dsa.backends.triton_kernels.compressor import gated_pool as triton_pool  # noqa: E402
 from megatron_dsa.ops.compressor import channel_factor, gated_pool as unfused_pool  # noqa: E402
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def make_inputs(tokens: int, ratio: int, dc: int, dtype: torch.dtype):
@@ -61,14 +60,10 @@ def min_bytes(kv: torch.Tensor, layout: CompressedLayout) -> tuple[int, int]:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = kernel_parser(__doc__)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--shapes", nargs="+", default=["4:512", "128:512", "4:128"],
                         help="ratio:Dc pairs")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (includes compilation)")
     args = parser.parse_args(argv)
     try:
         args.shapes = [tuple(int(part) for part in shape.split(":")) for shape in args.shapes]
@@ -83,8 +78,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/compressor.py: needs a CUDA GPU; nothing to measure here")
+    if not cuda_available("compressor.py"):
         return 0
     torch.manual_seed(0)
     print(f"compressor gated pooling, {args.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}; "

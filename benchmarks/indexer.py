@@ -19,11 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from timing import forward_backward_ms  # noqa: E402
+from timing import DTYPES, cuda_available, forward_backward_ms, kernel_parser  # noqa: E402
 from megatron_dsa.backends.triton_kernels.indexer import indexer_scores as triton_scores  # noqa: E402
 from megatron_dsa.ops.indexer import indexer_scores as unfused_scores  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RATIO = 4
 
 
@@ -54,14 +53,10 @@ def time_op(fn, inputs, scale: float, repeats: int, warmup: int) -> tuple[float,
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = kernel_parser(__doc__)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (includes compilation)")
     args = parser.parse_args(argv)
     if min(args.seq_lens) < RATIO or args.repeats < 1 or args.warmup < 0:
         parser.error(f"--seq-lens must be >= {RATIO}, --repeats >= 1 and --warmup >= 0")
@@ -70,8 +65,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/indexer.py: needs a CUDA GPU; nothing to measure here")
+    if not cuda_available("indexer.py"):
         return 0
     torch.manual_seed(0)
     print(f"indexer scores, HI={args.heads}, DI={args.dim}, {args.dtype}, {torch.cuda.get_device_name()}, "

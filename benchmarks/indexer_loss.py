@@ -22,13 +22,12 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from timing import forward_backward_ms, median_ms  # noqa: E402
+from timing import DTYPES, cuda_available, forward_backward_ms, median_ms, kernel_parser  # noqa: E402
 from megatron_dsa.backends.triton_kernels.indexer_loss import attention_mass  # noqa: E402
 from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl  # noqa: E402
 from megatron_dsa.ops.indexer_loss import TINY, kl_per_row as unfused_kl, teacher_target  # noqa: E402
 from megatron_dsa.ops.sparse_attention import full_normaliser  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RATIO = 4
 
 
@@ -85,16 +84,12 @@ def tflops(flops: int, ms: float) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = kernel_parser(__doc__, dtype_help="query and kv dtype")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--modes", nargs="+", default=["sparse", "dense"], choices=["sparse", "dense"])
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--topk", type=int, default=512, help="candidates per row of the sparse loss")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="query and kv dtype")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (includes compilation)")
     args = parser.parse_args(argv)
     if min(args.seq_lens) < RATIO or args.topk < 1 or args.repeats < 1 or args.warmup < 0:
         parser.error(f"--seq-lens must be >= {RATIO}, --topk and --repeats >= 1 and --warmup >= 0")
@@ -103,8 +98,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/indexer_loss.py: needs a CUDA GPU; nothing to measure here")
+    if not cuda_available("indexer_loss.py"):
         return 0
     torch.manual_seed(0)
     scale = args.dim ** -0.5

@@ -27,7 +27,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from timing import median_ms  # noqa: E402
+from timing import DTYPES, cuda_available, median_ms, kernel_parser  # noqa: E402
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason  # noqa: E402
 from megatron_dsa.backends.triton_kernels.sparse_attention import (  # noqa: E402
     sparse_attention_backward,
@@ -35,7 +35,6 @@ from megatron_dsa.backends.triton_kernels.sparse_attention import (  # noqa: E40
 )
 from megatron_dsa.ops.sparse_attention import sparse_attention  # noqa: E402
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 COMPRESS_RATIO = 4
 
 
@@ -147,18 +146,14 @@ def describe_run(args: argparse.Namespace, device: torch.device) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = kernel_parser(__doc__, warmup=3, warmup_note="includes autotuning")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384], help="query rows N")
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--topk", type=int, default=512)
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--indices", default="causal", choices=["causal", "full"],
                         help="causal: window + visible top-k with -1 padding; full: every slot a valid id")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (median reported)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (includes autotuning)")
     args = parser.parse_args(argv)
     if min(args.seq_lens) < COMPRESS_RATIO or args.heads < 1 or args.dim < 1 or args.window < 1 or args.topk < 0:
         parser.error(f"--seq-lens must be >= {COMPRESS_RATIO}; --heads, --dim, --window >= 1; --topk >= 0")
@@ -169,8 +164,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/sparse_attention.py needs a CUDA GPU; none is available here, nothing measured.")
+    if not cuda_available("sparse_attention.py"):
         return 0
     device = torch.device("cuda")
     reason = triton_decline_reason(device)

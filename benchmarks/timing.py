@@ -1,11 +1,34 @@
-"""Timing shared by the kernel benchmarks (GPU only)."""
+"""Timing and command-line options shared by the kernel benchmarks (GPU only)."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from typing import Callable
 
 import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kernel_parser(doc: str, warmup: int = 2, warmup_note: str = "includes compilation",
+                  dtype_help: str = "input dtype") -> argparse.ArgumentParser:
+    """A parser with the options every kernel benchmark takes (`--dtype`, `--repeats`, `--warmup`);
+    the script adds its own shape options. `doc`: the script's docstring (its first paragraph is the
+    description)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (median reported)")
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed calls first ({warmup_note})")
+    return parser
+
+
+def cuda_available(script: str) -> bool:
+    """Whether a CUDA GPU is here; if not, says that `script` has nothing to measure."""
+    if not torch.cuda.is_available():
+        print(f"benchmarks/{script}: needs a CUDA GPU; nothing to measure here")
+    return torch.cuda.is_available()
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
