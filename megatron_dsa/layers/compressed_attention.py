@@ -243,8 +243,8 @@ class CompressedSparseAttention(HighPrecisionModule):
                                        c.softmax_scale)
         loss_op = dispatch(OpFamily.INDEXER_LOSS, c, device=query.device, dtype=query.dtype,
                            heads=query.shape[1], head_dim=query.shape[-1])
-        teacher = lambda student: loss_op(student, query, kv_full, candidates, full_lse,  # noqa: E731
-                                          c.softmax_scale, self.tp_group, return_target=True)
+        teacher = lambda scores: loss_op(scores, query, kv_full, candidates, full_lse,  # noqa: E731
+                                         c.softmax_scale, self.tp_group, return_target=True)
         q, k, weights = features
         per_row = indexer_kl_loss(q, k, weights, entry_rows, teacher, self.indexer.scale,
                                   dense=not c.dsa_indexer_use_sparse_loss, requested=c, student=student)
