@@ -16,6 +16,7 @@ from torch import Tensor
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.layout import CompressedLayout
 from megatron_dsa.ops.norms import rms_norm
+from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.rope import rope
 
 OVERLAP_RATIO = 4
@@ -41,7 +42,7 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
         raise ValueError(f"compressor shapes disagree: kv {tuple(kv.shape)}, gate {tuple(gate.shape)}, "
                          f"ape {tuple(ape.shape)} for ratio {r} (expected ape [{r}, {kv.shape[-1]}])")
     dc = kv.shape[-1] // coff
-    compute = torch.float64 if kv.dtype == torch.float64 else torch.float32
+    compute = compute_dtype(kv.dtype)
     first = layout.group_first_rows
     if coff == 2:
         # 2r slots: the previous group's tokens through the first Dc channels, then this group's

@@ -9,12 +9,9 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.ops.layout import TokenLayout
+from megatron_dsa.ops.precision import compute_dtype
 
 CHUNK_ELEMENTS = 1 << 24
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunk_budget(device: torch.device) -> int:
@@ -87,7 +84,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tensor
     `segments` given: causal within segments (q and k share rows, segments at most `longest` rows).
     `segments=None`: every key is visible. A row without keys gets `out = 0`, `lse = −inf`.
     """
-    compute = _compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     q_c = q.to(compute)
     k_c, v_c = _expanded(k, v, q.shape[1], compute)
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=compute, device=q.device)
@@ -115,7 +112,7 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tenso
     given. Without `delta` it is taken as `Σ p·dP` of the recomputed probabilities (equal in exact
     arithmetic), so a row with a single key gets an exactly zero logit gradient.
     """
-    compute = _compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     q_c = q.to(compute)
     k_c, v_c = _expanded(k, v, q.shape[1], compute)
     grad_q = torch.empty_like(q_c)

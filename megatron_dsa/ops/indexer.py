@@ -10,11 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_dsa.ops.precision import compute_dtype
+
 CHUNK_ELEMENTS = 1 << 24  # per-head dot elements per chunk (64 MiB in float32)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunks(rows: int, width: int, heads: int, dim: int):
@@ -34,7 +32,7 @@ class IndexerScoresFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float) -> Tensor:
-        compute = _compute_dtype(q.dtype)
+        compute = compute_dtype(q.dtype)
         scores = torch.empty(candidates.shape, dtype=compute, device=q.device)
         for chunk in _chunks(q.shape[0], candidates.shape[1], q.shape[1], q.shape[2]):
             keys = _gathered_keys(k, candidates[chunk], compute)
@@ -55,7 +53,7 @@ def indexer_scores_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: T
     """`(grad_q, grad_k, grad_weights)` of `indexer_scores` given `grad_scores [T, C]` (ignored at
     invalid candidates), in the dtypes of q, k and weights. The per-head dots are recomputed in
     row chunks."""
-    compute = _compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     grad_q = torch.empty_like(q)
     grad_w = torch.empty_like(weights)
     grad_k = torch.zeros((k.shape[0] + 1, k.shape[1]), dtype=compute, device=k.device)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.ops.norms import rms_norm
+from megatron_dsa.ops.precision import compute_dtype
 
 
 def plain_inv_freq(rotary_dim: int, base: float, rotary_percent: float = 1.0) -> Tensor:
@@ -65,7 +66,7 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype,
 
     Angles are computed in float64 when `dtype` is float64, else in float32 (then cast, as Megatron).
     """
-    angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    angle_dtype = compute_dtype(dtype)
     angles = positions.to(angle_dtype).unsqueeze(-1) * inv_freq.to(positions.device, angle_dtype)
     return (torch.cos(angles) * amplitude).to(dtype), (torch.sin(angles) * amplitude).to(dtype)
 

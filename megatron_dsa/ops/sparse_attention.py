@@ -24,11 +24,9 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
+from megatron_dsa.ops.precision import compute_dtype
+
 CHUNK_ELEMENTS = 1 << 24  # gathered-key elements per chunk (64 MiB in float32)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rows_per_chunk(width: int, heads: int, dim: int) -> int:
@@ -37,7 +35,7 @@ def _rows_per_chunk(width: int, heads: int, dim: int) -> int:
 
 def _chunk_scores(q: Tensor, kv: Tensor, idx: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """Gathered keys `[n, K, D]`, validity `[n, K]`, masked logits `[n, H, K]` (compute dtype)."""
-    compute = _compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     valid = (idx >= 0) & (idx < kv.shape[0])
     keys = kv[idx.clamp(0, kv.shape[0] - 1)].to(compute)
     logits = torch.einsum("nhd,nkd->nhk", q.to(compute), keys) * scale
@@ -68,7 +66,7 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
     indices = indices.long()
     step = _rows_per_chunk(indices.shape[1], heads, dim)
     out = query.new_empty(rows, heads, dim)
-    lse = query.new_empty(rows, heads, dtype=_compute_dtype(query.dtype))
+    lse = query.new_empty(rows, heads, dtype=compute_dtype(query.dtype))
     for start in range(0, rows, step):
         chunk = slice(start, start + step)
         out_c, lse_c = _forward_chunk(query[chunk], kv, indices[chunk], sink, scale)
@@ -85,7 +83,7 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
     (`grad_lse=None`: nothing flows through lse). Returns `(grad_query [N, H, D], grad_kv [M, D],
     grad_sink [H])` in the dtypes of query, kv and sink.
     """
-    compute = _compute_dtype(query.dtype)
+    compute = compute_dtype(query.dtype)
     indices = indices.long()
     grad_query = torch.empty_like(query)
     # One spare row absorbs the invalid slots: a masked index_add without a host sync.

@@ -31,6 +31,7 @@ from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.compressor import compress as reference_compress
 from megatron_dsa.ops.layout import CompressedLayout
+from megatron_dsa.ops.precision import compute_dtype
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Token rows per tile (BLOCK_E entries × BLOCK_S slots) and channels per program. Compiled for sm_90 at
@@ -77,7 +78,7 @@ def _forward(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tenso
 def _backward(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, ratio: int,
               grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`(dkv, dgate, dape)` for the contiguous upstream `grad [E, Dc]` (other arguments as `_forward`)."""
-    compute = torch.float64 if kv.dtype == torch.float64 else torch.float32
+    compute = compute_dtype(kv.dtype)
     blocks = cdiv(own.shape[0], _tiles(ratio, kv.shape[1] // channel_factor(ratio))["BLOCK_E"])
     grad_kv, grad_gate = torch.zeros_like(kv), torch.zeros_like(gate)  # rows no entry reads stay 0
     partial = torch.empty((blocks, ratio, kv.shape[1]), dtype=compute, device=kv.device)  # every block writes all

@@ -20,9 +20,10 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
-from megatron_dsa.backends.triton_kernels.rms_norm import compute_dtype, eps_tensor
+from megatron_dsa.backends.triton_kernels.rms_norm import eps_tensor
 from megatron_dsa.backends.triton_kernels.rope import NUM_WARPS, check_inputs, row_block
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
+from megatron_dsa.ops.precision import compute_dtype
 
 
 def _launch(x: Tensor, positions: Tensor, freq: Tensor, eps: Tensor, grad: Optional[Tensor] = None) -> Tensor:

@@ -23,16 +23,12 @@ from megatron_dsa.backends.triton_kernels.availability import triton_decline_rea
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.rope import NUM_WARPS, row_block
 from megatron_dsa.backends.triton_kernels.tiles import cdiv
+from megatron_dsa.ops.precision import compute_dtype
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Programs of a backward with a weight gradient, each looping over its share of the row blocks:
 # enough to fill a GPU several times over, while the partial sums stay small (512·D floats).
 DWEIGHT_PROGRAMS = 512
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The statistics dtype of the reference: float64 for float64 x, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def eps_tensor(eps: float, op: str, compute: torch.dtype, device: torch.device) -> Tensor:

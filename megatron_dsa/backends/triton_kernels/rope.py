@@ -17,6 +17,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
+from megatron_dsa.ops.precision import compute_dtype
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Elements of one row block held in registers (per tensor): 8 rows of Dh = 512 per program. Whole
@@ -77,7 +78,7 @@ def rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
     gradient.
     """
     check_inputs(x, positions, inv_freq)
-    angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    angle_dtype = compute_dtype(x.dtype)
     freq = inv_freq.to(x.device, angle_dtype).contiguous()
     # A fill kernel, not a host-to-device copy: no sync, CUDA-graph capturable; float64 stays exact.
     scalar = torch.full((1,), amplitude, dtype=angle_dtype, device=x.device)
