@@ -40,7 +40,9 @@ def main() -> int:
     x = torch.randn(args.seq_len, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
 
-    def step() -> None:
+    def step() -> None:  # a training step: fresh gradients, as `optimizer.zero_grad()` leaves them
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
         out, _ = layer(x)
         out.backward(grad)
 

@@ -133,9 +133,10 @@ def topk(scores: Tensor, valid: Tensor, k: int) -> Tensor:
     width = min(k, cols)
     if rows == 0 or width == 0:
         return torch.full((rows, width), -1, dtype=torch.long, device=scores.device)
-    ranked = torch.full((rows, probes.round_up(cols, TOPK_COLUMN_ALIGNMENT)), float("-inf"),
-                        dtype=torch.float32, device=scores.device)
-    ranked[:, :cols] = torch.where(valid, scores.float(), float("-inf"))
+    ranked = torch.where(valid, scores.float(), float("-inf"))
+    if cols % TOPK_COLUMN_ALIGNMENT:
+        ranked = torch.nn.functional.pad(ranked, (0, TOPK_COLUMN_ALIGNMENT - cols % TOPK_COLUMN_ALIGNMENT),
+                                         value=float("-inf"))
     column = torch.arange(1, cols + 1, device=scores.device)
     seq_lens = torch.where(valid, column, 0).amax(1).to(torch.int32)
     picked = _dsa().indexer_top_k_wrapper(ranked, seq_lens, width, next_n=1, return_val=False,

@@ -112,6 +112,8 @@ class LightningIndexer(nn.Module):
         if not columns:
             empty = torch.empty(0, min(topk, entries.width), device=q.device)
             return empty.long(), empty
+        if len(columns) == 1:  # one chunk (the usual case): no concatenation copy
+            return columns[0], picked_scores[0]
         return torch.cat(columns), torch.cat(picked_scores)
 
 

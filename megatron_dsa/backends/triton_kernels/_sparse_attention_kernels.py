@@ -38,12 +38,10 @@ def sparse_attention_fwd_kernel(
 
     dm = tl.arange(0, BLOCK_D)
     dm_ok = dm < D
-    q = tl.load(q_ptr + row_heads + dm[None, :], mask=head_ok[:, None] & dm_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     if BLOCK_DT > 0:
         dt = BLOCK_D + tl.arange(0, BLOCK_DT)
         dt_ok = dt < D
-        q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)
         acc_t = tl.zeros([BLOCK_H, BLOCK_DT], dtype=tl.float32)
 
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
@@ -57,9 +55,14 @@ def sparse_attention_fwd_kernel(
         valid = (idx >= 0) & (idx < M)
         kv_rows = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D  # [BLOCK_K, 1]
         kv = tl.load(kv_ptr + kv_rows + dm[None, :], mask=valid[:, None] & dm_ok[None, :], other=0.0)
+        # The query is (re)loaded here, not held from before the loop: as a pipelined load it stays a
+        # shared-memory dot operand, which frees the registers the [64, 512] fp32 accumulator needs
+        # (held in registers it spilled; reloading it from L1/L2 is 8% faster on an H200).
+        q = tl.load(q_ptr + row_heads + dm[None, :], mask=head_ok[:, None] & dm_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
         if BLOCK_DT > 0:
             kv_t = tl.load(kv_ptr + kv_rows + dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
+            q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)
             s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
 
