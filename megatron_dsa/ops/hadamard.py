@@ -33,11 +33,15 @@ def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 def hadamard_transform(x: Tensor) -> Tensor:
     """`y = H_n x / sqrt(n)` with `H_2n = [[H_n, H_n], [H_n, −H_n]]`; `n = x.shape[-1]` a power of 2.
 
-    One matmul with the ±1 matrix, then the scale (1/sqrt(128) is not exact in bf16, so it is not
-    folded into the matrix): for the indexer's n = 128 that is a small GEMM, far cheaper on a GPU
-    than `log2(n)` elementwise butterfly passes. Self-inverse.
+    One matmul with the ±1 matrix whose scale rides in the GEMM's `alpha` (applied to the fp32
+    accumulator, then rounded once; 1/sqrt(128) is not exact in bf16, so it is not folded into the
+    matrix): for the indexer's n = 128 that is a small GEMM, far cheaper on a GPU than `log2(n)`
+    elementwise butterfly passes, and the scale costs no extra pass forward or backward. Self-inverse.
     """
     n = x.shape[-1]
     if n <= 0 or n & (n - 1):
         raise ValueError(f"Hadamard transform needs a power-of-two last dim, got {n}")
-    return (x @ hadamard_matrix(n, x.dtype, x.device)) * n ** -0.5
+    rows = x.reshape(-1, n)
+    # beta = 0: the (broadcast) input term is ignored, only alpha·(rows @ H) is written.
+    y = torch.addmm(rows.new_zeros(()), rows, hadamard_matrix(n, x.dtype, x.device), beta=0, alpha=n ** -0.5)
+    return y.view(x.shape)
