@@ -1,6 +1,7 @@
 """Triton kernels of the lightning-indexer scores (see `indexer.py` for the entry point and the math).
 
-Plain functions: `lazy_jit.jitted` decorates them on first launch. All tensors are contiguous:
+Plain functions: `lazy_jit.jitted` decorates them on first launch (the `column_block` helper is
+decorated when this module is imported, which happens only then). All tensors are contiguous:
 q `[T, HI, DI]`, k `[Tc, DI]`, weights `[T, HI]`, candidates / scores / grad `[T, C]`.
 
 Tiles: a program owns `BLOCK_C` candidate columns; per query row it computes the per-head dots
@@ -11,7 +12,23 @@ keys for the same columns (candidates are mostly `base + j`), so the gathered ke
 until the ids change.
 """
 
+import triton
 import triton.language as tl
+
+
+@triton.jit
+def column_block(k_ptr, C, HI, DI, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """This program's tile on the (row block, column block) grid: `(first_row, cols, heads, dims,
+    in_width, q_mask, cached, keys)`, with no gathered key tile yet (`cached` ids −2, `keys` 0)."""
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
+    cached = tl.full([BLOCK_C], -2, tl.int64)
+    keys = tl.zeros([BLOCK_C, BLOCK_D], k_ptr.dtype.element_ty)
+    return first_row, cols, heads, dims, cols < C, q_mask, cached, keys
 
 
 def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI, scale,
@@ -20,14 +37,8 @@ def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI,
     """scores[t, c] = Σ_h w[t,h]·scale·ReLU(<q[t,h], k[cand[t,c]]>), −inf where cand < 0.
 
     Grid: (cdiv(T, ROWS), cdiv(C, BLOCK_C)); a program walks its ROWS rows for one column block."""
-    first_row = tl.program_id(0).to(tl.int64) * ROWS
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    in_width = cols < C
-    q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
-    cached = tl.full([BLOCK_C], -2, tl.int64)  # the ids whose keys `keys` holds (none yet)
-    keys = tl.zeros([BLOCK_C, BLOCK_D], k_ptr.dtype.element_ty)
+    first_row, cols, heads, dims, in_width, q_mask, cached, keys = column_block(  # `keys` holds ids `cached`
+        k_ptr, C, HI, DI, ROWS, BLOCK_H, BLOCK_D, BLOCK_C)
     for r in range(ROWS):
         t = first_row + r
         ids = tl.load(cand_ptr + t * C + cols, mask=in_width & (t < T), other=-1).to(tl.int64)
@@ -89,14 +100,8 @@ def indexer_backward_k_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dk_ptr, T
     Grid: (cdiv(T, ROWS), cdiv(C, BLOCK_C)). Rows that select the same ids for this column block
     accumulate in registers; the sum goes to memory with one atomic add per run of equal ids (for
     `base + j` candidates: once per program instead of once per row)."""
-    first_row = tl.program_id(0).to(tl.int64) * ROWS
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    in_width = cols < C
-    q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
-    cached = tl.full([BLOCK_C], -2, tl.int64)
-    keys = tl.zeros([BLOCK_C, BLOCK_D], k_ptr.dtype.element_ty)
+    first_row, cols, heads, dims, in_width, q_mask, cached, keys = column_block(
+        k_ptr, C, HI, DI, ROWS, BLOCK_H, BLOCK_D, BLOCK_C)
     acc_k = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
     for r in range(ROWS):
         t = first_row + r

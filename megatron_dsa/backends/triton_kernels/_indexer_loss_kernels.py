@@ -1,6 +1,7 @@
 """Triton kernels of the indexer KL loss (see `indexer_loss.py` for the entry points and the math).
 
-Plain functions: `lazy_jit.jitted` decorates them on first launch. All tensors are contiguous:
+Plain functions: `lazy_jit.jitted` decorates them on first launch (the `load_kl_columns` helper is
+decorated when this module is imported, which happens only then). All tensors are contiguous:
 query `[T, H, D]`, kv `[M, D]`, full_lse `[T, H]`, candidates / mass / student / target / valid /
 grad `[T, C]`, per-row values `[T]`.
 
@@ -13,11 +14,23 @@ KL: a program owns one row and walks its columns in `BLOCK_C` steps, twice in fo
 and sum of the student's exponentials, then the KL terms) and once in backward.
 """
 
+import triton
 import triton.language as tl
 
 # Running max of a lane before any valid column: finite (the float32 minimum), so that
 # `exp(m_old − m_new)` is never `exp(−inf + inf)`.
 NO_MAX = tl.constexpr(-3.4028234663852886e38)
+
+
+@triton.jit
+def load_kl_columns(s_ptr, target_ptr, valid_ptr, row, start, C, BLOCK_C: tl.constexpr):
+    """`(cols, keep, s, target)` of the row's columns `[start, start + BLOCK_C)`: keep = valid and in
+    width; s and target are 0 elsewhere."""
+    cols = start + tl.arange(0, BLOCK_C)
+    keep = (cols < C) & (tl.load(valid_ptr + row + cols, mask=cols < C, other=0) != 0)
+    s = tl.load(s_ptr + row + cols, mask=keep, other=0.0)
+    target = tl.load(target_ptr + row + cols, mask=keep, other=0.0)
+    return cols, keep, s, target
 
 
 def attention_mass_kernel(q_ptr, kv_ptr, cand_ptr, lse_ptr, out_ptr, M, C, H, scale,
@@ -82,10 +95,7 @@ def kl_forward_kernel(s_ptr, target_ptr, valid_ptr, kl_ptr, max_ptr, log_norm_pt
     lane_mass = tl.zeros([BLOCK_C], tl.float32)
     start = 0
     while start < C:
-        cols = start + tl.arange(0, BLOCK_C)
-        keep = (cols < C) & (tl.load(valid_ptr + row + cols, mask=cols < C, other=0) != 0)
-        s = tl.load(s_ptr + row + cols, mask=keep, other=0.0)
-        target = tl.load(target_ptr + row + cols, mask=keep, other=0.0)
+        _, keep, s, target = load_kl_columns(s_ptr, target_ptr, valid_ptr, row, start, C, BLOCK_C)
         positive = keep & (target > 0.0)
         safe_target = tl.where(positive, target, 1.0)  # log only of positive targets: 0·log 0 = 0
         log_pred = (s - row_max) - log_norm
@@ -111,10 +121,7 @@ def kl_backward_kernel(s_ptr, target_ptr, valid_ptr, max_ptr, log_norm_ptr, mass
     mass = tl.load(mass_ptr + t)
     start = 0
     while start < C:
-        cols = start + tl.arange(0, BLOCK_C)
-        keep = (cols < C) & (tl.load(valid_ptr + row + cols, mask=cols < C, other=0) != 0)
-        s = tl.load(s_ptr + row + cols, mask=keep, other=0.0)
-        target = tl.load(target_ptr + row + cols, mask=keep, other=0.0)
+        cols, keep, s, target = load_kl_columns(s_ptr, target_ptr, valid_ptr, row, start, C, BLOCK_C)
         pred = tl.exp((s - row_max) - log_norm)
         grad = g * (pred * mass - tl.where(target > 0.0, target, 0.0))
         tl.store(grad_s_ptr + row + cols, tl.where(keep, grad, 0.0), mask=cols < C)
