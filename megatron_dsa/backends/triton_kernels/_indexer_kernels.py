@@ -1,8 +1,8 @@
 """Triton kernels of the lightning-indexer scores (see `indexer.py` for the entry point and the math).
 
-Plain functions: `lazy_jit.jitted` decorates them on first launch (the `column_block` helper is
-decorated when this module is imported, which happens only then). All tensors are contiguous:
-q `[T, HI, DI]`, k `[Tc, DI]`, weights `[T, HI]`, candidates / scores / grad `[T, C]`.
+Plain functions: `lazy_jit.jitted` decorates them on first launch (the `column_block`, `row_ids`
+and `row_query` helpers are decorated when this module is imported, which happens only then). All
+tensors are contiguous: q `[T, HI, DI]`, k `[Tc, DI]`, weights `[T, HI]`, candidates / scores / grad `[T, C]`.
 
 Tiles: a program owns `BLOCK_C` candidate columns; per query row it computes the per-head dots
 `[BLOCK_H, BLOCK_C] = q[t] [BLOCK_H, BLOCK_D] @ keys^T` with one `tl.dot`, so the `[T, HI, C]` dots
@@ -31,6 +31,21 @@ def column_block(k_ptr, C, HI, DI, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BL
     return first_row, cols, heads, dims, cols < C, q_mask, cached, keys
 
 
+@triton.jit
+def row_ids(cand_ptr, t, cols, in_width, T, C):
+    """`(ids, valid)`: row t's candidate ids in this column block (−1 outside the block or past T)."""
+    ids = tl.load(cand_ptr + t * C + cols, mask=in_width & (t < T), other=-1).to(tl.int64)
+    return ids, ids >= 0
+
+
+@triton.jit
+def row_query(q_ptr, w_ptr, t, heads, dims, q_mask, HI, DI, scale):
+    """`(q [BLOCK_H, BLOCK_D], w [BLOCK_H] float32 · scale)` of row t (0 at padded heads and dims)."""
+    q = tl.load(q_ptr + t * HI * DI + heads[:, None] * DI + dims[None, :], mask=q_mask, other=0.0)
+    w = tl.load(w_ptr + t * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+    return q, w
+
+
 def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI, scale,
                            ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
@@ -41,15 +56,13 @@ def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI,
         k_ptr, C, HI, DI, ROWS, BLOCK_H, BLOCK_D, BLOCK_C)
     for r in range(ROWS):
         t = first_row + r
-        ids = tl.load(cand_ptr + t * C + cols, mask=in_width & (t < T), other=-1).to(tl.int64)
-        valid = ids >= 0
+        ids, valid = row_ids(cand_ptr, t, cols, in_width, T, C)
         if tl.max(valid.to(tl.int32), axis=0) > 0:
             if tl.max((ids != cached).to(tl.int32), axis=0) > 0:
                 keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :],
                                mask=valid[:, None] & (dims[None, :] < DI), other=0.0)
                 cached = ids
-            q = tl.load(q_ptr + t * HI * DI + heads[:, None] * DI + dims[None, :], mask=q_mask, other=0.0)
-            w = tl.load(w_ptr + t * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+            q, w = row_query(q_ptr, w_ptr, t, heads, dims, q_mask, HI, DI, scale)
             dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
             scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
             scores = tl.where(valid, scores, float("-inf"))
@@ -69,8 +82,7 @@ def indexer_backward_q_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dq_ptr, d
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
-    q = tl.load(q_ptr + t * HI * DI + heads[:, None] * DI + dims[None, :], mask=q_mask, other=0.0)
-    w = tl.load(w_ptr + t * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+    q, w = row_query(q_ptr, w_ptr, t, heads, dims, q_mask, HI, DI, scale)
     acc_q = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     acc_w = tl.zeros([BLOCK_H], tl.float32)
     start = 0
@@ -105,8 +117,7 @@ def indexer_backward_k_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dk_ptr, T
     acc_k = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
     for r in range(ROWS):
         t = first_row + r
-        ids = tl.load(cand_ptr + t * C + cols, mask=in_width & (t < T), other=-1).to(tl.int64)
-        valid = ids >= 0
+        ids, valid = row_ids(cand_ptr, t, cols, in_width, T, C)
         if tl.max(valid.to(tl.int32), axis=0) > 0:
             if tl.max((ids != cached).to(tl.int32), axis=0) > 0:
                 tl.atomic_add(dk_ptr + cached[:, None] * DI + dims[None, :], acc_k,
@@ -115,8 +126,7 @@ def indexer_backward_k_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dk_ptr, T
                 keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :],
                                mask=valid[:, None] & (dims[None, :] < DI), other=0.0)
                 cached = ids
-            q = tl.load(q_ptr + t * HI * DI + heads[:, None] * DI + dims[None, :], mask=q_mask, other=0.0)
-            w = tl.load(w_ptr + t * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+            q, w = row_query(q_ptr, w_ptr, t, heads, dims, q_mask, HI, DI, scale)
             g = tl.load(grad_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
             dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
             grad_dots = tl.where(dots > 0.0, g[None, :] * w[:, None], 0.0)
