@@ -9,7 +9,10 @@ valid instead). Forward: `sparse_attention_forward` vs the reference op; backwar
 
 TFLOPS are nominal and count every index slot, padded or not: forward `2·N·H·K·(D_qk + D_v)`, backward
 `2·N·H·K·(3·D_qk + 2·D_v)` with `D_qk = D_v = D` (K = V). Ratio = Triton / unfused (< 1: Triton is
-faster). Needs a CUDA GPU; on a machine without one it says so and exits.
+faster). Where the vendor kernels the issue measures Triton against run here (FlashMLA's sparse forward,
+cuDNN's DSA backward, through our adapters), they are timed on the same inputs too, and `share` is
+Triton's speed as a fraction of theirs (vendor ms / Triton ms). Needs a CUDA GPU; on a machine without
+one it says so and exits.
 
 Run from the repository root: `python benchmarks/sparse_attention.py --help`.
 """
@@ -28,6 +31,8 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from timing import DTYPES, cuda_available, median_ms, kernel_parser  # noqa: E402
+from megatron_dsa.backends import BackendUnavailableError, OpFamily, resolve  # noqa: E402
+from megatron_dsa.backends.sparse_attention import sparse_call  # noqa: E402
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason  # noqa: E402
 from megatron_dsa.backends.triton_kernels.sparse_attention import (  # noqa: E402
     sparse_attention_backward,
@@ -36,6 +41,8 @@ from megatron_dsa.backends.triton_kernels.sparse_attention import (  # noqa: E40
 from megatron_dsa.ops.sparse_attention import sparse_attention  # noqa: E402
 
 COMPRESS_RATIO = 4
+# The yardsticks per pass: FlashMLA's sparse forward and cuDNN's DSA backward (backend names).
+VENDORS = {"fwd": "flashmla", "bwd": "cudnn"}
 
 
 # ---------------------------------------------------------------- inputs
@@ -95,6 +102,26 @@ def unfused_calls(p: Problem) -> tuple[Callable[[], object], Callable[[], object
     return forward, lambda: torch.autograd.grad(out, leaves, p.grad_out, retain_graph=True)
 
 
+def vendor_calls(p: Problem) -> dict[str, Callable[[], object]]:
+    """The vendor yardsticks that run here, by pass (each says once why it is missing otherwise)."""
+    call = sparse_call(p.query, p.kv, p.indices)
+    ops = {"fwd": OpFamily.SPARSE_ATTENTION_FWD, "bwd": OpFamily.SPARSE_ATTENTION_BWD}
+    calls = {}
+    out, lse = sparse_attention_forward(p.query, p.kv, p.indices, p.sink, p.scale)
+    for phase, backend in VENDORS.items():
+        try:
+            _, kernel = resolve(ops[phase], backend, **call, lse_grad=False)
+        except BackendUnavailableError as error:
+            print(f"no {phase} yardstick: {error}", file=sys.stderr)
+            continue
+        if phase == "fwd":
+            calls[phase] = lambda kernel=kernel: kernel(p.query, p.kv, p.indices, p.sink, p.scale)
+        else:
+            calls[phase] = lambda kernel=kernel: kernel(p.query, p.kv, p.indices, p.sink, p.scale, out, lse,
+                                                        p.grad_out, None)
+    return calls
+
+
 # ---------------------------------------------------------------- measurement
 @dataclass
 class Row:
@@ -103,6 +130,12 @@ class Row:
     flops: float
     triton_ms: float
     unfused_ms: float
+    vendor_ms: Optional[float] = None  # VENDORS[phase], when it runs here
+
+    @property
+    def share(self) -> Optional[float]:
+        """Triton's speed as a fraction of the vendor kernel's."""
+        return None if self.vendor_ms is None else self.vendor_ms / self.triton_ms
 
     def tflops(self, ms: float) -> float:
         return self.flops / (ms * 1e-3) / 1e12
@@ -122,19 +155,26 @@ def benchmark_rows(rows: int, args: argparse.Namespace, device: torch.device) ->
     problem = build_problem(rows, args, device)
     flops = nominal_flops(rows, args.heads, args.window + args.topk, args.dim)
     timed = {"triton": triton_calls(problem), "unfused": unfused_calls(problem)}
+    vendors = vendor_calls(problem)
     result = []
     for position, phase in enumerate(("fwd", "bwd")):
         ms = {name: median_ms(calls[position], args.repeats, args.warmup) for name, calls in timed.items()}
-        result.append(Row(rows, phase, flops[phase], ms["triton"], ms["unfused"]))
+        vendor_ms = median_ms(vendors[phase], args.repeats, args.warmup) if phase in vendors else None
+        result.append(Row(rows, phase, flops[phase], ms["triton"], ms["unfused"], vendor_ms))
     return result
 
 
 # ---------------------------------------------------------------- report
 def format_table(rows: Sequence[Row]) -> str:
-    lines = ["| N | pass | Triton ms | Triton TFLOPS | unfused ms | unfused TFLOPS | ratio |",
-             "|--:|------|----------:|--------------:|-----------:|---------------:|------:|"]
-    lines += [f"| {r.rows} | {r.phase} | {r.triton_ms:.3f} | {r.tflops(r.triton_ms):.1f} | {r.unfused_ms:.3f} | "
-              f"{r.tflops(r.unfused_ms):.1f} | {r.ratio:.3f} |" for r in rows]
+    lines = ["| N | pass | Triton ms | Triton TFLOPS | unfused ms | unfused TFLOPS | ratio | vendor | vendor ms "
+             "| vendor TFLOPS | share |",
+             "|--:|------|----------:|--------------:|-----------:|---------------:|------:|--------|----------:"
+             "|--------------:|------:|"]
+    for r in rows:
+        vendor = (f"{VENDORS[r.phase]} | {r.vendor_ms:.3f} | {r.tflops(r.vendor_ms):.1f} | {r.share:.2f}"
+                  if r.vendor_ms is not None else "n/a | | |")
+        lines.append(f"| {r.rows} | {r.phase} | {r.triton_ms:.3f} | {r.tflops(r.triton_ms):.1f} | "
+                     f"{r.unfused_ms:.3f} | {r.tflops(r.unfused_ms):.1f} | {r.ratio:.3f} | {vendor} |")
     return "\n".join(lines)
 
 
@@ -142,7 +182,8 @@ def describe_run(args: argparse.Namespace, device: torch.device) -> str:
     return (f"sparse attention, H={args.heads}, D={args.dim}, K={args.window}+{args.topk}, {args.dtype}, "
             f"indices {args.indices}, {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n"
             f"median of {args.repeats} calls after {args.warmup} warm-up (CUDA events); nominal TFLOPS: "
-            f"fwd 2·N·H·K·(D_qk+D_v), bwd 2·N·H·K·(3·D_qk+2·D_v); ratio = Triton / unfused (< 1: Triton faster)")
+            f"fwd 2·N·H·K·(D_qk+D_v), bwd 2·N·H·K·(3·D_qk+2·D_v); ratio = Triton / unfused (< 1: Triton faster); "
+            f"share = vendor ms / Triton ms (Triton's fraction of the vendor kernel's speed)")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
