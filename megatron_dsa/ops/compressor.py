@@ -68,14 +68,15 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
 def compress(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
              layout: CompressedLayout, inv_freq: Tensor, rotate: bool,
              pool: Callable[[Tensor, Tensor, Tensor, CompressedLayout], Tensor] = gated_pool,
-             norm: Callable[[Tensor, Optional[Tensor], float], Tensor] = rms_norm) -> Tensor:
+             norm: Callable[[Tensor, Optional[Tensor], float], Tensor] = rms_norm,
+             rotary: Callable[[Tensor, Tensor, Tensor], Tensor] = rope) -> Tensor:
     """The whole compressor: projections → gated pool → RMSNorm → RoPE at `j·r` → (Hadamard).
 
     x: `[T, d]` token rows (raw layer input). wkv, wgate: `[coff·Dc, d]`. ape: `[r, coff·Dc]`.
-    norm_weight: `[Dc]`. Returns `[capacity, Dc]`. `pool` is the gated pooling and `norm` the RMSNorm
-    (fused kernels may replace the reference `gated_pool` and `rms_norm`; the rest of the
-    composition stays the same).
+    norm_weight: `[Dc]`. Returns `[capacity, Dc]`. `pool` is the gated pooling, `norm` the RMSNorm and
+    `rotary` the RoPE `(x, positions, inv_freq)` (fused kernels may replace the reference `gated_pool`,
+    `rms_norm` and `rope`; the rest of the composition stays the same).
     """
     pooled = pool(x @ wkv.t(), x @ wgate.t(), ape, layout)
-    out = rope(norm(pooled, norm_weight, eps), layout.positions, inv_freq)
+    out = rotary(norm(pooled, norm_weight, eps), layout.positions, inv_freq)
     return hadamard_transform(out) if rotate else out
