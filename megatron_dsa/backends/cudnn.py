@@ -197,8 +197,7 @@ def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tenso
     q_padded, w_padded = pad_heads(q, q_heads).unsqueeze(0), pad_heads(weights, q_heads).unsqueeze(0)
     ids = slots(torch.where(valid, candidates, -1).to(torch.int32), -1)
     keys = k.contiguous().unsqueeze(0)
-    grad_q, grad_w = torch.empty_like(q), torch.empty_like(weights)
-    grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    grad_q, grad_w, grad_k = [], [], None
     for start in range(0, rows, INDEXER_ROW_CHUNK):
         chunk = slice(start, start + INDEXER_ROW_CHUNK)
         count = q_padded[:, chunk].shape[1]
@@ -208,10 +207,14 @@ def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tenso
             ids[:, chunk].contiguous(), torch.full((1,), float(count), dtype=torch.float32, device=q.device),
             sm_scale=float(scale), loss_coeff=1.0, topk_indices_global=True,
             d_index_k=torch.empty(keys.shape, dtype=torch.float32, device=k.device))
-        grad_q[chunk] = result["d_index_q"][0, :, :heads]
-        grad_w[chunk] = result["d_weights"][0, :, :heads]
-        grad_k += result["d_index_k"][0]
-    return grad_q, grad_k.to(k.dtype), grad_w
+        grad_q.append(result["d_index_q"][0, :, :heads])
+        grad_w.append(result["d_weights"][0, :, :heads])
+        grad_k = result["d_index_k"][0] if grad_k is None else grad_k + result["d_index_k"][0]
+    if grad_k is None:  # no rows
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(weights)
+    # One chunk (up to 32768 rows, the usual case) returns the kernel's own buffers: no copies.
+    merged = [t[0] if len(t) == 1 else torch.cat(t) for t in (grad_q, grad_w)]
+    return merged[0].to(q.dtype), grad_k.to(k.dtype), merged[1].to(weights.dtype)
 
 
 def _indexer_kl_problem(call: Mapping[str, Any]) -> Optional[str]:
