@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.constants import device_scalar
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.rope import NUM_WARPS, row_block
 from megatron_dsa.backends.triton_kernels.tiles import cdiv
@@ -34,12 +35,12 @@ DWEIGHT_PROGRAMS = 512
 def eps_tensor(eps: float, op: str, compute: torch.dtype, device: torch.device) -> Tensor:
     """`eps [1]` in the statistics dtype, after checking it (the message names `op`).
 
-    A fill kernel, not a host-to-device copy: no sync, CUDA-graph capturable; float64 eps stays exact."""
+    Made once per value (see `constants.device_scalar`); float64 eps stays exact."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"{op} eps must be a float, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{op} eps must be finite and >= 0, got {eps}")
-    return torch.full((1,), float(eps), dtype=compute, device=device)
+    return device_scalar(eps, compute, device)
 
 
 def _launch_args(x: Tensor, weight: Optional[Tensor]) -> dict:

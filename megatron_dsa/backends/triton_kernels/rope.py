@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.constants import device_scalar
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
 from megatron_dsa.ops.precision import compute_dtype
@@ -80,8 +81,7 @@ def rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
     check_inputs(x, positions, inv_freq)
     angle_dtype = compute_dtype(x.dtype)
     freq = inv_freq.to(x.device, angle_dtype).contiguous()
-    # A fill kernel, not a host-to-device copy: no sync, CUDA-graph capturable; float64 stays exact.
-    scalar = torch.full((1,), amplitude, dtype=angle_dtype, device=x.device)
+    scalar = device_scalar(amplitude, angle_dtype, x.device)  # by pointer: float64 stays exact
     flat = x.contiguous().view(-1, x.shape[-1])
     return TritonRope.apply(flat, positions.contiguous(), freq, scalar, bool(inverse)).view(x.shape)
 
