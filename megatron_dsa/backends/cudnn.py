@@ -8,7 +8,8 @@
 * `indexer_kl_bwd` (sparse indexer loss): `DSA.indexer_backward_wrapper`, the KL gradient fused
   into the indexer-scores backward; per-row loss weights enter through the target (see there).
 * `topk`: `DSA.indexer_top_k_wrapper` (radix top-k, SM90+, k <= 2048), post-processed to the exact
-  `ops.indices.topk_columns` contract (−1 padding, highest first, ties to the lower column).
+  `ops.indices.topk_columns` contract (−1 padding, highest first, ties to the lower column) by one
+  Triton kernel where Triton runs (`triton_kernels.topk_order`), else by a torch sort.
 * `dense_attention` (`M` kind): torch's bundled cuDNN SDPA kernel (the aten op behind
   `SDPBackend.CUDNN_ATTENTION`, which handles qk/v dims 192/128 on Hopper). It needs no frontend
   package; it serves whole-sequence batches (`TokenLayout.uniform`) and has no LSE gradient.
@@ -36,6 +37,8 @@ from megatron_dsa.backends.sparse_layout import (
     padded_heads,
 )
 from megatron_dsa.backends.torch_sdpa import batched_dense_attention, layout_problem
+from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.topk_order import order_picks
 
 PACKAGE = "cudnn"
 DISTRIBUTION = "nvidia-cudnn-frontend"
@@ -140,12 +143,15 @@ def topk(scores: Tensor, valid: Tensor, k: int) -> Tensor:
     column = torch.arange(1, cols + 1, device=scores.device)
     seq_lens = torch.where(valid, column, 0).amax(1).to(torch.int32)
     picked = _dsa().indexer_top_k_wrapper(ranked, seq_lens, width, next_n=1, return_val=False,
-                                          deterministic=True)["indices"].long()
-    return _in_reference_order(picked, ranked, valid)
+                                          deterministic=True)["indices"]
+    if triton_decline_reason(scores.device) is None:  # one kernel instead of the torch sort below
+        return order_picks(picked, ranked, valid)
+    return _in_reference_order(picked.long(), ranked, valid)
 
 
 def _in_reference_order(picked: Tensor, ranked: Tensor, valid: Tensor) -> Tensor:
-    """Valid picks sorted by (score descending, column ascending), −1 after them.
+    """Valid picks sorted by (score descending, column ascending), −1 after them (the torch form of
+    `triton_kernels.topk_order.order_picks`).
 
     One sort of int64 keys: the score's order-preserving int32 image in the high half, the reversed
     column in the low half (so equal scores put the lower column first), invalid picks lowest."""
