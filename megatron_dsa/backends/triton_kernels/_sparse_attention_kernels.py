@@ -5,8 +5,8 @@ execution at decoration time, so `sparse_attention.py` decorates them lazily, on
 module imports triton at the top and is itself imported only on first use.
 
 Layout shared by both kernels (all contiguous): query / out / grad rows `[N, H, D]`, `kv [M, D]`,
-`indices [N, K]` int32, `sink [H]` fp32, `lse [N, H]` fp32. One program handles one query row and a
-block of `BLOCK_H` heads; the heads form the M dimension of every `tl.dot` (MQA: they all read the
+`indices [N, K]` int32 or int64, `sink [H]` fp32, `lse [N, H]` fp32. One program handles one query row
+and a block of `BLOCK_H` heads; the heads form the M dimension of every `tl.dot` (MQA: they all read the
 same gathered kv rows). The head dim is covered by a power-of-two main chunk `[0, BLOCK_D)` plus an
 optional power-of-two tail chunk `[BLOCK_D, BLOCK_D + BLOCK_DT)` (`BLOCK_DT = 0`: none), so that
 D = 576 costs 512 + 64 columns instead of 1024. Exponentials run in base 2 with `log2(e)` folded in.

@@ -205,16 +205,18 @@ class _Prepared:
 
     query: Tensor
     kv: Tensor
-    indices: Tensor  # int32 [N, K'], entries outside [0, M) are ignored by the kernels
+    indices: Tensor  # int32/int64 [N, K'], entries outside [0, M) are ignored by the kernels
     sink: Tensor  # fp32 [H]
     kv_rows: int
 
 
 def _prepare(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> _Prepared:
     kv_rows = kv.shape[0]
-    # int32 ids, -1 at every invalid slot (out-of-range int64 ids never wrap into [0, M)), and at
-    # least one column so an empty selection still launches.
-    indices = kernel_ids(indices, kv_rows, alignment=1)
+    # The kernels read int32 or int64 ids as they are and ignore every id outside [0, M) (an int64 id
+    # is never narrowed, so it cannot wrap into range); an empty selection gets one −1 column so that
+    # it still launches.
+    if indices.shape[1] == 0:
+        indices = kernel_ids(indices, kv_rows, alignment=1)
     kv_operand = kv if kv_rows > 0 else kv.new_zeros(1, kv.shape[1])
     return _Prepared(query.contiguous(), kv_operand.contiguous(), indices.contiguous(),
                      sink.detach().to(torch.float32).contiguous(), kv_rows)
