@@ -45,8 +45,7 @@ def test_mass_matches_reference(tokens, heads, dim, width):
 
 def test_mass_several_column_and_dim_blocks(monkeypatch):
     """16-column programs over 33 columns and 16-dim steps over 32 dims, int32 ids."""
-    monkeypatch.setattr(triton_loss, "MASS_BLOCK_C", 16)
-    monkeypatch.setitem(triton_loss.MASS_BLOCK_D, torch.float32, 16)
+    monkeypatch.setitem(triton_loss.MASS_TILES, torch.float32, (16, 16, 4, 1))
     _assert_mass_matches(17, 4, 32, 33, index_dtype=torch.int32)
 
 
