@@ -33,7 +33,7 @@ from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
 from megatron_dsa.ops.indexer_loss import indexer_kl_backward as reference_indexer_kl_backward
-from megatron_dsa.ops.indices import topk_columns
+from megatron_dsa.ops.indices import topk_columns, visible_compressed_entries
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
 from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
@@ -261,6 +261,80 @@ def test_cudnn_indexer_kl_backward_declines_what_it_cannot_run(vendors) -> None:
                            (dict(topk=4096), "top-k")):
         problem = cudnn_backend.probe(OpFamily.INDEXER_KL_BWD, {**call, **change})
         assert problem is not None and reason in problem, (change, problem)
+
+
+def uniform_indexer_problem(batch: int, seqlen: int, ratio: int = 4, heads: int = 64):
+    """bf16 indexer queries, keys and weights of a uniform batch, and its visible entries."""
+    layout = TokenLayout.uniform(batch, seqlen, torch.device("cpu"))
+    compressed = layout.compressed(ratio)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(layout.num_rows, heads, 128, generator=gen).bfloat16()
+    k = torch.randn(compressed.capacity, 128, generator=gen).bfloat16()
+    weights = torch.randn(layout.num_rows, heads, generator=gen).bfloat16()
+    return q, k, weights, visible_compressed_entries(compressed)
+
+
+@pytest.mark.parametrize("chunk", [slice(0, 26), slice(5, 20), slice(13, 26), slice(14, 15)])
+def test_cudnn_indexer_scores_match_the_reference_on_row_chunks(vendors, chunk) -> None:
+    """Chunks of two 13-token sequences (ratio 4: 3 entries each) that start mid-sequence and span
+    both: the dense kernel's THD segments, offsets and −inf limits give exactly the candidates' scores
+    (float32 sums of the same bf16 inputs; only the summation order differs)."""
+    dsa = with_cudnn(vendors)
+    q, k, weights, entries = uniform_indexer_problem(batch=2, seqlen=13)
+    candidates, visible = entries.rows(chunk), entries.uniform_rows(chunk)
+    assert visible is not None and visible.entries == 3 == candidates.shape[1]
+    got = cudnn_backend.indexer_scores(q[chunk], k, weights[chunk], candidates, 0.09, visible)
+    expected = reference_indexer_scores(q[chunk], k, weights[chunk], candidates, 0.09)
+    assert got.dtype == torch.float32 and torch.equal(torch.isneginf(got), candidates < 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    call = dsa.calls[-1][1]
+    first_sequence = chunk.start // 13
+    assert call["offsets"][0] == chunk.start - 13 * first_sequence and (call["offsets"][1:] == 0).all()
+    assert call["k"].shape[0] == int(call["cu_k"][-1])  # only the touched sequences' keys
+
+
+def test_cudnn_indexer_scores_need_the_uniform_structure(vendors) -> None:
+    """Auto takes cuDNN for the selection of a uniform batch only; without the structure (packed or
+    CP layouts, the loss's own scoring) it declines with the reason and Triton/unfused serve it."""
+    with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    call = dict(device=torch.device("cuda"), dtype=torch.bfloat16, heads=64, head_dim=128, visible=True)
+    assert cudnn_backend.probe(OpFamily.INDEXER_SCORES, call) is None
+    for change, reason in ((dict(visible=False), "uniform visible-entry structure"), (dict(dtype=torch.float32),
+                           "float32"), (dict(head_dim=64), "head dim"), (dict(heads=8), "heads")):
+        problem = cudnn_backend.probe(OpFamily.INDEXER_SCORES, {**call, **change})
+        assert problem is not None and reason in problem, (change, problem)
+    packed = TokenLayout.packed(torch.tensor([0, 13, 26]), 26, torch.device("cpu"), max_seqlen=13)
+    assert visible_compressed_entries(packed.compressed(4)).uniform_rows(slice(0, 26)) is None
+    q, k, weights, entries = uniform_indexer_problem(batch=1, seqlen=8)
+    with pytest.raises(ValueError, match="no backward"):
+        cudnn_backend.indexer_scores(q.requires_grad_(), k, weights, entries.rows(), 0.1, entries.uniform_rows(slice(0, 8)))
+
+
+def test_c_layer_selection_through_cudnn_indexer_scores_equals_unfused(vendors) -> None:
+    """A bf16 C layer (two 48-token sequences, 16 indexer heads of 128 dims) whose selection scores run
+    on the (fake) cuDNN indexer forward picks what the unfused layer picks and gives its outputs and
+    gradients: top-k 8 of at most 12 entries, so near-ties in the float32 sums may not flip a pick."""
+    with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    torch.manual_seed(0)
+    config = HybridAttentionConfig.from_preset("tiny", dsa_indexer_n_heads=16, dsa_indexer_head_dim=128)
+    fused = HybridAttention(config.replace(attention_backend_overrides={"indexer_scores": "cudnn"}),
+                            kind="C").bfloat16()
+    reference = HybridAttention(config.replace(attention_backend="unfused"), kind="C").bfloat16()
+    reference.load_state_dict(fused.state_dict())
+    hidden = torch.randn(48, 2, config.hidden_size).bfloat16()
+    results = []
+    for layer in (fused, reference):
+        x = hidden.clone().requires_grad_()
+        reset_call_counts()
+        out, _ = layer(x)
+        out.float().square().sum().backward()
+        results.append((layer.core_attention.last_selection.entries, out, x.grad, call_counts()))
+    assert results[0][3][("cudnn", "indexer_scores")] == 1
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1:3], results[1][1:3]):
+        assert cosine(a.float(), b.float()) > 0.999 and relative_error(a.float(), b.float()) < 2e-2
 
 
 # ---------------------------------------------------------------- autograd composition

@@ -23,7 +23,7 @@ from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
 from megatron_dsa.ops.indexer_loss import indexer_kl_backward as reference_indexer_kl_backward
-from megatron_dsa.ops.indices import topk_columns
+from megatron_dsa.ops.indices import topk_columns, visible_compressed_entries
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
 from cuda_graphs import capture
@@ -118,6 +118,33 @@ def test_cudnn_topk_matches_topk_columns_with_ties_and_short_rows() -> None:
         expected = topk_columns(scores, visible, k)
         for _ in range(3):  # the same result every run
             assert torch.equal(topk(scores, visible, k), expected), k
+
+
+def test_cudnn_indexer_scores_match_unfused_on_uniform_row_chunks() -> None:
+    """cuDNN's dense indexer forward (THD segments, causal offsets) against the reference scores of the
+    visible entries at the dsv4-flash indexer dims (64 heads × 128, ratio 4): two 2048-token
+    sequences, whole and as a chunk starting mid-sequence. Tolerance: both sum float32 products of the
+    same bf16 inputs; 5e-3 relative leaves room for one bf16 rounding of an intermediate in the kernel.
+    The −inf pattern (the ratio-causal rule) must match exactly."""
+    require("cudnn", "nvidia-cudnn-frontend not installed")
+    gen = torch.Generator(device=CUDA).manual_seed(8)
+    layout = TokenLayout.uniform(2, 2048, CUDA)
+    entries = visible_compressed_entries(layout.compressed(4))
+    q = torch.randn(layout.num_rows, 64, 128, device=CUDA, generator=gen).bfloat16()
+    k = torch.randn(entries.table.numel(), 128, device=CUDA, generator=gen).bfloat16()
+    weights = (torch.randn(layout.num_rows, 64, device=CUDA, generator=gen) * 64 ** -0.5).bfloat16()
+    scale = 128 ** -0.5
+    for chunk in (slice(0, 4096), slice(1000, 3001)):
+        candidates, visible = entries.rows(chunk), entries.uniform_rows(chunk)
+        kernel = dispatch(OpFamily.INDEXER_SCORES, "cudnn", device=CUDA, dtype=torch.bfloat16, heads=64,
+                          head_dim=128, visible=True)
+        reset_call_counts()
+        got = kernel(q[chunk], k, weights[chunk], candidates, scale, visible)
+        assert call_counts() == {("cudnn", "indexer_scores"): 1}
+        expected = reference_indexer_scores(q[chunk], k, weights[chunk], candidates, scale)
+        assert torch.equal(torch.isneginf(got), candidates < 0), chunk
+        finite = candidates >= 0
+        assert relative_error(got[finite], expected[finite]) <= 5e-3, chunk
 
 
 def test_cudnn_indexer_kl_backward_matches_unfused() -> None:

@@ -51,6 +51,33 @@ class FakeCudnnDSA:
         return {"indices": picked.flip(1).to(torch.int32), "values": None}
 
 
+    def indexer_forward_wrapper(self, q, k, w, ratio=4, sm_scale=1.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                                max_seqlen_q=None, max_seqlen_k=None, q_causal_offsets=None, **_):
+        """THD dense scores `sm_scale·Σ_h ReLU(<q_h, k_j>)·w_h` of every key of the row's segment, −inf
+        from the ratio-causal limit `(offset + local row + 1) // ratio` on (and past the segment's keys)."""
+        self.calls.append(("indexer_fwd", dict(q=q, k=k, w=w, ratio=ratio, scale=sm_scale, cu_q=cu_seqlens_q,
+                                               cu_k=cu_seqlens_k, max_q=max_seqlen_q, max_k=max_seqlen_k,
+                                               offsets=q_causal_offsets)))
+        assert q.dtype == k.dtype == torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32)
+        assert q.dim() == 3 and k.dim() == 3 and k.shape[1] == 1 and w.shape == q.shape[:2]
+        assert q.shape[2] == k.shape[2] == 128 and q.shape[1] in (16, 32, 64)
+        for t in (cu_seqlens_q, cu_seqlens_k, q_causal_offsets):
+            assert t.dtype == torch.int32 and t.dim() == 1
+        segments = cu_seqlens_q.shape[0] - 1
+        assert cu_seqlens_k.shape[0] == segments + 1 and q_causal_offsets.shape[0] == segments
+        assert int(cu_seqlens_q[-1]) == q.shape[0] and int(cu_seqlens_k[-1]) == k.shape[0]
+        out = torch.full((q.shape[0], max_seqlen_k), -math.inf)
+        for b in range(segments):
+            r0, r1, k0, k1 = (int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(cu_seqlens_k[b]),
+                              int(cu_seqlens_k[b + 1]))
+            assert r1 - r0 <= max_seqlen_q and k1 - k0 <= max_seqlen_k
+            dots = torch.einsum("thd,jd->thj", q[r0:r1].float(), k[k0:k1, 0].float())
+            scores = sm_scale * (torch.relu(dots) * w[r0:r1].float().unsqueeze(-1)).sum(1)
+            limit = (int(q_causal_offsets[b]) + torch.arange(r1 - r0) + 1) // ratio
+            scores = torch.where(torch.arange(k1 - k0) < limit.unsqueeze(1), scores, -math.inf)
+            out[r0:r1, :k1 - k0] = scores
+        return {"scores": out}
+
     def indexer_backward_wrapper(self, index_q, weights, index_k, attn_score, index_score, topk_indices,
                                  grad_loss, sm_scale=1.0, loss_coeff=1.0, block_I=128,
                                  topk_indices_global=False, d_index_q=None, d_weights=None,

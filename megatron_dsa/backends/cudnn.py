@@ -7,6 +7,9 @@
   It has no LSE-gradient input, so it declines calls whose `lse_grad` is set.
 * `indexer_kl_bwd` (sparse indexer loss): `DSA.indexer_backward_wrapper`, the KL gradient fused
   into the indexer-scores backward; per-row loss weights enter through the target (see there).
+* `indexer_scores` (the selection's scoring of every visible entry): `DSA.indexer_forward_wrapper`, the
+  dense ratio-causal indexer forward, for uniform batches (the layer passes their structure as the
+  op's `visible` hint; anything else goes to the kernels that read candidate ids). Forward only.
 * `topk`: `DSA.indexer_top_k_wrapper` (radix top-k, SM90+, k <= 2048), post-processed to the exact
   `ops.indices.topk_columns` contract (−1 padding, highest first, ties to the lower column) by one
   Triton kernel where Triton runs (`triton_kernels.topk_order`), else by a torch sort.
@@ -39,6 +42,7 @@ from megatron_dsa.backends.sparse_layout import (
 from megatron_dsa.backends.torch_sdpa import batched_dense_attention, layout_problem
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
+from megatron_dsa.ops.indices import UniformVisibleRows
 
 PACKAGE = "cudnn"
 DISTRIBUTION = "nvidia-cudnn-frontend"
@@ -51,6 +55,7 @@ INDEXER_BLOCK = 128  # the indexer backward's top-k block (SM90 asserts top-k % 
 INDEXER_MIN_HEADS = 64  # SM90 asserts at least 64 indexer heads (fewer are padded with zero weights)
 INDEXER_HEAD_DIM = 128
 INDEXER_ROW_CHUNK = 32768  # query rows per call (the kernel's grid limit, as Megatron chunks them)
+INDEXER_FORWARD_HEADS = (16, 32, 64)  # query heads per key head the SM90 indexer forward is built for
 
 
 def _dsa() -> Any:
@@ -67,7 +72,8 @@ def package_problem() -> Optional[str]:
     if probes.version_tuple(version) < MIN_VERSION:
         return f"{DISTRIBUTION} {version or '(unknown version)'} is older than 1.32 (no DSA kernels); {INSTALL_HINT}"
     try:  # DSA is a lazy namespace: touching the wrappers imports CuTe DSL now, not mid-backward
-        for wrapper in ("sparse_attention_backward_wrapper", "indexer_top_k_wrapper", "indexer_backward_wrapper"):
+        for wrapper in ("sparse_attention_backward_wrapper", "indexer_top_k_wrapper", "indexer_backward_wrapper",
+                        "indexer_forward_wrapper"):
             getattr(_dsa(), wrapper)
     except Exception as error:  # noqa: BLE001 - a missing CuTe DSL shows up as any import error
         return f"cudnn.DSA not usable ({type(error).__name__}: {error}); {INSTALL_HINT}"
@@ -120,6 +126,54 @@ def _sparse_backward_problem(call: Mapping[str, Any]) -> Optional[str]:
         if head_dim is not None and head_dim != SPARSE_HEAD_DIM else None,
         heads_problem(heads) if heads is not None else None,
         f"{call['kv_rows']} kv rows exceed int32 ids" if call.get("kv_rows", 0) > INT32_ROWS else None,
+    )
+
+
+# ---------------------------------------------------------------- indexer scores (dense, ratio-causal)
+def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float,
+                   visible: Optional[UniformVisibleRows] = None) -> Tensor:
+    """The `indexer_scores` contract on `DSA.indexer_forward_wrapper`, for the rows `visible` describes.
+
+    The kernel scores every entry of a sequence densely (THD: one segment per sequence the rows touch,
+    `q_causal_offsets` = the position of each segment's first row, so a chunk may start mid-sequence)
+    and writes −inf past the ratio-causal limit `(offset + row + 1) // ratio`, our visibility rule; its
+    column j is entry j of the row's sequence, which is our candidate column j. `sm_scale` multiplies
+    `Σ_h ReLU(<q_h, k>)·w_h` once, as our `scale`. Every index tensor is made on the device from host
+    ints (no host-to-device copy, no sync). Forward only: the selection needs no gradient.
+    """
+    if visible is None:
+        raise ValueError("the cuDNN indexer forward needs the uniform visible-entry structure (`visible`)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, weights)):
+        raise ValueError("the cuDNN indexer forward has no backward; call it without autograd")
+    rows, seqlen, entries = q.shape[0], visible.seqlen, visible.entries
+    if rows != visible.stop - visible.start or candidates.shape != (rows, entries):
+        raise ValueError(f"indexer rows {rows} / candidates {tuple(candidates.shape)} do not match the visible "
+                         f"rows {visible.start}:{visible.stop} with {entries} entries each")
+    if rows == 0 or entries == 0:
+        return torch.full((rows, entries), float("-inf"), dtype=torch.float32, device=q.device)
+    first, last = visible.start // seqlen, (visible.stop - 1) // seqlen
+    segment = torch.arange(last - first + 2, dtype=torch.int32, device=q.device)  # one per sequence touched
+    result = _dsa().indexer_forward_wrapper(
+        q.contiguous(), k[first * entries:(last + 1) * entries].unsqueeze(1), weights.contiguous(),
+        ratio=visible.ratio, sm_scale=float(scale),
+        cu_seqlens_q=(segment * seqlen + (first * seqlen - visible.start)).clamp_(0, rows),
+        cu_seqlens_k=segment * entries,
+        max_seqlen_q=min(seqlen, rows), max_seqlen_k=entries,
+        q_causal_offsets=(visible.start - (first + segment[:-1]) * seqlen).clamp_(min=0))
+    return torch.where(candidates >= 0, result["scores"], float("-inf"))
+
+
+def _indexer_scores_problem(call: Mapping[str, Any]) -> Optional[str]:
+    heads, head_dim = call.get("heads"), call.get("head_dim")
+    return probes.first_problem(
+        # Unknown (no call yet: the layer-construction check) is not a decline; a call without it is.
+        "needs the uniform visible-entry structure (only the selection of a uniform batch has it; the "
+        "kernel scores whole sequences)" if call.get("visible") is False else None,
+        probes.dtype_problem(call, (torch.bfloat16,)),
+        f"indexer head dim {head_dim} unsupported (needs {INDEXER_HEAD_DIM})"
+        if head_dim is not None and head_dim != INDEXER_HEAD_DIM else None,
+        f"{heads} indexer heads unsupported (needs one of {INDEXER_FORWARD_HEADS})"
+        if heads is not None and heads not in INDEXER_FORWARD_HEADS else None,
     )
 
 
@@ -265,6 +319,8 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         return _sparse_backward_problem(call)
     if op is OpFamily.INDEXER_KL_BWD:
         return _indexer_kl_problem(call)
+    if op is OpFamily.INDEXER_SCORES:
+        return _indexer_scores_problem(call)
     return _topk_problem(call)
 
 
@@ -272,7 +328,7 @@ CUDNN = Backend(
     name="cudnn",
     priority=20,  # dense attention: after flash_attn (faster on H200), before torch_sdpa
     ops={OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward, OpFamily.TOPK: topk,
-         OpFamily.INDEXER_KL_BWD: indexer_kl_backward,
+         OpFamily.INDEXER_SCORES: indexer_scores, OpFamily.INDEXER_KL_BWD: indexer_kl_backward,
          OpFamily.DENSE_ATTENTION: batched_dense_attention(_cudnn_sdpa)},
     probe=probe,
     version=lambda: probes.versions_line(DISTRIBUTION, "nvidia-cutlass-dsl"),

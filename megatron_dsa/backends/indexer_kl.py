@@ -35,7 +35,8 @@ class IndexerKLFunction(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, teacher: Teacher,
                 scale: float, dense: bool, requested: Requested, student: Optional[Tensor]) -> Tensor:
         if student is None:
-            scores = dispatch(OpFamily.INDEXER_SCORES, requested, device=q.device, dtype=q.dtype)
+            scores = dispatch(OpFamily.INDEXER_SCORES, requested, device=q.device, dtype=q.dtype, heads=q.shape[1],
+                              head_dim=q.shape[2], visible=False)
             student = scores(q, k, weights, candidates, scale)
         per_row, target = teacher(student)
         ctx.save_for_backward(q, k, weights, candidates, target, student)

@@ -28,7 +28,7 @@ AUTO = "auto"
 class OpFamily(str, Enum):
     SPARSE_ATTENTION_FWD = "sparse_attention_fwd"  # (q, kv, indices, sink, scale) -> (out, lse)
     SPARSE_ATTENTION_BWD = "sparse_attention_bwd"  # (..., out, lse, grad_out, grad_lse) -> grads
-    INDEXER_SCORES = "indexer_scores"
+    INDEXER_SCORES = "indexer_scores"  # (q, k, weights, candidates, scale, visible=None) -> scores [n, C]
     TOPK = "topk"
     INDEXER_LOSS = "indexer_loss"
     INDEXER_KL_BWD = "indexer_kl_bwd"  # (q, k, weights, candidates, target, student, grad_rows, scale) -> grads

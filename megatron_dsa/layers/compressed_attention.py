@@ -20,7 +20,8 @@ from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indexer_loss import reduce_indexer_loss
-from megatron_dsa.ops.indices import VisibleEntries, offset_valid, visible_compressed_entries, window_indices
+from megatron_dsa.ops.indices import (UniformVisibleRows, VisibleEntries, offset_valid, visible_compressed_entries,
+                                      window_indices)
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.sparse_attention import full_normaliser
@@ -85,12 +86,14 @@ class LightningIndexer(nn.Module):
         weights = self.linear_weights_proj(x) * self.heads ** -0.5
         return q, keys(), weights
 
-    def scores(self, features: tuple[Tensor, Tensor, Tensor], candidates: Tensor) -> Tensor:
+    def scores(self, features: tuple[Tensor, Tensor, Tensor], candidates: Tensor,
+               visible: Optional[UniformVisibleRows] = None) -> Tensor:
         """Scores `[n, C]` (float32/64, −inf at invalid) of `candidates [n, C]` (rows of the keys) for
-        the query rows the features hold."""
+        the query rows the features hold; `visible`: the candidates' uniform-batch structure, if any."""
         q, k, weights = features
-        op = dispatch(OpFamily.INDEXER_SCORES, self.config, device=q.device, dtype=q.dtype)
-        return op(q, k, weights, candidates, self.scale)
+        op = dispatch(OpFamily.INDEXER_SCORES, self.config, device=q.device, dtype=q.dtype, heads=q.shape[1],
+                      head_dim=q.shape[2], visible=visible is not None)
+        return op(q, k, weights, candidates, self.scale, visible)
 
     def select(self, features: tuple[Tensor, Tensor, Tensor], entries: VisibleEntries,
                topk: int) -> tuple[Tensor, Tensor]:
@@ -103,7 +106,7 @@ class LightningIndexer(nn.Module):
         with torch.no_grad():
             for rows in entries.row_chunks(SELECTION_CHUNK_ELEMENTS):
                 candidates = entries.rows(rows)
-                scores = self.scores((q[rows], k, weights[rows]), candidates)
+                scores = self.scores((q[rows], k, weights[rows]), candidates, entries.uniform_rows(rows))
                 pick = dispatch(OpFamily.TOPK, self.config, device=q.device, dtype=scores.dtype, topk=topk)
                 chosen = pick(scores, candidates >= 0, topk)
                 columns.append(chosen)

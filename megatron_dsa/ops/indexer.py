@@ -7,9 +7,12 @@ at a time in forward and recomputes them in backward, saving only its inputs.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
+from megatron_dsa.ops.indices import UniformVisibleRows
 from megatron_dsa.ops.precision import compute_dtype
 
 CHUNK_ELEMENTS = 1 << 24  # per-head dot elements per chunk (64 MiB in float32)
@@ -70,13 +73,17 @@ def indexer_scores_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: T
     return grad_q, grad_k[:-1].to(k.dtype), grad_w
 
 
-def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float) -> Tensor:
+def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float,
+                   visible: Optional[UniformVisibleRows] = None) -> Tensor:
     """`I(t, c) = Σ_h weights[t,h] · scale · ReLU(<q[t,h], k[c]>)` for each candidate `c` of row `t`.
 
     q: `[T, HI, DI]`; k: `[Tc, DI]` compressed indexer keys; weights: `[T, HI]` head weights (already
     multiplied by `HI^−1/2`); candidates: `[T, C]` rows of `k`, −1 = none. `scale` (= `DI^−1/2`) is
     applied exactly once, on the weights side (`c·ReLU(x) = ReLU(c·x)` for `c > 0`).
     Returns `[T, C]` in float32 (float64 for float64 input), −inf at invalid candidates.
+    `visible` (the `indexer_scores` op family's optional hint): the candidates are the visible entries
+    of these uniform-batch rows, which a dense kernel can score without reading them; the candidates
+    say the same, so this reference ignores it.
     """
     if q.dim() != 3 or k.dim() != 2 or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"indexer expects q [T, HI, DI] and k [Tc, DI], got {tuple(q.shape)}, {tuple(k.shape)}")

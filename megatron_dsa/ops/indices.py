@@ -7,7 +7,7 @@ window entry is a token row id and compressed entry `c` is row `T + c`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -23,6 +23,20 @@ def window_indices(layout: TokenLayout, window: int) -> Tensor:
     first = torch.maximum(layout.segment_starts, t - window + 1)
     rows = first.unsqueeze(1) + torch.arange(window, device=layout.device)
     return torch.where(rows <= t.unsqueeze(1), rows, INVALID)
+
+
+@dataclass(frozen=True)
+class UniformVisibleRows:
+    """Query rows `[start, stop)` of a uniform batch whose visible entries follow the ratio-causal rule
+    with no gaps: sequences of `seqlen` rows (batch-major), entry `j` of sequence `b` at compressed row
+    `b·entries + j`, visible to the token at position `p` iff `j < (p + 1) // ratio`. Host ints only, so
+    a kernel that computes these scores densely needs no id matrix and no device read."""
+
+    seqlen: int
+    entries: int
+    ratio: int
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +55,7 @@ class VisibleEntries:
     table: Tensor
     group: Tensor
     count: Tensor
+    uniform: Optional[tuple[int, int, int]] = None  # (seqlen, entries, ratio) of a uniform batch
 
     @property
     def width(self) -> int:
@@ -60,6 +75,13 @@ class VisibleEntries:
         ids = self.table[self.group.unsqueeze(1), columns.clamp_min(0)]
         return torch.where(columns >= 0, ids, INVALID)
 
+    def uniform_rows(self, chunk: slice) -> Optional[UniformVisibleRows]:
+        """The structure of the query rows `chunk` (a step-1 slice) when the batch is uniform, else None."""
+        if self.uniform is None:
+            return None
+        start, stop, _ = chunk.indices(self.group.shape[0])
+        return UniformVisibleRows(*self.uniform, start=start, stop=stop)
+
     def row_chunks(self, elements: int) -> Iterator[slice]:
         """Query-row chunks holding about `elements` (row, column) pairs each."""
         step = max(1, elements // max(1, self.width))
@@ -72,7 +94,9 @@ def visible_compressed_entries(layout: CompressedLayout) -> VisibleEntries:
     j = torch.arange(layout.max_entries, device=layout.tokens.device)
     entries = layout.cu_compressed[1:] - layout.cu_compressed[:-1]
     table = torch.where(j < entries.unsqueeze(1), layout.cu_compressed[:-1].unsqueeze(1) + j, INVALID)
-    return VisibleEntries(table, layout.tokens.segment_ids, layout.visible_counts())
+    seqlen = layout.tokens.uniform_seqlen
+    uniform = None if seqlen is None else (seqlen, seqlen // layout.ratio, layout.ratio)
+    return VisibleEntries(table, layout.tokens.segment_ids, layout.visible_counts(), uniform)
 
 
 def visible_compressed_indices(layout: CompressedLayout) -> Tensor:

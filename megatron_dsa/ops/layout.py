@@ -35,6 +35,7 @@ class TokenLayout:
     seqlens: Optional[Tensor] = None
     position_offsets: Optional[Tensor] = None  # [nseg] global position of each segment's row 0
     halo_lengths: Optional[Tensor] = None  # [nseg] leading rows that are context only, not queries
+    uniform_seqlen: Optional[int] = None  # S when built by `uniform` (every segment S real rows at 0 … S−1)
 
     @classmethod
     def uniform(cls, batch: int, seqlen: int, device: torch.device) -> "TokenLayout":
@@ -48,7 +49,7 @@ class TokenLayout:
         layout = _UNIFORM_LAYOUTS.get(key)
         if layout is None:
             cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device=device, dtype=torch.long)
-            layout = cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen)
+            layout = cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen, uniform_seqlen=seqlen)
             if not (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
                 if len(_UNIFORM_LAYOUTS) >= MAX_SHARED_LAYOUTS:
                     _UNIFORM_LAYOUTS.pop(next(iter(_UNIFORM_LAYOUTS)))  # the oldest shape

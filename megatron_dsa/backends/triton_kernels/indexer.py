@@ -15,12 +15,15 @@ default: exact float32). float64 is left to the unfused reference.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
+from megatron_dsa.ops.indices import UniformVisibleRows
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Candidate columns per tile: a [64 heads, 128 dims] x [128, 64] dot per row for 16-bit inputs; float32
@@ -92,12 +95,14 @@ class TritonIndexerScores(torch.autograd.Function):
         return grad_q, grad_k, grad_w, None, None
 
 
-def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float) -> Tensor:
+def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float,
+                   visible: Optional[UniformVisibleRows] = None) -> Tensor:
     """`I(t, c) = Σ_h weights[t,h] · scale · ReLU(<q[t,h], k[c]>)` for each candidate `c` of row `t`.
 
     q: `[T, HI, DI]`; k: `[Tc, DI]`; weights: `[T, HI]`; candidates: `[T, C]` integer rows of `k`,
     −1 = none; `scale` applied once. Returns `[T, C]` float32, −inf at invalid candidates; gradients
-    flow to q, k and weights. Same contract as `megatron_dsa.ops.indexer.indexer_scores`.
+    flow to q, k and weights. Same contract as `megatron_dsa.ops.indexer.indexer_scores` (this kernel
+    reads the candidates, so it does not need the `visible` hint).
     """
     _check_inputs(q, k, weights, candidates)
     return TritonIndexerScores.apply(q.contiguous(), k.contiguous(), weights.contiguous(),
