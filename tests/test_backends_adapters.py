@@ -10,6 +10,8 @@ padded kernels see is the only difference)."""
 from __future__ import annotations
 
 import logging
+import math
+import types
 from collections import Counter
 
 import pytest
@@ -32,7 +34,10 @@ from megatron_dsa.backends.flash_attn import dense_attention as fa4_dense_attent
 from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
+from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl_per_row
+from megatron_dsa.ops.indexer_loss import indexer_kl as reference_indexer_kl
 from megatron_dsa.ops.indexer_loss import indexer_kl_backward as reference_indexer_kl_backward
+from megatron_dsa.ops.indexer_loss import kl_per_row as reference_kl_per_row
 from megatron_dsa.ops.indices import topk_columns, visible_compressed_entries
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
@@ -47,6 +52,7 @@ EXACT = dict(rtol=1e-10, atol=1e-10)
 def clear_probe_caches() -> None:
     probes.import_problem.cache_clear()
     cudnn_backend.package_problem.cache_clear()
+    cudnn_backend._teacher_kernel_problem.cache_clear()
     flashmla_backend.package_problem.cache_clear()
     flashmla_backend._lse_is_base2.cache_clear()
     triton_availability._package_problem.cache_clear()
@@ -335,6 +341,148 @@ def test_c_layer_selection_through_cudnn_indexer_scores_equals_unfused(vendors) 
     assert torch.equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1:3], results[1][1:3]):
         assert cosine(a.float(), b.float()) > 0.999 and relative_error(a.float(), b.float()) < 2e-2
+
+
+# ---------------------------------------------------------------- indexer loss teacher (sparse loss)
+TEACHER_SCALE = 0.37  # not 512^-1/2: a kernel that ignored our scale would fail
+
+
+def teacher_problem(rows: int, heads: int, width: int):
+    """fp64 sparse-loss inputs: student scores (−inf at −1), query, kv, candidates (−1 slots, an id ≥ M in
+    row 0, row 1 without candidates) and the layer's full normaliser `logaddexp(lse, sink)`, rounded to
+    float32 as the kernel takes it. Row 2's normaliser is raised by 40, so its mass sums to far below
+    the kernel's ε = 1e-10: without our renormalisation its target would not sum to 1."""
+    query, kv, candidates, sink = fake_sparse_inputs(rows, heads, 16, 2 * rows, width, torch.float64, seed=heads)
+    _, lse = sparse_attention_forward(query, kv, candidates, sink, TEACHER_SCALE)
+    full_lse = torch.logaddexp(lse, sink.double()).float()
+    full_lse[2] += 40.0
+    gen = torch.Generator().manual_seed(width)
+    student = torch.randn(rows, width, generator=gen, dtype=torch.float64).masked_fill(candidates < 0, -math.inf)
+    return student, query, kv, candidates, full_lse
+
+
+@pytest.mark.parametrize("heads, width", [(3, 5), (64, 128), (70, 130)])
+def test_cudnn_teacher_matches_the_unfused_indexer_loss(vendors, heads, width) -> None:
+    """The (fake) SM90 target kernel + our renormalisation and KL give the unfused `indexer_kl` target and
+    per-row KL. Tolerance: the kernel returns its target in float32, renormalised in float32: a few
+    float32 ulps (rtol 1e-6 on the target, 1e-5 on the KL, a sum of terms of both signs)."""
+    dsa = with_cudnn(vendors)
+    student, query, kv, candidates, full_lse = teacher_problem(6, heads, width)
+    kl, target = cudnn_backend.indexer_loss(student, query, kv, candidates, full_lse, TEACHER_SCALE,
+                                            return_target=True)
+    kl_ref, target_ref = reference_indexer_kl(student, query, kv, candidates, full_lse.double(), TEACHER_SCALE,
+                                              return_target=True)
+    torch.testing.assert_close(target, target_ref, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(kl, kl_ref, rtol=1e-5, atol=1e-9)
+    assert (target[1] == 0).all() and kl[1] == 0  # the row without candidates
+    assert (target[:, -1] == 0).all() and target[0, 0] == 0  # −1 slots and the id ≥ M
+    assert abs(float(target[2].sum()) - 1.0) < 1e-6  # the row below the kernel's ε
+    seen = dsa.calls[-1][1]
+    assert seen["q"].shape == (1, 6, 64 if heads <= 64 else 128, 16) and seen["scale"] == TEACHER_SCALE
+    assert torch.isposinf(seen["lse"][0, :, heads:]).all()  # padding heads carry no mass
+    assert seen["ids"].shape == (1, 6, -(-width // 128) * 128) and (seen["ids"][0, :, width:] == -1).all()
+    assert seen["ids"][0, 0, 0] == -1 and seen["ids_global"]  # the id ≥ M became −1
+
+
+def test_cudnn_teacher_runs_the_triton_kl_where_triton_runs(vendors) -> None:
+    student = torch.zeros(2, 3)
+    assert cudnn_backend._kl_kernel(student) is reference_kl_per_row  # no Triton here
+    vendors.setattr(cudnn_backend, "triton_decline_reason", lambda device: None)
+    assert cudnn_backend._kl_kernel(student) is triton_kl_per_row
+    assert cudnn_backend._kl_kernel(student.double()) is reference_kl_per_row  # Triton's KL is float32
+
+
+def test_cudnn_teacher_refuses_heads_split_over_tensor_parallel_ranks(vendors) -> None:
+    with_cudnn(vendors)
+    vendors.setattr(cudnn_backend, "group_size", lambda group: 2)
+    with pytest.raises(ValueError, match=r"tp_group \(2 ranks\)"):
+        cudnn_backend.indexer_loss(*teacher_problem(4, 3, 5), TEACHER_SCALE)
+
+
+TEACHER_CALL = dict(device=torch.device("cuda"), dtype=torch.bfloat16, heads=64, head_dim=512, topk=512,
+                    dense=False, tp_size=1)
+
+
+def test_cudnn_teacher_declines_what_it_cannot_run(vendors) -> None:
+    on_gpu_generation(vendors, (9, 0))
+    assert "package cudnn not importable" in cudnn_backend.probe(OpFamily.INDEXER_LOSS, TEACHER_CALL)
+    dsa = with_cudnn(vendors)
+    assert cudnn_backend.probe(OpFamily.INDEXER_LOSS, TEACHER_CALL) is None
+    for change, reason in ((dict(dense=True), "the dense indexer loss"), (dict(tp_size=2), "2 tensor-parallel"),
+                           (dict(dtype=torch.float32), "float32"), (dict(head_dim=576), "head dim 576"),
+                           (dict(heads=256), "256 local heads"), (dict(topk=4096), "top-k 4096")):
+        problem = cudnn_backend.probe(OpFamily.INDEXER_LOSS, {**TEACHER_CALL, **change})
+        assert problem is not None and reason in problem, (change, problem)
+    on_gpu_generation(vendors, (10, 0))
+    assert "SM90 only (the SM100 target kernel" in cudnn_backend.probe(OpFamily.INDEXER_LOSS, TEACHER_CALL)
+    on_gpu_generation(vendors, (9, 0))
+    without = types.SimpleNamespace(**{name: getattr(dsa, name) for name in (
+        "sparse_attention_backward_wrapper", "indexer_top_k_wrapper", "indexer_backward_wrapper",
+        "indexer_forward_wrapper")})
+    module = fake_cudnn(dsa)
+    module.DSA = without
+    install(vendors, "cudnn", module)
+    clear_probe_caches()
+    assert "sparse_attn_score_recompute_wrapper not usable" in cudnn_backend.probe(OpFamily.INDEXER_LOSS,
+                                                                                    TEACHER_CALL)
+
+
+@pytest.mark.parametrize("change, reason", [(dict(dense=True), "the dense indexer loss"),
+                                            (dict(dtype=torch.float16), "dtype torch.float16 unsupported")])
+def test_cudnn_teacher_dispatch_falls_back_or_raises_with_the_reason(vendors, caplog, change, reason) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    assert resolve(OpFamily.INDEXER_LOSS, **TEACHER_CALL)[0] == "cudnn"
+    assert resolve(OpFamily.INDEXER_LOSS, **{**TEACHER_CALL, **change})[0] == "unfused"  # no Triton here
+    line = [r.getMessage() for r in caplog.records if r.name == LOGGER][-1]
+    assert "'unfused'" in line and f"cudnn: {reason}" in line
+    with pytest.raises(BackendUnavailableError, match=f"'cudnn' cannot run indexer_loss: {reason}"):
+        resolve(OpFamily.INDEXER_LOSS, "cudnn", **{**TEACHER_CALL, **change})
+
+
+def teacher_layers(**overrides):
+    """A bf16 C layer (D = 512, 4 heads) whose indexer loss runs on the (fake) cuDNN teacher, and the
+    unfused layer with the same weights."""
+    torch.manual_seed(0)
+    config = HybridAttentionConfig.from_preset("tiny", v_head_dim=512, attention_backend="unfused", **overrides)
+    fused = HybridAttention(config.replace(attention_backend_overrides={"indexer_loss": "cudnn"}),
+                            kind="C").bfloat16()
+    reference = HybridAttention(config, kind="C").bfloat16()
+    reference.load_state_dict(fused.state_dict())
+    return fused, reference
+
+
+def test_c_layer_with_the_cudnn_teacher_equals_unfused(vendors) -> None:
+    """Only the teacher differs: the outputs are bitwise equal, the indexer loss agrees to float32
+    rounding of the target (the fake sums the same bf16 inputs in float64, the reference in float32:
+    rtol 1e-4), and the indexer's bf16 gradients to their rounding (cosine > 0.999, rel. error < 2e-2)."""
+    with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    hidden = torch.randn(48, 2, 128).bfloat16()
+    results = []
+    for layer in teacher_layers():
+        reset_call_counts()
+        out, _ = layer(hidden)
+        out.float().square().sum().backward()
+        grads = {name: p.grad for name, p in layer.named_parameters() if "indexer" in name and p.grad is not None}
+        results.append((out, layer.last_indexer_loss, grads, call_counts()))
+    (out, loss, grads, counts), (out_ref, loss_ref, grads_ref, counts_ref) = results
+    assert counts[("cudnn", "indexer_loss")] == 1 and ("unfused", "indexer_loss") in counts_ref
+    assert torch.equal(out, out_ref)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=0.0)
+    assert grads.keys() == grads_ref.keys() and grads
+    for name in grads:
+        a, b = grads[name].float(), grads_ref[name].float()
+        assert cosine(a, b) > 0.999 and relative_error(a, b) < 2e-2, name
+
+
+def test_c_layer_dense_loss_with_explicit_cudnn_teacher_raises(vendors) -> None:
+    with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    fused, _ = teacher_layers(dsa_indexer_use_sparse_loss=False)
+    with pytest.raises(BackendUnavailableError, match="'cudnn' cannot run indexer_loss: the dense indexer loss"):
+        fused(torch.randn(48, 2, 128).bfloat16())
 
 
 # ---------------------------------------------------------------- autograd composition

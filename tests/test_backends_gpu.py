@@ -22,10 +22,12 @@ from megatron_dsa.backends import (BackendUnavailableError, OpFamily, call_count
 from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
+from megatron_dsa.ops.indexer_loss import indexer_kl as reference_indexer_kl
 from megatron_dsa.ops.indexer_loss import indexer_kl_backward as reference_indexer_kl_backward
 from megatron_dsa.ops.indices import topk_columns, visible_compressed_entries
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
+from megatron_dsa.ops.sparse_attention import full_normaliser
 from cuda_graphs import capture
 from distributed import cosine, relative_error
 from saved_tensors import SavedTensorGuard
@@ -172,6 +174,68 @@ def test_cudnn_indexer_kl_backward_matches_unfused() -> None:
     expected = reference_indexer_kl_backward(q, k, weights, candidates, target, student, grad_rows, scale)
     for name, a, b in zip(("dq", "dk", "dweights"), fused, expected):
         assert_close_bf16(name, a, b, grad=True)
+
+
+@pytest.mark.parametrize("heads, width", [(64, 512), (128, 1024), (20, 200)])
+def test_cudnn_teacher_matches_unfused_indexer_loss(heads, width) -> None:
+    """cuDNN's sparse target kernel (+ our renormalisation and KL) against the unfused `indexer_kl` at the
+    attention dims of dsv4-flash (64 heads, top-k 512) and dsv4-pro (128 heads: two head tiles, top-k
+    1024), and a padded case (20 heads → 64, 200 slots → 256), with −1 slots, an id ≥ M, a row
+    without candidates, and a row whose normaliser is raised by 40 so its mass sums to far below the
+    kernel's ε = 1e-10 (the kernel alone would shrink that row's target to ~0).
+
+    Tolerance: both sides take float32 dots of the same bf16 inputs (WGMMA with float32 accumulation
+    vs a float32 einsum) and the same float32 normaliser; summation order and the kernel's `ex2.approx`
+    give ~1e-5 relative on the target. Target and KL relative error ≤ 1e-3 keeps a wide margin, while
+    a scale applied twice (bug class A2.1), a base-2 or sink-free LSE, or a padding head with mass
+    moves them by tens of percent. Zeros (invalid slots, the empty row) must be exact."""
+    require("cudnn", "nvidia-cudnn-frontend not installed")
+    query, kv, candidates, sink = sparse_problem(2048, heads, width, seed=12)
+    full_lse = full_normaliser(query, kv, candidates, sink, SCALE)
+    full_lse[9] += 40.0
+    gen = torch.Generator(device=CUDA).manual_seed(13)
+    student = torch.randn(candidates.shape, device=CUDA, generator=gen).masked_fill(candidates < 0, float("-inf"))
+    loss = dispatch(OpFamily.INDEXER_LOSS, "cudnn", device=CUDA, dtype=torch.bfloat16, heads=heads, head_dim=512,
+                    topk=width, dense=False, tp_size=1)
+    reset_call_counts()
+    kl, target = loss(student, query, kv, candidates, full_lse, SCALE, return_target=True)
+    assert call_counts() == {("cudnn", "indexer_loss"): 1}
+    kl_ref, target_ref = reference_indexer_kl(student, query, kv, candidates, full_lse, SCALE, return_target=True)
+    assert target.shape == target_ref.shape and target.dtype == target_ref.dtype
+    invalid = (candidates < 0) | (candidates >= kv.shape[0])
+    assert (target[invalid] == 0).all() and (target[3] == 0).all() and kl[3] == 0  # row 3: no candidates
+    assert abs(float(target[9].sum()) - 1.0) < 1e-5  # the row below the kernel's ε
+    assert cosine(target, target_ref) >= 0.99999 and relative_error(target, target_ref) <= 1e-3
+    assert torch.isfinite(kl).all() and relative_error(kl, kl_ref) <= 1e-3
+
+
+def test_c_layer_with_the_cudnn_teacher_matches_the_unfused_teacher() -> None:
+    """A dsv4-flash C layer whose sparse indexer loss takes its teacher from cuDNN (everything else
+    `auto`) against the same layer with the unfused teacher: the loss to 1e-3 relative (the teacher's
+    float32 differences above), the indexer's gradients at cosine ≥ 0.99 (trained by the KL loss
+    only, a difference of nearly equal probabilities whose bf16 error is amplified, as in the
+    auto-vs-unfused layer test)."""
+    require("cudnn", "nvidia-cudnn-frontend not installed")
+    torch.manual_seed(0)
+    config = HybridAttentionConfig.from_preset("dsv4-flash", num_layers=1, layer_pattern="C")
+    hidden = torch.randn(2048, 1, config.hidden_size, device=CUDA).bfloat16()
+    results, state = {}, None
+    for teacher in ("cudnn", "unfused"):
+        layer = HybridAttention(config.replace(attention_backend_overrides={"indexer_loss": teacher}),
+                                kind="C").to(CUDA, torch.bfloat16).train()
+        state = layer.state_dict() if state is None else state
+        layer.load_state_dict(state)
+        reset_call_counts()
+        out, _ = layer(hidden)
+        out.float().square().sum().backward()
+        grads = {name: p.grad for name, p in layer.named_parameters() if "indexer" in name and p.grad is not None}
+        results[teacher] = (layer.last_indexer_loss, grads, call_counts())
+    (loss, grads, counts), (loss_ref, grads_ref, counts_ref) = results["cudnn"], results["unfused"]
+    assert counts[("cudnn", "indexer_loss")] == 1 and counts_ref[("unfused", "indexer_loss")] == 1
+    assert relative_error(loss, loss_ref) <= 1e-3
+    assert grads.keys() == grads_ref.keys() and grads
+    for name in grads:
+        assert cosine(grads[name], grads_ref[name]) >= 0.99, name
 
 
 # ---------------------------------------------------------------- dense attention (M kind)

@@ -111,6 +111,29 @@ class FakeCudnnDSA:
         d_index_k.copy_(dk.view(index_k.shape))
         return {"d_index_q": dq.to(index_q.dtype), "d_weights": dw.to(weights.dtype), "d_index_k": d_index_k}
 
+    def sparse_attn_score_recompute_wrapper(self, q_attn, k_attn, lse, topk_indices, softmax_scale,
+                                            qhead_per_kv_head=None, topk_length=None, topk_indices_global=False,
+                                            **_):
+        """The SM90 target: per slot `S = Σ_h exp(scale·<q_h, k[id]> − lse_h)` (0 at −1 slots), returned
+        as `S / (Σ_slots S + 1e-10)` in float32 `[B, S_q, topk]`; global ids are `b·S_k + local`."""
+        self.calls.append(("target", dict(q=q_attn, lse=lse, ids=topk_indices, scale=softmax_scale,
+                                          ids_global=topk_indices_global)))
+        batch, rows, heads, dim = q_attn.shape
+        keys = k_attn.shape[1]
+        assert k_attn.dim() == 3 and k_attn.shape[0] == batch and k_attn.shape[2] == dim
+        assert q_attn.dtype == k_attn.dtype and lse.dtype == torch.float32 and lse.shape == (batch, rows, heads)
+        assert heads % 64 == 0 and qhead_per_kv_head in (None, heads) and topk_length is None
+        assert topk_indices.dtype == torch.int32 and topk_indices.shape[:2] == (batch, rows)
+        assert topk_indices.shape[2] % 128 == 0, "SM90 normalises 128 slots at a time"
+        offset = (torch.arange(batch) * keys).view(batch, 1, 1) if topk_indices_global else 0
+        local = torch.where(topk_indices >= 0, topk_indices.long() - offset, -1)
+        assert bool(((local == -1) | ((local >= 0) & (local < keys))).all()), "ids >= S_k are not masked"
+        assert not torch.isneginf(lse).any() and not torch.isnan(lse).any()
+        gathered = torch.stack([k_attn[b][local[b].clamp_min(0)] for b in range(batch)]).double()
+        logits = torch.einsum("bshd,bskd->bshk", q_attn.double(), gathered) * softmax_scale
+        mass = torch.exp(logits - lse.double().unsqueeze(-1)).sum(2) * (local >= 0)
+        return {"target": (mass / (mass.sum(-1, keepdim=True) + 1e-10)).float()}
+
 
 def fake_cudnn(dsa: FakeCudnnDSA) -> types.ModuleType:
     module = types.ModuleType("cudnn")

@@ -7,6 +7,9 @@
   It has no LSE-gradient input, so it declines calls whose `lse_grad` is set.
 * `indexer_kl_bwd` (sparse indexer loss): `DSA.indexer_backward_wrapper`, the KL gradient fused
   into the indexer-scores backward; per-row loss weights enter through the target (see there).
+* `indexer_loss` (sparse indexer loss, no tensor parallelism, SM90): the teacher target from
+  `DSA.sparse_attn_score_recompute_wrapper`, the per-row KL from Triton's KL kernel where Triton
+  runs, else the torch one (see `indexer_loss`).
 * `indexer_scores` (the selection's scoring of every visible entry): `DSA.indexer_forward_wrapper`, the
   dense ratio-causal indexer forward, for uniform batches (the layer passes their structure as the
   op's `visible` hint; anything else goes to the kernels that read candidate ids). Forward only.
@@ -24,10 +27,11 @@ the first call of each kernel shape.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.flash_attn import dense_problem
@@ -41,8 +45,11 @@ from megatron_dsa.backends.sparse_layout import (
 )
 from megatron_dsa.backends.torch_sdpa import batched_dense_attention, layout_problem
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl_per_row
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
+from megatron_dsa.ops.indexer_loss import KLFn, indexer_kl, kl_per_row
 from megatron_dsa.ops.indices import UniformVisibleRows
+from megatron_dsa.parallel.state import group_size
 
 PACKAGE = "cudnn"
 DISTRIBUTION = "nvidia-cudnn-frontend"
@@ -291,6 +298,94 @@ def _indexer_kl_problem(call: Mapping[str, Any]) -> Optional[str]:
     )
 
 
+# ---------------------------------------------------------------- indexer loss teacher (sparse loss)
+TEACHER_SLOTS = 128  # the SM90 kernel normalises a row 128 slots at a time: widths must be multiples
+
+
+@functools.lru_cache(maxsize=None)
+def _teacher_kernel_problem() -> Optional[str]:
+    """None when `DSA.sparse_attn_score_recompute_wrapper` imports (its CuTe-DSL module loads now)."""
+    try:
+        _dsa().sparse_attn_score_recompute_wrapper
+    except Exception as error:  # noqa: BLE001 - a missing CuTe DSL shows up as any import error
+        return (f"cudnn.DSA.sparse_attn_score_recompute_wrapper not usable ({type(error).__name__}: {error}); "
+                f"{INSTALL_HINT}")
+    return None
+
+
+@torch.no_grad()
+def row_scaled_attention_mass(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor,
+                              scale: float) -> Tensor:
+    """`ops.indexer_loss.attention_mass` times a positive factor per row, on
+    `DSA.sparse_attn_score_recompute_wrapper` (shapes as there; returns `[T, C]` float32).
+
+    The SM90 kernel sums `exp(scale·<q_h, kv[c]> − lse_h)` over heads with the normaliser it is given
+    (natural log; it has no sink of its own, so `full_lse` brings ours) and the plain scale (it applies
+    log2(e) itself), and returns `mass / (Σ_row mass + 1e-10)`. `normalise_target` divides
+    by the row sum again, which cancels any per-row factor: the composition is exactly our target for
+    every row with mass (a row without valid candidates stays 0). Only a tensor-parallel all-reduce
+    between the two would mix differently scaled rows (the caller refuses it).
+
+    Heads are padded to 64/128 with zero queries and a +inf normaliser (no mass); ids become int32
+    with −1 at every invalid slot (the kernel zeroes −1 slots only: an id ≥ M would read a zero row
+    and get `exp(−lse)`), padded with −1 to a multiple of 128 slots; one batch, global ids.
+    """
+    rows, heads, _ = query.shape
+    width = candidates.shape[1]
+    if rows == 0 or width == 0:
+        return torch.zeros((rows, width), dtype=torch.float32, device=query.device)
+    padded = padded_heads(heads)
+    result = _dsa().sparse_attn_score_recompute_wrapper(
+        pad_heads(query, padded).unsqueeze(0),
+        kv.contiguous().unsqueeze(0),
+        pad_heads(full_lse.float(), padded, float("inf")).unsqueeze(0),
+        kernel_ids(candidates, kv.shape[0], TEACHER_SLOTS).unsqueeze(0),
+        float(scale),
+        topk_indices_global=True,
+    )
+    return result["target"][0, :, :width]
+
+
+def _kl_kernel(student_scores: Tensor) -> KLFn:
+    """Triton's one-pass KL where Triton runs (float32 scores on a CUDA device), else the torch one."""
+    if student_scores.dtype == torch.float32 and triton_decline_reason(student_scores.device) is None:
+        return triton_kl_per_row
+    return kl_per_row
+
+
+def indexer_loss(student_scores: Tensor, query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor,
+                 scale: float, tp_group: Optional[ProcessGroup] = None, *,
+                 return_target: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """The `indexer_loss` contract (`ops.indexer_loss.indexer_kl`) with the cuDNN teacher
+    (`row_scaled_attention_mass`), for heads that are not split over tensor-parallel ranks."""
+    ranks = group_size(tp_group)
+    if ranks > 1:
+        raise ValueError(f"the cuDNN teacher normalises each rank's target before the head sum over tp_group "
+                         f"({ranks} ranks) could complete it; use the triton or unfused indexer_loss")
+    return indexer_kl(student_scores, query, kv, candidates, full_lse, scale, tp_group,
+                      mass=row_scaled_attention_mass, kl=_kl_kernel(student_scores), return_target=return_target)
+
+
+def _teacher_problem(call: Mapping[str, Any]) -> Optional[str]:
+    heads, head_dim, topk, ranks = call.get("heads"), call.get("head_dim"), call.get("topk"), call.get("tp_size")
+    capability = probes.cuda_capability(call.get("device"))
+    return probes.first_problem(
+        _teacher_kernel_problem(),
+        "SM90 only (the SM100 target kernel zeroes rows whose selected mass is <= 1e-10; ours normalises "
+        "them)" if capability is not None and capability[0] != 9 else None,
+        "the dense indexer loss (the kernel scores selected slots; the dense loss scores every visible "
+        "entry)" if call.get("dense") else None,
+        f"heads split over {ranks} tensor-parallel ranks (the kernel normalises each rank's target before "
+        "the head sum over ranks)" if ranks is not None and ranks > 1 else None,
+        probes.dtype_problem(call, (torch.bfloat16,)),
+        f"head dim {head_dim} unsupported (needs {SPARSE_HEAD_DIM})"
+        if head_dim is not None and head_dim != SPARSE_HEAD_DIM else None,
+        heads_problem(heads) if heads is not None else None,
+        f"top-k {topk} above {TOPK_MAX} not validated (the kernel keeps a float per slot in shared memory "
+        "beside 192 KiB of query and kv tiles)" if topk is not None and topk > TOPK_MAX else None,
+    )
+
+
 # ---------------------------------------------------------------- dense attention (torch's cuDNN SDPA)
 def _cudnn_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
@@ -321,6 +416,8 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         return _indexer_kl_problem(call)
     if op is OpFamily.INDEXER_SCORES:
         return _indexer_scores_problem(call)
+    if op is OpFamily.INDEXER_LOSS:
+        return _teacher_problem(call)
     return _topk_problem(call)
 
 
@@ -329,6 +426,7 @@ CUDNN = Backend(
     priority=20,  # dense attention: after flash_attn (faster on H200), before torch_sdpa
     ops={OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward, OpFamily.TOPK: topk,
          OpFamily.INDEXER_SCORES: indexer_scores, OpFamily.INDEXER_KL_BWD: indexer_kl_backward,
+         OpFamily.INDEXER_LOSS: indexer_loss,
          OpFamily.DENSE_ATTENTION: batched_dense_attention(_cudnn_sdpa)},
     probe=probe,
     version=lambda: probes.versions_line(DISTRIBUTION, "nvidia-cutlass-dsl"),

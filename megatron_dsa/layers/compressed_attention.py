@@ -247,7 +247,8 @@ class CompressedSparseAttention(HighPrecisionModule):
             full_lse = full_normaliser(query, kv_full, torch.cat((selection.window, candidates), 1), sink,
                                        c.softmax_scale)
         loss_op = dispatch(OpFamily.INDEXER_LOSS, c, device=query.device, dtype=query.dtype,
-                           heads=query.shape[1], head_dim=query.shape[-1])
+                           heads=query.shape[1], head_dim=query.shape[-1], topk=candidates.shape[1],
+                           dense=not c.dsa_indexer_use_sparse_loss, tp_size=group_size(self.tp_group))
         teacher = lambda scores: loss_op(scores, query, kv_full, candidates, full_lse,  # noqa: E731
                                          c.softmax_scale, self.tp_group, return_target=True)
         q, k, weights = features
