@@ -4,6 +4,8 @@ Two parts of the indexer KL loss (spec §4.4), at the dsv4 attention dims (H loc
 - teacher: `attention_mass` + the L1 normalisation in torch vs `ops.indexer_loss.teacher_target`;
   TFLOPS count the per-head dots alone, 2·H·D per valid candidate;
 - KL: `kl_per_row` forward, and backward alone (= forward + backward − forward), vs the reference.
+Where cuDNN's teacher accepts the call (sparse mode, bf16, SM90), its time is shown too: its
+row-normalised target from `sparse_attn_score_recompute_wrapper` plus our L1 normalisation.
 Candidates: `sparse` = `--topk` arbitrary kv rows per query (the selected top-k); `dense` = the T / 4
 compressed entries in causal order (row t sees j < (t + 1) / 4, −1 after).
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -23,9 +25,12 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from timing import DTYPES, cuda_available, forward_backward_ms, median_ms, kernel_parser  # noqa: E402
+from megatron_dsa.backends import BackendUnavailableError, OpFamily, resolve  # noqa: E402
+from megatron_dsa.backends.cudnn import row_scaled_attention_mass  # noqa: E402
 from megatron_dsa.backends.triton_kernels.indexer_loss import attention_mass  # noqa: E402
 from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl  # noqa: E402
-from megatron_dsa.ops.indexer_loss import TINY, kl_per_row as unfused_kl, teacher_target  # noqa: E402
+from megatron_dsa.ops.indexer_loss import TINY, kl_per_row as unfused_kl  # noqa: E402
+from megatron_dsa.ops.indexer_loss import normalise_target, teacher_target  # noqa: E402
 from megatron_dsa.ops.sparse_attention import full_normaliser  # noqa: E402
 
 RATIO = 4
@@ -53,6 +58,18 @@ def triton_teacher(query: Tensor, kv: Tensor, candidates: Tensor, lse: Tensor, s
     """The Triton mass, then the L1 normalisation the layer keeps in torch."""
     mass = attention_mass(query, kv, candidates, lse, scale)
     return mass / mass.sum(-1, keepdim=True).clamp_min(TINY)
+
+
+def cudnn_teacher(query: Tensor, candidates: Tensor, dense: bool) -> Optional[Callable[..., Tensor]]:
+    """cuDNN's teacher (its row-normalised target, normalised again as the layer's composition does)
+    where the backend accepts the call here, else None after saying why."""
+    try:
+        resolve(OpFamily.INDEXER_LOSS, "cudnn", device=query.device, dtype=query.dtype, heads=query.shape[1],
+                head_dim=query.shape[2], topk=candidates.shape[1], dense=dense, tp_size=1)
+    except BackendUnavailableError as error:
+        print(f"no cuDNN teacher: {error}", file=sys.stderr)
+        return None
+    return lambda *inputs: normalise_target(row_scaled_attention_mass(*inputs))
 
 
 def time_teacher(fn, inputs: tuple, repeats: int, warmup: int) -> float:
@@ -105,8 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"indexer loss, H={args.heads}, D={args.dim}, {args.dtype} query/kv, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}; median of {args.repeats} after {args.warmup} warm-up\n"
           f"ratio = triton / unfused (< 1: triton is faster); teacher TFLOPS = 2·H·D·valid candidates / time\n")
-    print("| mode | T | C | part | triton ms | unfused ms | ratio | triton TFLOPS | unfused TFLOPS |")
-    print("|------|--:|--:|------|----------:|-----------:|------:|--------------:|---------------:|")
+    print("| mode | T | C | part | triton ms | unfused ms | ratio | triton TFLOPS | unfused TFLOPS | cudnn ms |")
+    print("|------|--:|--:|------|----------:|-----------:|------:|--------------:|---------------:|---------:|")
     for tokens in args.seq_lens:
         for mode in args.modes:
             candidates = make_candidates(tokens, mode, args.topk)
@@ -114,16 +131,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             valid = candidates >= 0
             flops = 2 * args.heads * args.dim * int(valid.sum())
             teacher_inputs = (query, kv, candidates, lse, scale)
+            cudnn = cudnn_teacher(query, candidates, dense=mode == "dense")
+            cudnn_ms = ("n/a" if cudnn is None else
+                        f"{time_teacher(cudnn, teacher_inputs, args.repeats, args.warmup):.3f}")
             rows = [("teacher", *(time_teacher(fn, teacher_inputs, args.repeats, args.warmup)
-                                  for fn in (triton_teacher, teacher_target)))]
+                                  for fn in (triton_teacher, teacher_target)), cudnn_ms)]
             target = teacher_target(query, kv, candidates, lse, scale)
             fast = time_kl(triton_kl, target, valid, args.repeats, args.warmup)
             slow = time_kl(unfused_kl, target, valid, args.repeats, args.warmup)
-            rows += [("kl fwd", fast[0], slow[0]), ("kl bwd", fast[1], slow[1])]
-            for part, t_ms, u_ms in rows:
+            rows += [("kl fwd", fast[0], slow[0], ""), ("kl bwd", fast[1], slow[1], "")]
+            for part, t_ms, u_ms, c_ms in rows:
                 counted = flops if part == "teacher" else 0  # the KL has no dots to count
                 print(f"| {mode} | {tokens} | {candidates.shape[1]} | {part} | {t_ms:.3f} | {u_ms:.3f} | "
-                      f"{ratio(t_ms, u_ms)} | {tflops(counted, t_ms)} | {tflops(counted, u_ms)} |")
+                      f"{ratio(t_ms, u_ms)} | {tflops(counted, t_ms)} | {tflops(counted, u_ms)} | {c_ms} |")
     return 0
 
 
