@@ -371,6 +371,10 @@ def _teacher_problem(call: Mapping[str, Any]) -> Optional[str]:
     capability = probes.cuda_capability(call.get("device"))
     return probes.first_problem(
         _teacher_kernel_problem(),
+        # Measured on an H200 (S = 4096, 64 heads, 512 slots): 0.42 ms in the C layer against 0.35 ms for
+        # the Triton teacher (benchmarks/indexer_loss.py: 0.68 vs 0.59 ms), so `auto` keeps Triton.
+        "slower than the Triton teacher where Triton runs (request 'cudnn' for indexer_loss by name to use "
+        "it)" if not call.get("explicit") and triton_decline_reason(call.get("device")) is None else None,
         "SM90 only (the SM100 target kernel zeroes rows whose selected mass is <= 1e-10; ours normalises "
         "them)" if capability is not None and capability[0] != 9 else None,
         "the dense indexer loss (the kernel scores selected slots; the dense loss scores every visible "
