@@ -307,7 +307,8 @@ def test_cudnn_indexer_scores_need_the_uniform_structure(vendors) -> None:
     call = dict(device=torch.device("cuda"), dtype=torch.bfloat16, heads=64, head_dim=128, visible=True)
     assert cudnn_backend.probe(OpFamily.INDEXER_SCORES, call) is None
     for change, reason in ((dict(visible=False), "uniform visible-entry structure"), (dict(dtype=torch.float32),
-                           "float32"), (dict(head_dim=64), "head dim"), (dict(heads=8), "heads")):
+                           "float32"), (dict(head_dim=64), "head dim"), (dict(heads=8), "heads"),
+                           (dict(heads=32, ratio=2), "ratio 2")):
         problem = cudnn_backend.probe(OpFamily.INDEXER_SCORES, {**call, **change})
         assert problem is not None and reason in problem, (change, problem)
     packed = TokenLayout.packed(torch.tensor([0, 13, 26]), 26, torch.device("cpu"), max_seqlen=13)

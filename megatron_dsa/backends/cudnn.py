@@ -171,7 +171,7 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
 
 
 def _indexer_scores_problem(call: Mapping[str, Any]) -> Optional[str]:
-    heads, head_dim = call.get("heads"), call.get("head_dim")
+    heads, head_dim, ratio = call.get("heads"), call.get("head_dim"), call.get("ratio")
     return probes.first_problem(
         # Unknown (no call yet: the layer-construction check) is not a decline; a call without it is.
         "needs the uniform visible-entry structure (only the selection of a uniform batch has it; the "
@@ -181,6 +181,10 @@ def _indexer_scores_problem(call: Mapping[str, Any]) -> Optional[str]:
         if head_dim is not None and head_dim != INDEXER_HEAD_DIM else None,
         f"{heads} indexer heads unsupported (needs one of {INDEXER_FORWARD_HEADS})"
         if heads is not None and heads not in INDEXER_FORWARD_HEADS else None,
+        # A 32-head tile packs 4 query rows but masks only its last 64-key block per element: below ratio
+        # 3 those rows' visible limits can straddle a block edge.
+        f"32 indexer heads with compression ratio {ratio} (the SM90 kernel's tile masking needs ratio >= 3)"
+        if heads == 32 and ratio is not None and ratio < 3 else None,
     )
 
 

@@ -9,8 +9,6 @@ padding rows inside a segment are ordinary causal rows there, in both paths.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -22,17 +20,6 @@ def varlen_boundaries(layout: TokenLayout) -> tuple[Tensor, int]:
     cu = layout.cu_seqlens.to(torch.int32).clone()
     cu[-1] = layout.num_rows
     return cu, max(layout.max_seqlen, 1)
-
-
-def uniform_batch(layout: TokenLayout) -> Optional[tuple[int, int]]:
-    """`(B, S)` when the rows are `B` whole sequences of `S` tokens (`TokenLayout.uniform`), else None.
-
-    Host-side test only (no device read): no padding, halo or offsets, and `T = B·S`."""
-    if layout.seqlens is not None or layout.halo_lengths is not None or layout.position_offsets is not None:
-        return None
-    if layout.num_rows == 0 or layout.num_rows != layout.num_segments * layout.max_seqlen:
-        return None
-    return layout.num_segments, layout.max_seqlen
 
 
 def rows_first_lse(lse: Tensor, rows: int, heads: int) -> Tensor:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_dsa.backends import probes
-from megatron_dsa.backends.dense_layout import expand_groups, from_batch, to_batch, uniform_batch
+from megatron_dsa.backends.dense_layout import expand_groups, from_batch, to_batch
 from megatron_dsa.backends.flash_attn import dense_problem
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.layout import TokenLayout
@@ -32,7 +32,7 @@ def batched_dense_attention(kernel: BatchedKernel) -> Callable[..., tuple[Tensor
 
     def dense_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout,
                         scale: float) -> tuple[Tensor, Tensor]:
-        shape = uniform_batch(layout)
+        shape = layout.uniform_shape
         if shape is None:
             raise ValueError("batched attention kernels need a uniform layout (the probe declines others)")
         batch, seqlen = shape
@@ -65,7 +65,7 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tens
 
 def layout_problem(call: Mapping[str, Any]) -> Optional[str]:
     layout = call.get("layout")
-    if layout is not None and uniform_batch(layout) is None:
+    if layout is not None and layout.uniform_shape is None:
         return "packed/padded layouts unsupported (batched kernel: whole sequences of one length only)"
     return None
 

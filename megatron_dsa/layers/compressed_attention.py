@@ -92,7 +92,8 @@ class LightningIndexer(nn.Module):
         the query rows the features hold; `visible`: the candidates' uniform-batch structure, if any."""
         q, k, weights = features
         op = dispatch(OpFamily.INDEXER_SCORES, self.config, device=q.device, dtype=q.dtype, heads=q.shape[1],
-                      head_dim=q.shape[2], visible=visible is not None)
+                      head_dim=q.shape[2], visible=visible is not None,
+                      ratio=None if visible is None else visible.ratio)
         return op(q, k, weights, candidates, self.scale, visible)
 
     def select(self, features: tuple[Tensor, Tensor, Tensor], entries: VisibleEntries,

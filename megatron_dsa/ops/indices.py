@@ -94,8 +94,8 @@ def visible_compressed_entries(layout: CompressedLayout) -> VisibleEntries:
     j = torch.arange(layout.max_entries, device=layout.tokens.device)
     entries = layout.cu_compressed[1:] - layout.cu_compressed[:-1]
     table = torch.where(j < entries.unsqueeze(1), layout.cu_compressed[:-1].unsqueeze(1) + j, INVALID)
-    seqlen = layout.tokens.uniform_seqlen
-    uniform = None if seqlen is None else (seqlen, seqlen // layout.ratio, layout.ratio)
+    shape = layout.tokens.uniform_shape
+    uniform = None if shape is None else (shape[1], shape[1] // layout.ratio, layout.ratio)
     return VisibleEntries(table, layout.tokens.segment_ids, layout.visible_counts(), uniform)
 
 

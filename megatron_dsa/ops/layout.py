@@ -35,7 +35,6 @@ class TokenLayout:
     seqlens: Optional[Tensor] = None
     position_offsets: Optional[Tensor] = None  # [nseg] global position of each segment's row 0
     halo_lengths: Optional[Tensor] = None  # [nseg] leading rows that are context only, not queries
-    uniform_seqlen: Optional[int] = None  # S when built by `uniform` (every segment S real rows at 0 … S−1)
 
     @classmethod
     def uniform(cls, batch: int, seqlen: int, device: torch.device) -> "TokenLayout":
@@ -49,7 +48,7 @@ class TokenLayout:
         layout = _UNIFORM_LAYOUTS.get(key)
         if layout is None:
             cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device=device, dtype=torch.long)
-            layout = cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen, uniform_seqlen=seqlen)
+            layout = cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen)
             if not (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
                 if len(_UNIFORM_LAYOUTS) >= MAX_SHARED_LAYOUTS:
                     _UNIFORM_LAYOUTS.pop(next(iter(_UNIFORM_LAYOUTS)))  # the oldest shape
@@ -100,6 +99,18 @@ class TokenLayout:
             return self.row_valid
         local = torch.arange(self.num_rows, device=self.device) - self.segment_starts
         return self.row_valid & (local >= self.halo_lengths[self.segment_ids])
+
+    @property
+    def uniform_shape(self) -> Optional[tuple[int, int]]:
+        """`(B, S)` when the rows are `B` whole sequences of `S` tokens (`uniform`), else None.
+
+        Host-side test only (no device read): no padding, halo or offsets, and `T = B·S` (segments of at
+        most S rows that add up to B·S rows are all S long)."""
+        if self.seqlens is not None or self.halo_lengths is not None or self.position_offsets is not None:
+            return None
+        if self.num_rows == 0 or self.num_rows != self.num_segments * self.max_seqlen:
+            return None
+        return self.num_segments, self.max_seqlen
 
     @property
     def has_padding(self) -> bool:
