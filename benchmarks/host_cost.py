@@ -1,0 +1,56 @@
+"""Host time to issue one CUDA op on this machine: microseconds per call of a few ops issued back to
+back without synchronising (the GPU runs behind). An eager layer step issues a few hundred kernels, so
+this cost times the kernel count bounds how fast an eager step can be, whatever the GPU does.
+
+    python benchmarks/host_cost.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import cuda_available  # noqa: E402
+
+CALLS = 2000
+
+
+def host_us_per_call(issue: Callable[[], object], calls: int = CALLS) -> float:
+    """Microseconds of host time per call (after a warm-up), measured before the GPU catches up."""
+    for _ in range(50):
+        issue()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        issue()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main() -> int:
+    if not cuda_available("host_cost.py"):
+        return 0
+    small = torch.randn(1024, device="cuda")
+    mask = small > 0
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    rows = [("torch.add, 1024 floats", host_us_per_call(lambda: torch.add(small, small))),
+            ("torch.where, 1024 floats", host_us_per_call(lambda: torch.where(mask, small, 0.0))),
+            # 200 calls: enough to time the host part while the GPU queue stays far from full
+            ("torch.mm 4096x4096 @ 4096x1024 bf16", host_us_per_call(lambda: torch.mm(a, b), calls=200))]
+    print(f"host time per issued op, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("| op | host µs per call |\n|----|-----------------:|")
+    for name, micros in rows:
+        print(f"| {name} | {micros:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
