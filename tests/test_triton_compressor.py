@@ -12,7 +12,7 @@ from megatron_dsa.backends.triton_kernels import compressor as triton_compressor
 from megatron_dsa.ops import compressor as reference
 from megatron_dsa.ops.rope import plain_inv_freq
 from compressor_cases import inputs, packed_layout, run
-from triton_support import run_interpreted
+from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 # T = 4096 rows: a short packed batch with tails (1001 = 4·250 + 1, 2051 = 128·16 + 3) and padding.
 GPU_REAL, GPU_PADDED = [1001, 2051, 1040], [1003, 2051, 1042]
@@ -22,9 +22,7 @@ def test_interpreted_kernels():
     run_interpreted("interp_triton_compressor.py")
 
 
-def test_cpu_without_interpreter_is_refused(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_cpu_without_interpreter_is_refused(without_interpreter):
     layout = packed_layout(4, real=[8])
     with pytest.raises(ValueError, match="cannot run on kv's device"):
         triton_compressor.gated_pool(*inputs(8, 16, 4), layout)

@@ -11,16 +11,14 @@ from megatron_dsa.backends.triton_kernels import indexer as triton_indexer
 from megatron_dsa.ops.indexer import indexer_scores as reference_scores
 from distributed import cosine
 from indexer_cases import SCALE, causal_candidates, inputs, random_candidates, run
-from triton_support import run_interpreted
+from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 
 def test_interpreted_kernels():
     run_interpreted("interp_triton_indexer.py")
 
 
-def test_cpu_without_interpreter_is_refused(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_cpu_without_interpreter_is_refused(without_interpreter):
     q, k, w = inputs(4, 2, 16, entries=3)
     with pytest.raises(ValueError, match="cannot run on q's device"):
         triton_indexer.indexer_scores(q, k, w, random_candidates(4, 5, 3), SCALE)

@@ -12,7 +12,7 @@ from megatron_dsa.backends.triton_kernels import indexer_loss as triton_loss
 from megatron_dsa.ops.indexer_loss import kl_per_row as reference_kl
 from indexer_cases import causal_candidates, random_candidates
 from indexer_loss_cases import SCALE, kl_inputs, mass_inputs, reference_mass, run_kl
-from triton_support import run_interpreted
+from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 TOKENS, HEADS, DIM = 4096, 64, 512
 
@@ -21,9 +21,7 @@ def test_interpreted_kernels():
     run_interpreted("interp_triton_indexer_loss.py")
 
 
-def test_cpu_without_interpreter_is_refused(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_cpu_without_interpreter_is_refused(without_interpreter):
     cand = random_candidates(4, 5, 3)
     query, kv, lse = mass_inputs(4, 2, 16, 3, cand)
     with pytest.raises(ValueError, match="cannot run on the inputs' device"):

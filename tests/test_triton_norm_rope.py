@@ -10,7 +10,7 @@ import torch
 
 from megatron_dsa.backends.triton_kernels import norm_rope as triton_norm_rope
 from megatron_dsa.ops.rope import norm_rope as reference_norm_rope, yarn_inv_freq
-from triton_support import run_interpreted
+from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 EPS = 1e-6
 
@@ -19,9 +19,7 @@ def test_interpreted_kernels():
     run_interpreted("interp_triton_norm_rope.py")
 
 
-def test_cpu_without_interpreter_is_refused(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_cpu_without_interpreter_is_refused(without_interpreter):
     with pytest.raises(ValueError, match="cannot run on x's device"):
         triton_norm_rope.norm_rope(torch.randn(4, 16), torch.arange(4), torch.ones(4), EPS)
 

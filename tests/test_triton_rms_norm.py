@@ -12,7 +12,7 @@ from megatron_dsa.backends import (BackendUnavailableError, OpFamily, call_count
                                    resolve)
 from megatron_dsa.backends.triton_kernels import rms_norm as triton_rms_norm
 from distributed import cosine, relative_error
-from triton_support import run_interpreted
+from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 EPS = 1e-6
 
@@ -21,9 +21,7 @@ def test_interpreted_kernels():
     run_interpreted("interp_triton_rms_norm.py")
 
 
-def test_cpu_without_interpreter_is_refused(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_cpu_without_interpreter_is_refused(without_interpreter):
     with pytest.raises(ValueError, match="cannot run on x's device"):
         triton_rms_norm.rms_norm(torch.randn(4, 16), torch.ones(16), EPS)
 

@@ -9,16 +9,14 @@ import torch
 
 from megatron_dsa.backends.triton_kernels import rope as triton_rope
 from megatron_dsa.ops.rope import rope as reference_rope, yarn_inv_freq
-from triton_support import run_interpreted
+from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 
 def test_interpreted_kernels():
     run_interpreted("interp_triton_rope.py")
 
 
-def test_cpu_without_interpreter_is_refused(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_cpu_without_interpreter_is_refused(without_interpreter):
     with pytest.raises(ValueError, match="cannot run on x's device"):
         triton_rope.rope(torch.randn(4, 16), torch.arange(4), torch.ones(4))
 

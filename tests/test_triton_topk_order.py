@@ -9,7 +9,7 @@ import torch
 
 from megatron_dsa.backends.cudnn import _in_reference_order
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
-from triton_support import run_interpreted
+from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 
 def test_interpreted_kernels():
@@ -24,6 +24,11 @@ def test_bad_inputs_name_the_rule():
         order_picks(picked, ranked[:, :2], valid)
     with pytest.raises(ValueError, match="at most"):
         order_picks(torch.zeros(2, 5000, dtype=torch.long), ranked, valid)
+
+
+def test_cpu_without_interpreter_is_refused(without_interpreter):
+    with pytest.raises(ValueError, match="cannot run on picked's device"):
+        order_picks(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool))
 
 
 @pytest.mark.gpu

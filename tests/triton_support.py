@@ -50,3 +50,11 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     monkeypatch.setattr(triton_interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+
+@pytest.fixture
+def without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton importable and the CPU interpreter off: a Triton entry point called on CPU tensors must
+    refuse with the reason (a ValueError naming the op), not fail inside Triton."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)

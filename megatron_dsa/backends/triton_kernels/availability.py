@@ -48,3 +48,11 @@ def triton_decline_reason(device: Optional[torch.device], explicit: bool = False
     if device.type == "cpu" and interpreting():
         return None if explicit else "CPU interpreter runs only when 'triton' is requested by name"
     return f"tensors on {device.type}, Triton needs CUDA (or TRITON_INTERPRET=1 on CPU)"
+
+
+def require_triton(device: torch.device, op: str, where: str) -> None:
+    """Raise a `ValueError` naming `op` and its tensors (`where`, e.g. "x's device") when Triton kernels
+    cannot run on `device` (an explicit call: the CPU interpreter counts)."""
+    reason = triton_decline_reason(device, explicit=True)
+    if reason is not None:
+        raise ValueError(f"triton {op} cannot run on {where}: {reason}")

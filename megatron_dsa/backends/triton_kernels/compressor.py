@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.rms_norm import rms_norm
 from megatron_dsa.backends.triton_kernels.rope import rope
@@ -153,6 +153,4 @@ def _check_inputs(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayou
     devices = {kv.device, gate.device, ape.device, layout.tokens.device}
     if len(devices) != 1:
         raise ValueError(f"gated_pool kv, gate, ape and layout must share one device, got {sorted(map(str, devices))}")
-    reason = triton_decline_reason(kv.device, explicit=True)
-    if reason is not None:
-        raise ValueError(f"triton gated_pool cannot run on kv's device: {reason}")
+    require_triton(kv.device, "gated_pool", "kv's device")

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 from megatron_dsa.ops.indices import UniformVisibleRows
@@ -132,6 +132,4 @@ def _check_inputs(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor) -> 
     devices = {t.device for t in (q, k, weights, candidates)}
     if len(devices) != 1:
         raise ValueError(f"indexer inputs must share one device, got {sorted(map(str, devices))}")
-    reason = triton_decline_reason(q.device, explicit=True)
-    if reason is not None:
-        raise ValueError(f"triton indexer cannot run on q's device: {reason}")
+    require_triton(q.device, "indexer", "q's device")

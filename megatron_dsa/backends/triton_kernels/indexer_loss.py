@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 
@@ -134,9 +134,7 @@ def _check_device(name: str, tensors: tuple[Tensor, ...]) -> None:
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"{name} inputs must share one device, got {sorted(map(str, devices))}")
-    reason = triton_decline_reason(tensors[0].device, explicit=True)
-    if reason is not None:
-        raise ValueError(f"triton {name} cannot run on the inputs' device: {reason}")
+    require_triton(tensors[0].device, name, "the inputs' device")
 
 
 def _check_mass_inputs(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor) -> None:

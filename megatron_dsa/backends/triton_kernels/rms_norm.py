@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.constants import device_scalar
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.rope import NUM_WARPS, row_block
@@ -123,6 +123,4 @@ def _check_inputs(x: Tensor, weight: Optional[Tensor]) -> None:
             raise TypeError(f"triton rms_norm needs weight of dtype among {SUPPORTED_DTYPES}, got {weight.dtype}")
         if weight.device != x.device:
             raise ValueError(f"rms_norm weight on {weight.device} but x on {x.device}")
-    reason = triton_decline_reason(x.device, explicit=True)
-    if reason is not None:
-        raise ValueError(f"triton rms_norm cannot run on x's device: {reason}")
+    require_triton(x.device, "rms_norm", "x's device")

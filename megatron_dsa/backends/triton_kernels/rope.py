@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.constants import device_scalar
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
@@ -102,6 +102,4 @@ def check_inputs(x: Tensor, positions: Tensor, inv_freq: Tensor, op: str = "rope
         raise TypeError(f"{op} positions must be int32, int64 or floating, got {positions.dtype}")
     if positions.device != x.device:
         raise ValueError(f"{op} positions on {positions.device} but x on {x.device}")
-    reason = triton_decline_reason(x.device, explicit=True)
-    if reason is not None:
-        raise ValueError(f"triton {op} cannot run on x's device: {reason}")
+    require_triton(x.device, op, "x's device")

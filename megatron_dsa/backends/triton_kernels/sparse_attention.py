@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.sparse_layout import INT32_ROWS, kernel_ids
-from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -185,9 +185,7 @@ def _check_attention_inputs(query: Tensor, kv: Tensor, indices: Tensor, sink: Te
     for name, value in (("kv", kv), ("indices", indices), ("sink", sink)):
         _require(value.device == query.device, ValueError,
                  f"{name} is on {value.device}, query on {query.device}: all inputs must share one device")
-    reason = triton_decline_reason(query.device, explicit=True)
-    if reason is not None:
-        raise RuntimeError(f"Triton sparse attention cannot run here: {reason}")
+    require_triton(query.device, "sparse attention", "query's device")
 
 
 def _check_rows(name: str, value: Optional[Tensor], shape: tuple[int, ...], device: torch.device) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.tiles import pow2
 
@@ -48,3 +49,7 @@ def _check(picked: Tensor, ranked: Tensor, valid: Tensor) -> None:
     if picked.dtype not in (torch.int32, torch.int64) or ranked.dtype != torch.float32 or valid.dtype != torch.bool:
         raise TypeError(f"order_picks needs int32/int64 picked, float32 ranked and bool valid, got "
                         f"{picked.dtype}, {ranked.dtype}, {valid.dtype}")
+    if len({picked.device, ranked.device, valid.device}) != 1:
+        raise ValueError(f"order_picks inputs must share one device, got {picked.device}, {ranked.device}, "
+                         f"{valid.device}")
+    require_triton(picked.device, "order_picks", "picked's device")
