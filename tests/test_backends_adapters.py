@@ -52,7 +52,7 @@ EXACT = dict(rtol=1e-10, atol=1e-10)
 def clear_probe_caches() -> None:
     probes.import_problem.cache_clear()
     cudnn_backend.package_problem.cache_clear()
-    cudnn_backend._teacher_kernel_problem.cache_clear()
+    cudnn_backend.wrapper_problem.cache_clear()
     flashmla_backend.package_problem.cache_clear()
     flashmla_backend._lse_is_base2.cache_clear()
     triton_availability._package_problem.cache_clear()

@@ -57,6 +57,18 @@ def test_auto_takes_the_accepting_higher_priority_backend(fake_backend: Backend)
     assert resolve(OP, head_dim=64) == ("fake", fake_sparse_attention)
 
 
+def test_a_per_op_priority_ranks_a_backend_below_another_for_that_op_only(clean_registry: None) -> None:
+    """`op_priority` (a kernel measured slower for one op) reorders `auto` for that op alone."""
+    other = OpFamily.ROPE
+    fast = Backend(name="fast", priority=50, ops={OP: fake_sparse_attention, other: fake_sparse_attention})
+    slow_here = Backend(name="slow_here", priority=60, ops={OP: fake_sparse_attention, other: fake_sparse_attention},
+                        op_priority={OP: 40})
+    register_backend(fast)
+    register_backend(slow_here)
+    assert resolve(OP, head_dim=64)[0] == "fast"
+    assert resolve(other)[0] == "slow_here"
+
+
 def test_auto_falls_back_and_logs_the_choice_once(fake_backend: Backend,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)

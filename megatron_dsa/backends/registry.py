@@ -75,6 +75,12 @@ class Backend:
     ops: dict[OpFamily, Callable[..., Any]] = field(default_factory=dict)
     probe: Callable[[OpFamily, Mapping[str, Any]], Optional[str]] = _accept_all
     version: Callable[[], str] = _no_version
+    # Per-op exceptions to `priority`: an op whose kernel measured slower than another backend's ranks
+    # below that backend for this op only.
+    op_priority: dict[OpFamily, int] = field(default_factory=dict)
+
+    def priority_for(self, op: OpFamily) -> int:
+        return self.op_priority.get(op, self.priority)
 
     def decline_reason(self, op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         if op not in self.ops:
@@ -96,9 +102,10 @@ def register_backend(backend: Backend) -> None:
     _BACKENDS[backend.name] = backend
 
 
-def registered_backends() -> list[Backend]:
-    """Backends in the order `auto` tries them (highest priority first)."""
-    return sorted(_BACKENDS.values(), key=lambda b: -b.priority)
+def registered_backends(op: Optional[OpFamily] = None) -> list[Backend]:
+    """Backends in the order `auto` tries them for `op` (highest priority first; without `op`, by
+    their general priority)."""
+    return sorted(_BACKENDS.values(), key=lambda b: -(b.priority if op is None else b.priority_for(op)))
 
 
 def _requested_name(op: OpFamily, requested: Requested) -> str:
@@ -129,7 +136,7 @@ def resolve(op: OpFamily, requested: Requested = AUTO, **call: Any) -> tuple[str
         return backend.name, backend.ops[op]
 
     declined = []
-    for backend in registered_backends():
+    for backend in registered_backends(op):
         reason = backend.decline_reason(op, {**call, "explicit": False})
         if reason is None:
             _log_choice_once(op, backend.name, declined)
