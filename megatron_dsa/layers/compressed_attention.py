@@ -239,22 +239,23 @@ class CompressedSparseAttention(HighPrecisionModule):
         query, kv_full = query.detach(), kv_full.detach()
         sink = self.attn_sink.detach()
         student = None  # the dense loss scores every visible entry anew
-        if c.dsa_indexer_use_sparse_loss:
-            entry_rows, candidates, student = selection.entry_rows, selection.compressed, selection.entry_scores
-            full_lse = torch.logaddexp(lse.detach(), sink.to(lse.dtype))  # = the layer's real normaliser
-        else:
+        dense = not c.dsa_indexer_use_sparse_loss
+        if dense:
             entry_rows = entries.rows()
             candidates = offset_valid(entry_rows, layout.num_rows)
             full_lse = full_normaliser(query, kv_full, torch.cat((selection.window, candidates), 1), sink,
                                        c.softmax_scale)
+        else:
+            entry_rows, candidates, student = selection.entry_rows, selection.compressed, selection.entry_scores
+            full_lse = torch.logaddexp(lse.detach(), sink.to(lse.dtype))  # = the layer's real normaliser
         loss_op = dispatch(OpFamily.INDEXER_LOSS, c, device=query.device, dtype=query.dtype,
                            heads=query.shape[1], head_dim=query.shape[-1], topk=candidates.shape[1],
-                           dense=not c.dsa_indexer_use_sparse_loss, tp_size=group_size(self.tp_group))
+                           dense=dense, tp_size=group_size(self.tp_group))
         teacher = lambda scores: loss_op(scores, query, kv_full, candidates, full_lse,  # noqa: E731
                                          c.softmax_scale, self.tp_group, return_target=True)
         q, k, weights = features
         per_row = indexer_kl_loss(q, k, weights, entry_rows, teacher, self.indexer.scale,
-                                  dense=not c.dsa_indexer_use_sparse_loss, requested=c, student=student)
+                                  dense=dense, requested=c, student=student)
         if layout.has_padding:  # padding (and CP halo) rows never enter the loss or its divisor
             real = layout.query_valid
             divisor = real.sum() if global_rows is None else global_rows
