@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Built once per (n, dtype, device); a few KiB each.
-_MATRICES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+from megatron_dsa.ops.device_cache import DeviceCache
+
+_MATRICES: DeviceCache[Tensor] = DeviceCache()  # one per (n, dtype, device); a few KiB each
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -15,19 +16,16 @@ def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
     Built with device ops (no host-to-device copy, so it is CUDA-graph capturable); cached, except
     while a CUDA graph is being captured (the graph's memory pool must not own the cache)."""
-    key = (n, dtype, torch.device(device))
-    cached = _MATRICES.get(key)
-    if cached is not None:
-        return cached
+    return _MATRICES.get((n, dtype, torch.device(device)), device, lambda: _sylvester_matrix(n, dtype, device))
+
+
+def _sylvester_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     index = torch.arange(n, device=device)
     common = index[:, None] & index[None, :]
     parity = torch.zeros_like(common)
     for bit in range(max(n - 1, 1).bit_length()):
         parity ^= (common >> bit) & 1
-    matrix = (1 - 2 * parity).to(dtype)
-    if not (matrix.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _MATRICES[key] = matrix
-    return matrix
+    return (1 - 2 * parity).to(dtype)
 
 
 def hadamard_transform(x: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 from torch import Tensor
 
+from megatron_dsa.ops.device_cache import DeviceCache
 
 MAX_SHARED_LAYOUTS = 16  # uniform shapes kept (a training run uses one or two)
 
@@ -44,16 +45,11 @@ class TokenLayout:
         what was derived from it (its index rows are pure functions of the shape), which saves a few
         dozen small kernels per layer forward. Not shared when built inside a CUDA-graph capture
         (its tensors hold values only in the graph's replays)."""
-        key = (batch, seqlen, torch.device(device))
-        layout = _UNIFORM_LAYOUTS.get(key)
-        if layout is None:
+        def build() -> "TokenLayout":
             cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device=device, dtype=torch.long)
-            layout = cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen)
-            if not (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
-                if len(_UNIFORM_LAYOUTS) >= MAX_SHARED_LAYOUTS:
-                    _UNIFORM_LAYOUTS.pop(next(iter(_UNIFORM_LAYOUTS)))  # the oldest shape
-                _UNIFORM_LAYOUTS[key] = layout
-        return layout
+            return cls(cu_seqlens=cu, num_rows=batch * seqlen, max_seqlen=seqlen)
+
+        return _UNIFORM_LAYOUTS.get((batch, seqlen, torch.device(device)), device, build)
 
     @classmethod
     def packed(cls, cu_seqlens: Tensor, num_rows: int, device: torch.device,
@@ -235,4 +231,4 @@ class CompressedLayout:
         return torch.minimum(causal, entries[self.tokens.segment_ids])
 
 
-_UNIFORM_LAYOUTS: dict[tuple[int, int, torch.device], TokenLayout] = {}
+_UNIFORM_LAYOUTS: DeviceCache[TokenLayout] = DeviceCache(max_entries=MAX_SHARED_LAYOUTS)

@@ -10,17 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_CONSTANTS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
+from megatron_dsa.ops.device_cache import DeviceCache
+
+_CONSTANTS: DeviceCache[Tensor] = DeviceCache()
 
 
 def device_scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     """`[1]` tensor holding `value` in `dtype` on `device`; cached, except while a CUDA graph is being
     captured (the graph's private memory pool must not own a tensor that outlives it)."""
-    key = (float(value), dtype, torch.device(device))
-    cached = _CONSTANTS.get(key)
-    if cached is not None:
-        return cached
-    scalar = torch.full((1,), float(value), dtype=dtype, device=device)
-    if not (scalar.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _CONSTANTS[key] = scalar
-    return scalar
+    return _CONSTANTS.get((float(value), dtype, torch.device(device)), device,
+                          lambda: torch.full((1,), float(value), dtype=dtype, device=device))
