@@ -80,7 +80,8 @@ def assert_matches_reference(query, kv, indices, sink, scale, grad_lse_given: bo
     (12, 4, 32, 16, 40),   # tiny preset head shape, exactly one index block
     (24, 16, 48, 37, 30),  # head dim 48 = 32 + tail chunk 16; three index blocks, the last partial
     (10, 20, 20, 37, 9),   # 20 heads (block of 32, 12 masked); D = 16 + masked tail; many duplicates
-], ids=["h1_d16_k5", "h4_d32_k16", "h16_d48_k37", "h20_d20_k37"])
+    (6, 16, 64, 20, 25),   # full tiles: the kv-gradient kernel's two column chunks load without masks
+], ids=["h1_d16_k5", "h4_d32_k16", "h16_d48_k37", "h20_d20_k37", "h16_d64_k20"])
 @pytest.mark.parametrize("grad_lse_given", [False, True], ids=["no_dlse", "dlse"])
 def test_matches_reference(rows, heads, dim, width, kv_rows, grad_lse_given):
     query, kv, indices, sink = make_inputs(rows, heads, dim, width, kv_rows)

@@ -89,15 +89,26 @@ def test_forward_input_validation(argument, replace, error):
 
 def test_autotune_candidates_cap_the_head_block_at_the_head_count():
     pytest.importorskip("triton")
-    configs = triton_sparse._cuda_configs(triton_sparse.BACKWARD_CONFIGS)
+    configs = triton_sparse._cuda_configs(triton_sparse.FORWARD_CONFIGS)
 
     def head_blocks(heads: int) -> list[int]:
-        return [config.kwargs["BLOCK_H"] for config in triton_sparse._prune(configs, {"H": heads})]
+        return [config.kwargs["BLOCK_H"] for config in triton_sparse._prune(configs, {"H": heads, "D": 512})]
 
-    assert head_blocks(64) == [64, 32, 32, 16] and head_blocks(128) == head_blocks(64)
-    assert head_blocks(4) == [16, 16, 16, 16] and head_blocks(20) == [32, 32, 32, 16]
+    assert head_blocks(64) == [64, 64, 64, 64] and head_blocks(128) == head_blocks(64)
+    assert head_blocks(4) == [16, 16, 16, 16] and head_blocks(20) == [32, 32, 32, 32]
     twins = triton_sparse._cuda_configs(((64, 16, 4, 2), (32, 16, 4, 2)))
-    assert len(triton_sparse._prune(twins, {"H": 4})) == 1  # both become (16, 16, 4, 2): kept once
+    assert len(triton_sparse._prune(twins, {"H": 4, "D": 512})) == 1  # both become (16, 16, 4, 2): kept once
+
+
+def test_autotune_candidates_cap_the_column_chunk_at_the_head_dim():
+    pytest.importorskip("triton")
+    configs = triton_sparse._cuda_configs(triton_sparse.BACKWARD_CONFIGS)
+
+    def chunks(dim: int) -> list[int]:
+        return [config.kwargs["BLOCK_DC"] for config in triton_sparse._prune(configs, {"H": 64, "D": dim})]
+
+    assert chunks(512) == [64, 32, 128, 32] and chunks(576) == chunks(512)
+    assert chunks(20) == [32, 32]  # the first three candidates all become (64, 64, 32, 8, 1): kept once
 
 
 # ---------------------------------------------------------------- GPU

@@ -54,10 +54,8 @@ def sparse_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum over the keys only (the LSE excludes the sink)
 
     for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + row * K + cols, mask=cols < K, other=-1)
-        valid = (idx >= 0) & (idx < M)
-        kv_rows = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D  # [BLOCK_K, 1]
+        valid, kv_offsets = index_block(idx_ptr, row, start, K, M, BLOCK_K)
+        kv_rows = kv_offsets * D  # [BLOCK_K, 1]
         # The query is (re)loaded here, not held from before the loop: as a pipelined load it stays a
         # shared-memory dot operand, which frees the registers the [64, 512] fp32 accumulator needs
         # (held in registers it spilled; reloading it from L1/L2 is faster on an H200).
@@ -95,16 +93,85 @@ def sparse_attention_fwd_kernel(
     tl.store(lse_ptr + row * H + heads, lse, mask=head_ok)
 
 
+@triton.jit
+def index_block(idx_ptr, row, start, K, M, BLOCK_K: tl.constexpr):
+    """`(valid [BLOCK_K], kv_offsets [BLOCK_K, 1])` of the row's indices `[start, start + BLOCK_K)`:
+    ids outside `[0, M)` are invalid and point at row 0."""
+    cols = start + tl.arange(0, BLOCK_K)
+    idx = tl.load(idx_ptr + row * K + cols, mask=cols < K, other=-1)
+    valid = (idx >= 0) & (idx < M)
+    return valid, tl.where(valid, idx, 0).to(tl.int64)[:, None]
+
+
+@triton.jit
+def row_normaliser(lse_ptr, sink_ptr, dlse_ptr, row, heads, head_ok, H, HAS_DLSE: tl.constexpr):
+    """Per head of the row, base 2: `(log_z, p_sink, g, lse)` with `Z = exp(lse) + exp(sink)` the full
+    normaliser, `g` the LSE gradient (0 without `HAS_DLSE`) and `lse` made finite (0) on empty rows, which
+    have no LSE gradient. Padding heads get `lse = -inf`, `sink = 0`."""
+    lse = tl.load(lse_ptr + row * H + heads, mask=head_ok, other=float("-inf")) * LOG2E
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
+    top = tl.maximum(tl.maximum(lse, sink), MAX_FLOOR)
+    log_z = top + tl.log2(tl.exp2(lse - top) + tl.exp2(sink - top))
+    if HAS_DLSE:
+        g = tl.load(dlse_ptr + row * H + heads, mask=head_ok, other=0.0)
+    else:
+        g = tl.zeros_like(lse)
+    return log_z, tl.exp2(sink - log_z), g, tl.where(lse > float("-inf"), lse, 0.0)
+
+
+@triton.jit
+def score_grads(q_ptr, dout_ptr, kv_ptr, row_heads, kv_offsets, valid, head_ok, log_z, delta, g, lse,
+                qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, FULL_TILE: tl.constexpr,
+                HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`(p, ds, kv, kv_t)` of one index block: probabilities and score gradients `[BLOCK_H, BLOCK_K]`
+    (fp32, 0 on invalid ids and padding heads) and the gathered kv rows `[BLOCK_K, BLOCK_D]` (+ tail).
+    q and dO are (re)loaded here, as in the forward, so that they stay shared-memory dot operands."""
+    dm = tl.arange(0, BLOCK_D)
+    if FULL_TILE:
+        kv = tl.load(kv_ptr + kv_offsets * D + dm[None, :], mask=valid[:, None], other=0.0)
+        q = tl.load(q_ptr + row_heads + dm[None, :])
+        do = tl.load(dout_ptr + row_heads + dm[None, :])
+    else:
+        dm_ok = dm < D
+        kv = tl.load(kv_ptr + kv_offsets * D + dm[None, :], mask=valid[:, None] & dm_ok[None, :], other=0.0)
+        q = tl.load(q_ptr + row_heads + dm[None, :], mask=head_ok[:, None] & dm_ok[None, :], other=0.0)
+        do = tl.load(dout_ptr + row_heads + dm[None, :], mask=head_ok[:, None] & dm_ok[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+    dp = tl.dot(do, tl.trans(kv), input_precision=DOT_PRECISION)  # <dO, kv[k]>
+    kv_t = kv  # placeholder when there is no tail chunk
+    if BLOCK_DT > 0:
+        dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        dt_ok = dt < D
+        kv_t = tl.load(kv_ptr + kv_offsets * D + dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
+        q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)
+        do_t = tl.load(dout_ptr + row_heads + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)
+        s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
+        dp = tl.dot(do_t, tl.trans(kv_t), dp, input_precision=DOT_PRECISION)
+    s = tl.where(head_ok[:, None] & valid[None, :], s * qk_scale, float("-inf"))
+    p = tl.exp2(s - log_z[:, None])
+    ds = p * (dp - delta[:, None])
+    if HAS_DLSE:
+        ds += g[:, None] * tl.exp2(s - lse[:, None])
+    return p, ds, kv, kv_t
+
+
 def sparse_attention_bwd_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, dout_ptr, dlse_ptr,
     dq_ptr, dkv_ptr, dsink_ptr,
     scale, qk_scale,  # softmax scale, and the same times log2(e)
-    H, M, K, D,
+    H: tl.constexpr, M, K, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_DC: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One (row, head block): writes dq, adds the row's key and value terms into the fp32 `dkv [M, D]`
-    scratch with atomics, and writes the row's sink terms `-p_sink * delta` into `dsink [N, H]`."""
+    """One (row, head block): writes dq, adds the row's kv gradient into the fp32 `dkv [M, D]` scratch with
+    atomics, and writes the row's sink terms `-p_sink * delta` into `dsink [N, H]`.
+
+    Per index block: p and dS `[BLOCK_H, BLOCK_K]` from two dots over D, `dq += dS kv` into a
+    `[BLOCK_H, D]` fp32 accumulator, and the block's kv gradient `p^T dO + scale dS^T q` (K = V: each row
+    is a value and a key) `BLOCK_DC` columns at a time, so that only a `[BLOCK_K, BLOCK_DC]` tile sits
+    beside the dq accumulator. With `BLOCK_K >= 64` every dot has an M side of 64 or more, which Hopper runs
+    as warpgroup MMAs; with all heads in one program, each kv row is reduced once per query row."""
+    FULL_TILE: tl.constexpr = (H % BLOCK_H == 0) and (D == BLOCK_D + BLOCK_DT)
     pid = tl.program_id(0)
     head_blocks = (H + BLOCK_H - 1) // BLOCK_H
     row = (pid // head_blocks).to(tl.int64)
@@ -113,67 +180,44 @@ def sparse_attention_bwd_kernel(
     row_heads = (row * H + heads).to(tl.int64)[:, None] * D
 
     dm = tl.arange(0, BLOCK_D)
-    dm_ok = dm < D
-    mask_m = head_ok[:, None] & dm_ok[None, :]
-    q = tl.load(q_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
-    do = tl.load(dout_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
-    o = tl.load(out_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # <dO, O> with the stored (rounded) O
+    mask_m = head_ok[:, None] & (dm < D)[None, :]
+    o = tl.load(out_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0).to(tl.float32)
+    delta = tl.sum(tl.load(dout_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0).to(tl.float32) * o, 1)
     dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     if BLOCK_DT > 0:
         dt = BLOCK_D + tl.arange(0, BLOCK_DT)
-        dt_ok = dt < D
-        mask_t = head_ok[:, None] & dt_ok[None, :]
-        q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
-        do_t = tl.load(dout_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
-        o_t = tl.load(out_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
-        delta += tl.sum(do_t.to(tl.float32) * o_t.to(tl.float32), 1)
+        mask_t = head_ok[:, None] & (dt < D)[None, :]
+        o_t = tl.load(out_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0).to(tl.float32)
+        delta += tl.sum(tl.load(dout_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0).to(tl.float32) * o_t, 1)
         dq_t = tl.zeros([BLOCK_H, BLOCK_DT], dtype=tl.float32)
-
-    # log2 of the full normaliser Z = exp(lse) + exp(sink); padding heads get lse = -inf, sink = 0.
-    lse = tl.load(lse_ptr + row * H + heads, mask=head_ok, other=float("-inf")) * LOG2E
-    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
-    top = tl.maximum(tl.maximum(lse, sink), MAX_FLOOR)
-    log_z = top + tl.log2(tl.exp2(lse - top) + tl.exp2(sink - top))
-    if HAS_DLSE:
-        g = tl.load(dlse_ptr + row * H + heads, mask=head_ok, other=0.0)
-        lse_finite = tl.where(lse > float("-inf"), lse, 0.0)  # an empty row has no lse gradient
+    log_z, p_sink, g, lse = row_normaliser(lse_ptr, sink_ptr, dlse_ptr, row, heads, head_ok, H, HAS_DLSE)
 
     for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + row * K + cols, mask=cols < K, other=-1)
-        valid = (idx >= 0) & (idx < M)
-        kv_rows = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
-        kv = tl.load(kv_ptr + kv_rows + dm[None, :], mask=valid[:, None] & dm_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
-        dp = tl.dot(do, tl.trans(kv), input_precision=DOT_PRECISION)  # <dO, kv[k]>
-        if BLOCK_DT > 0:
-            kv_t = tl.load(kv_ptr + kv_rows + dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
-            s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
-            dp = tl.dot(do_t, tl.trans(kv_t), dp, input_precision=DOT_PRECISION)
-        s = tl.where(head_ok[:, None] & valid[None, :], s * qk_scale, float("-inf"))
-        p = tl.exp2(s - log_z[:, None])
-        ds = p * (dp - delta[:, None])
-        if HAS_DLSE:
-            ds += g[:, None] * tl.exp2(s - lse_finite[:, None])
-
-        p_op = tl.trans(p.to(kv.dtype))  # [BLOCK_K, BLOCK_H]
+        valid, kv_offsets = index_block(idx_ptr, row, start, K, M, BLOCK_K)
+        p, ds, kv, kv_t = score_grads(q_ptr, dout_ptr, kv_ptr, row_heads, kv_offsets, valid, head_ok, log_z, delta,
+                                      g, lse, qk_scale, D, BLOCK_D, BLOCK_DT, FULL_TILE, HAS_DLSE, DOT_PRECISION)
         ds_op = ds.to(kv.dtype)
-        ds_scaled_op = tl.trans((ds * scale).to(kv.dtype))
         dq = tl.dot(ds_op, kv, dq, input_precision=DOT_PRECISION)
-        # K = V: the row is both a value (p dO) and a key (scale dS q).
-        dkv = tl.dot(p_op, do, input_precision=DOT_PRECISION)
-        dkv = tl.dot(ds_scaled_op, q, dkv, input_precision=DOT_PRECISION)
-        tl.atomic_add(dkv_ptr + kv_rows + dm[None, :], dkv, mask=valid[:, None] & dm_ok[None, :], sem="relaxed")
         if BLOCK_DT > 0:
             dq_t = tl.dot(ds_op, kv_t, dq_t, input_precision=DOT_PRECISION)
-            dkv_t = tl.dot(p_op, do_t, input_precision=DOT_PRECISION)
-            dkv_t = tl.dot(ds_scaled_op, q_t, dkv_t, input_precision=DOT_PRECISION)
-            tl.atomic_add(dkv_ptr + kv_rows + dt[None, :], dkv_t, mask=valid[:, None] & dt_ok[None, :],
+        p_op = tl.trans(p.to(kv.dtype))  # [BLOCK_K, BLOCK_H]
+        ds_scaled_op = tl.trans((ds * scale).to(kv.dtype))
+        for chunk in tl.static_range(0, D, BLOCK_DC):
+            d = chunk + tl.arange(0, BLOCK_DC)
+            d_ok = d < D
+            if FULL_TILE and D % BLOCK_DC == 0:
+                q = tl.load(q_ptr + row_heads + d[None, :])
+                do = tl.load(dout_ptr + row_heads + d[None, :])
+            else:
+                q = tl.load(q_ptr + row_heads + d[None, :], mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+                do = tl.load(dout_ptr + row_heads + d[None, :], mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+            dkv = tl.dot(p_op, do, input_precision=DOT_PRECISION)
+            dkv = tl.dot(ds_scaled_op, q, dkv, input_precision=DOT_PRECISION)
+            # Scalar atomics: one `red.v2.f32` per adjacent pair (inline PTX) measured no faster on an H200.
+            tl.atomic_add(dkv_ptr + kv_offsets * D + d[None, :], dkv, mask=valid[:, None] & d_ok[None, :],
                           sem="relaxed")
 
     tl.store(dq_ptr + row_heads + dm[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask_m)
     if BLOCK_DT > 0:
         tl.store(dq_ptr + row_heads + dt[None, :], (dq_t * scale).to(dq_ptr.dtype.element_ty), mask=mask_t)
-    p_sink = tl.exp2(sink - log_z)
     tl.store(dsink_ptr + row * H + heads, -p_sink * delta, mask=head_ok)

@@ -62,19 +62,23 @@ LOG2E = math.log2(math.e)
 class _Kernels:
     forward: Any
     backward: Any
-    autotuned: bool  # CUDA: the autotuner owns BLOCK_H / BLOCK_K / num_warps / num_stages
+    autotuned: bool  # CUDA: the autotuner owns BLOCK_H / BLOCK_K / BLOCK_DC / num_warps / num_stages
 
 
-# CUDA autotune candidates (BLOCK_H, BLOCK_K, num_warps, num_stages). Short on purpose: each is compiled
-# on the first call of every (H, K, D, dtype). Forward: all (up to 64) heads of a row in one program, so
-# a gathered kv block serves them all. Backward: also smaller head blocks, since q and dO of the block sit
-# in shared memory as operands of the kv-gradient dots: at H = 64, D = 512 (bf16) one block of 64 heads
-# needs ~290 KB, more than a Hopper SM has (227 KB), while 32 heads need ~90-115 KB. An oversized
-# candidate fails to launch and the autotuner skips it; `_prune` caps the head block at the head count.
-# Forward: 8 warps (two warpgroups share the accumulator) won every H200 sweep; one-stage variants keep GPUs
-# with less shared memory than Hopper covered.
+# CUDA autotune candidates. Short on purpose: each is compiled on the first call of every (H, K, D, dtype).
+# An oversized candidate fails to launch and the autotuner skips it; `_prune` caps the head block at the
+# head count. Forward (BLOCK_H, BLOCK_K, num_warps, num_stages): all (up to 64) heads of a row in one
+# program, so a gathered kv block serves them all; 8 warps (two warpgroups share the [64, D] fp32
+# accumulator) won every H200 sweep; one-stage variants keep GPUs with less shared memory than Hopper
+# covered.
 FORWARD_CONFIGS = ((64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 8, 1))
-BACKWARD_CONFIGS = ((64, 16, 8, 2), (32, 16, 4, 2), (32, 32, 8, 2), (16, 32, 4, 2))
+# Backward (BLOCK_H, BLOCK_K, BLOCK_DC, num_warps, num_stages): all heads and index blocks of 64, so that
+# every dot is a warpgroup MMA on Hopper and each kv row is reduced once per query row; column chunks of
+# 32-64 beat 128 and 256 on an H200 (the chunk's fp32 tile sits beside the [64, D] dq accumulator). One
+# stage: q, dO and the kv block already take ~190 KB of shared memory at D = 512 in bf16. The last
+# candidate fits fp32 inputs (and GPUs with less shared memory).
+BACKWARD_CONFIGS = ((64, 64, 64, 8, 1), (64, 64, 32, 8, 1), (64, 64, 128, 8, 1), (16, 32, 32, 4, 1))
+INTERPRETER_BLOCK_DC = 32
 
 
 def _head_block(heads: int, cap: int = MAX_BLOCK_H) -> int:
@@ -82,23 +86,27 @@ def _head_block(heads: int, cap: int = MAX_BLOCK_H) -> int:
     return pow2(heads, MIN_DOT, cap)
 
 
-def _cuda_configs(candidates: tuple[tuple[int, int, int, int], ...]) -> list:
+def _cuda_configs(candidates: tuple[tuple[int, ...], ...]) -> list:
+    """`triton.Config`s of `(BLOCK_H, BLOCK_K[, BLOCK_DC], num_warps, num_stages)` tuples."""
     import triton
 
-    return [triton.Config({"BLOCK_H": block_h, "BLOCK_K": block_k}, num_warps=num_warps, num_stages=num_stages)
-            for block_h, block_k, num_warps, num_stages in candidates]
+    names = ("BLOCK_H", "BLOCK_K", "BLOCK_DC")
+    return [triton.Config(dict(zip(names, blocks)), num_warps=num_warps, num_stages=num_stages)
+            for *blocks, num_warps, num_stages in candidates]
 
 
 def _prune(configs: list, named_args: dict, **kwargs: Any) -> list:
-    """Cap every candidate's head block at what the head count needs, dropping the duplicates."""
+    """Cap every candidate's head block at what the head count needs (and its column chunk at what the
+    head dim needs), dropping the duplicates."""
     import triton
 
     pruned = {}
     for config in configs:
-        block_h = _head_block(named_args["H"], config.kwargs["BLOCK_H"])
-        key = (block_h, config.kwargs["BLOCK_K"], config.num_warps, config.num_stages)
-        pruned.setdefault(key, triton.Config({**config.kwargs, "BLOCK_H": block_h}, num_warps=config.num_warps,
-                                             num_stages=config.num_stages))
+        blocks = dict(config.kwargs, BLOCK_H=_head_block(named_args["H"], config.kwargs["BLOCK_H"]))
+        if "BLOCK_DC" in blocks:
+            blocks["BLOCK_DC"] = pow2(named_args["D"], MIN_DOT, blocks["BLOCK_DC"])
+        key = (*sorted(blocks.items()), config.num_warps, config.num_stages)
+        pruned.setdefault(key, triton.Config(blocks, num_warps=config.num_warps, num_stages=config.num_stages))
     return list(pruned.values())
 
 
@@ -113,13 +121,15 @@ def _build_kernels(interpret: bool) -> _Kernels:
     if interpret:
         return _Kernels(forward, backward, autotuned=False)
     key = ["H", "K", "D"]  # the autotuner adds the tensor dtypes to the key itself
-    return _Kernels(
-        forward=triton.autotune(_cuda_configs(FORWARD_CONFIGS), key=key,
-                                prune_configs_by={"early_config_prune": _prune})(forward),
-        # The scratch gradient is accumulated with atomics, so every trial must start from zero.
-        backward=triton.autotune(_cuda_configs(BACKWARD_CONFIGS), key=key, reset_to_zero=["dkv_ptr"],
-                                 prune_configs_by={"early_config_prune": _prune})(backward),
-        autotuned=True)
+
+    def tuned(kernel: Any, candidates: tuple, **options: Any) -> Any:
+        return triton.autotune(_cuda_configs(candidates), key=key, prune_configs_by={"early_config_prune": _prune},
+                               **options)(kernel)
+
+    return _Kernels(forward=tuned(forward, FORWARD_CONFIGS),
+                    # The scratch gradient is accumulated with atomics, so every trial must start from zero.
+                    backward=tuned(backward, BACKWARD_CONFIGS, reset_to_zero=["dkv_ptr"]),
+                    autotuned=True)
 
 
 def _kernels() -> _Kernels:
@@ -136,11 +146,15 @@ def _head_dim_chunks(dim: int) -> tuple[int, int]:
     return main, (pow2(rest, MIN_DOT) if rest > 0 else 0)
 
 
-def _launch(kernel: Any, autotuned: bool, rows: int, heads: int, dim: int, *args: Any, **meta: Any) -> None:
+def _launch(kernel: Any, autotuned: bool, rows: int, heads: int, dim: int, *args: Any,
+            column_chunks: bool = False, **meta: Any) -> None:
+    """Launch one program per (row, head block); `column_chunks`: the kernel takes a `BLOCK_DC`."""
     block_d, block_dt = _head_dim_chunks(dim)
     meta.update(BLOCK_D=block_d, BLOCK_DT=block_dt)
     if not autotuned:
         meta.update(BLOCK_H=_head_block(heads), BLOCK_K=INTERPRETER_BLOCK_K, num_warps=4, num_stages=1)
+        if column_chunks:
+            meta.update(BLOCK_DC=min(INTERPRETER_BLOCK_DC, block_d))
     # Program id = row * head blocks + head block: the head blocks of one row run side by side, so they
     # meet the row's kv rows in L2 together.
     kernel[lambda config: (rows * cdiv(heads, config["BLOCK_H"]),)](*args, **meta)
@@ -285,5 +299,5 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
                     lse.to(torch.float32).contiguous(), grad_out.to(query.dtype).contiguous(), dlse,
                     grad_query, grad_kv, sink_terms,
                     float(scale), float(scale) * LOG2E, heads, operands.kv_rows, operands.indices.shape[1], dim,
-                    HAS_DLSE=has_dlse, DOT_PRECISION=dot_precision(query.dtype))
+                    column_chunks=True, HAS_DLSE=has_dlse, DOT_PRECISION=dot_precision(query.dtype))
     return grad_query, grad_kv[:kv.shape[0]].to(kv.dtype), sink_terms.sum(0).to(sink.dtype)
