@@ -243,15 +243,20 @@ DENSE = [("flash_attn", "flash_attn.cute", "flash-attn-4 not installed"),
          ("cudnn", "torch", ""), ("torch_sdpa", "torch", "")]
 
 
+# Packed boundaries over 2048 rows; the tail case ends at 1400, so its last segment runs through the
+# capacity tail to row 2048 (as in the reference): 1348 rows, past the given max_seqlen of 800.
+PACKED_BOUNDARIES = {"packed": [0, 700, 1500, 2048], "packed_tail": [0, 700, 1400]}
+
+
 @pytest.mark.parametrize("backend, module, why", DENSE)
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [None, "packed", "packed_tail"])
 @pytest.mark.parametrize("groups", [4, 16])  # GQA and MHA, MLA head dims 192/128
 def test_dense_backends_match_unfused(backend, module, why, packed, groups) -> None:
     require(module, why)
     heads, seqlen, batch = 16, 1024, 2
     if packed:
-        lengths = torch.tensor([0, 700, 1500, 2048], dtype=torch.int32, device=CUDA)
-        layout = TokenLayout.packed(lengths, 2048, CUDA, max_seqlen=800)
+        boundaries = torch.tensor(PACKED_BOUNDARIES[packed], dtype=torch.int32, device=CUDA)
+        layout = TokenLayout.packed(boundaries, 2048, CUDA, max_seqlen=800)
     else:
         layout = TokenLayout.uniform(batch, seqlen, CUDA)
     call = dict(device=CUDA, dtype=torch.bfloat16, head_dim=192, v_head_dim=128, heads=heads, groups=groups,

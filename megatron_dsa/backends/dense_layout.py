@@ -16,10 +16,16 @@ from megatron_dsa.ops.layout import TokenLayout
 
 
 def varlen_boundaries(layout: TokenLayout) -> tuple[Tensor, int]:
-    """`(cu_seqlens [B+1] int32 ending at T, max_seqlen)` for FlashAttention-style varlen kernels."""
+    """`(cu_seqlens [B+1] int32 ending at T, max_seqlen)` for FlashAttention-style varlen kernels.
+
+    Varlen kernels size their grids from `max_seqlen` and leave rows past it unscored, so the bound must
+    cover the last segment *with* the capacity tail, whose length only the device knows. Uniform layouts
+    have no tail (their own `max_seqlen`); any other layout gets `T`, a bound that costs FlashAttention-4
+    ~5% on 8 packed sequences of 2048 rows (H200) and needs no device read."""
     cu = layout.cu_seqlens.to(torch.int32).clone()
     cu[-1] = layout.num_rows
-    return cu, max(layout.max_seqlen, 1)
+    longest = layout.max_seqlen if layout.uniform_shape is not None else layout.num_rows
+    return cu, max(longest, 1)
 
 
 def rows_first_lse(lse: Tensor, rows: int, heads: int) -> Tensor:
