@@ -89,6 +89,13 @@ def test_matches_reference(rows, heads, dim, width, kv_rows, grad_lse_given):
     assert_matches_reference(query, kv, indices, sink, dim ** -0.5, grad_lse_given)
 
 
+def test_wide_kv_offsets_match_reference(monkeypatch):
+    """The int64 offset path (taken when `M * D >= 2^31`, too large for a CPU test) forced on a small kv."""
+    monkeypatch.setattr(triton_sparse._Prepared, "wide_offsets", property(lambda self: True))
+    query, kv, indices, sink = make_inputs(10, 4, 32, 20, 25)
+    assert_matches_reference(query, kv, indices, sink, 32 ** -0.5, True)
+
+
 @pytest.mark.parametrize("grad_lse_given", [False, True], ids=["no_dlse", "dlse"])
 def test_empty_and_out_of_range_rows(grad_lse_given):
     """Rows whose indices are all -1 or outside [0, M) give out 0, lse -inf, zero query gradient,

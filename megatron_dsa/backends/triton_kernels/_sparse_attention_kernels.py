@@ -26,7 +26,7 @@ def sparse_attention_fwd_kernel(
     qk_scale,  # softmax scale * log2(e)
     H: tl.constexpr, M, K, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """out[t, h] = sum_k p_k kv[k] and lse[t, h] (natural log, sink excluded) for one (row, head block).
 
@@ -54,7 +54,7 @@ def sparse_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum over the keys only (the LSE excludes the sink)
 
     for start in range(0, K, BLOCK_K):
-        valid, kv_offsets = index_block(idx_ptr, row, start, K, M, BLOCK_K)
+        valid, kv_offsets = index_block(idx_ptr, row, start, K, M, BLOCK_K, WIDE_OFFSETS)
         kv_rows = kv_offsets * D  # [BLOCK_K, 1]
         # The query is (re)loaded here, not held from before the loop: as a pipelined load it stays a
         # shared-memory dot operand, which frees the registers the [64, 512] fp32 accumulator needs
@@ -94,13 +94,17 @@ def sparse_attention_fwd_kernel(
 
 
 @triton.jit
-def index_block(idx_ptr, row, start, K, M, BLOCK_K: tl.constexpr):
-    """`(valid [BLOCK_K], kv_offsets [BLOCK_K, 1])` of the row's indices `[start, start + BLOCK_K)`:
-    ids outside `[0, M)` are invalid and point at row 0."""
+def index_block(idx_ptr, row, start, K, M, BLOCK_K: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
+    """`(valid [BLOCK_K], kv_rows [BLOCK_K, 1])` of the row's indices `[start, start + BLOCK_K)`: ids
+    outside `[0, M)` are invalid and point at row 0. The rows stay in the ids' integer type unless
+    `WIDE_OFFSETS` (`M * D >= 2^31`): int32 address arithmetic on the gathers is 4% faster (H200)."""
     cols = start + tl.arange(0, BLOCK_K)
     idx = tl.load(idx_ptr + row * K + cols, mask=cols < K, other=-1)
     valid = (idx >= 0) & (idx < M)
-    return valid, tl.where(valid, idx, 0).to(tl.int64)[:, None]
+    kv_rows = tl.where(valid, idx, 0)
+    if WIDE_OFFSETS:
+        kv_rows = kv_rows.to(tl.int64)
+    return valid, kv_rows[:, None]
 
 
 @triton.jit
@@ -161,7 +165,7 @@ def sparse_attention_bwd_kernel(
     scale, qk_scale,  # softmax scale, and the same times log2(e)
     H: tl.constexpr, M, K, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-    BLOCK_DC: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_DC: tl.constexpr, HAS_DLSE: tl.constexpr, WIDE_OFFSETS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (row, head block): writes dq, adds the row's kv gradient into the fp32 `dkv [M, D]` scratch with
     atomics, and writes the row's sink terms `-p_sink * delta` into `dsink [N, H]`.
@@ -193,7 +197,7 @@ def sparse_attention_bwd_kernel(
     log_z, p_sink, g, lse = row_normaliser(lse_ptr, sink_ptr, dlse_ptr, row, heads, head_ok, H, HAS_DLSE)
 
     for start in range(0, K, BLOCK_K):
-        valid, kv_offsets = index_block(idx_ptr, row, start, K, M, BLOCK_K)
+        valid, kv_offsets = index_block(idx_ptr, row, start, K, M, BLOCK_K, WIDE_OFFSETS)
         p, ds, kv, kv_t = score_grads(q_ptr, dout_ptr, kv_ptr, row_heads, kv_offsets, valid, head_ok, log_z, delta,
                                       g, lse, qk_scale, D, BLOCK_D, BLOCK_DT, FULL_TILE, HAS_DLSE, DOT_PRECISION)
         ds_op = ds.to(kv.dtype)

@@ -226,6 +226,11 @@ class _Prepared:
     sink: Tensor  # fp32 [H]
     kv_rows: int
 
+    @property
+    def wide_offsets(self) -> bool:
+        """Whether kv element offsets `id * D` can pass int32 (the kernels then widen them to int64)."""
+        return self.kv.numel() > INT32_ROWS
+
 
 def _kernel_indices(indices: Tensor, kv_rows: int) -> Tensor:
     """int32 ids for the kernels, which ignore every id outside `[0, M)`: int64 ids are clamped into
@@ -268,7 +273,7 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
         _launch(kernels.forward, kernels.autotuned, rows, heads, dim,
                 operands.query, operands.kv, operands.indices, operands.sink, out, lse,
                 float(scale) * LOG2E, heads, operands.kv_rows, operands.indices.shape[1], dim,
-                DOT_PRECISION=dot_precision(query.dtype))
+                WIDE_OFFSETS=operands.wide_offsets, DOT_PRECISION=dot_precision(query.dtype))
     return out, lse
 
 
@@ -303,5 +308,6 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
                     lse.to(torch.float32).contiguous(), grad_out.to(query.dtype).contiguous(), dlse,
                     grad_query, grad_kv, sink_terms,
                     float(scale), float(scale) * LOG2E, heads, operands.kv_rows, operands.indices.shape[1], dim,
-                    column_chunks=True, HAS_DLSE=has_dlse, DOT_PRECISION=dot_precision(query.dtype))
+                    column_chunks=True, HAS_DLSE=has_dlse, WIDE_OFFSETS=operands.wide_offsets,
+                    DOT_PRECISION=dot_precision(query.dtype))
     return grad_query, grad_kv[:kv.shape[0]].to(kv.dtype), sink_terms.sum(0).to(sink.dtype)
