@@ -4,7 +4,11 @@ Ours: `q [T, H, Dqk]`, `k [T, G, Dqk]`, `v [T, G, Dv]` flat rows in the segments
 causal within each segment; returns `out [T, H, Dv]` and natural-log `lse [T, H]` float32.
 Rows past `cu_seqlens[-1]` (capacity tail) belong to the last segment, as in the reference (its
 segment ids clamp to the last segment), so varlen kernels get the last boundary moved to `T`;
-padding rows inside a segment are ordinary causal rows there, in both paths.
+padding rows inside a segment are ordinary causal rows there, in both paths. Tail rows are padding:
+where the tail runs the last segment past `max_seqlen`, the reference looks back at most `max_seqlen`
+rows while FlashAttention-4 looks back to the segment start (both finite; the layer zeroes these rows),
+and real rows never see tail keys. Passing `T` as the bound instead changed no FA4 output on an H200
+and cost it ~5% on 8 packed sequences of 2048 rows, so the given `max_seqlen` stays.
 """
 
 from __future__ import annotations
@@ -16,16 +20,10 @@ from megatron_dsa.ops.layout import TokenLayout
 
 
 def varlen_boundaries(layout: TokenLayout) -> tuple[Tensor, int]:
-    """`(cu_seqlens [B+1] int32 ending at T, max_seqlen)` for FlashAttention-style varlen kernels.
-
-    Varlen kernels size their grids from `max_seqlen` and leave rows past it unscored, so the bound must
-    cover the last segment *with* the capacity tail, whose length only the device knows. Uniform layouts
-    have no tail (their own `max_seqlen`); any other layout gets `T`, a bound that costs FlashAttention-4
-    ~5% on 8 packed sequences of 2048 rows (H200) and needs no device read."""
+    """`(cu_seqlens [B+1] int32 ending at T, max_seqlen)` for FlashAttention-style varlen kernels."""
     cu = layout.cu_seqlens.to(torch.int32).clone()
     cu[-1] = layout.num_rows
-    longest = layout.max_seqlen if layout.uniform_shape is not None else layout.num_rows
-    return cu, max(longest, 1)
+    return cu, max(layout.max_seqlen, 1)
 
 
 def rows_first_lse(lse: Tensor, rows: int, heads: int) -> Tensor:
