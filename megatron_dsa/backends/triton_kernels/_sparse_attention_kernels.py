@@ -1,8 +1,9 @@
 """Triton kernel bodies of sparse attention with a sink (math: docs/math.md section 7).
 
-The functions here are deliberately left undecorated: `triton.jit` picks compiled or interpreted
-execution at decoration time, so `sparse_attention.py` decorates them lazily, once per mode. This
-module imports triton at the top and is itself imported only on first use.
+The two kernels are deliberately left undecorated: `triton.jit` picks compiled or interpreted
+execution at decoration time, so `sparse_attention.py` decorates them lazily, once per mode. Their
+`@triton.jit` helpers are decorated when this module is imported, which happens only on first use (in
+the interpreter's child process, after the switch is on).
 
 Layout shared by both kernels (all contiguous): query / out / grad rows `[N, H, D]`, `kv [M, D]`,
 `indices [N, K]` int32 or int64, `sink [H]` fp32, `lse [N, H]` fp32. One program handles one query row
@@ -185,6 +186,7 @@ def sparse_attention_bwd_kernel(
 
     dm = tl.arange(0, BLOCK_D)
     mask_m = head_ok[:, None] & (dm < D)[None, :]
+    # delta = <dO, O> with the stored (rounded) O.
     o = tl.load(out_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0).to(tl.float32)
     delta = tl.sum(tl.load(dout_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0).to(tl.float32) * o, 1)
     dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
