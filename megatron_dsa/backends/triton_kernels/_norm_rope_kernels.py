@@ -3,9 +3,10 @@ the math).
 
 Plain functions: `lazy_jit.jitted` decorates the kernels on first launch (the helpers they call,
 `load_head_rows` included, are decorated when their modules are imported, which happens only then).
-x, out, grad and dx are contiguous `[R, WIDTH]` rows (R = T·H, WIDTH = NOPE + 2·HALF); row r belongs to token r // H. One
-program handles `BLOCK_R` whole rows: `BLOCK_D ≥ WIDTH` covers a row at once, so each row is read
-once from memory; the rotated dims are loaded a second time as interleaved pairs, from the cache.
+x, out, grad and dx are contiguous `[R, WIDTH]` rows (R = T·H, WIDTH = NOPE + 2·HALF); row r belongs to
+token r // H. One program handles `BLOCK_R` whole rows: `BLOCK_D ≥ WIDTH` covers a row at once, so
+each row is read once from memory; the rotated dims are loaded a second time as interleaved pairs,
+from the cache.
 """
 
 import triton

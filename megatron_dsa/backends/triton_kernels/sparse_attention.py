@@ -26,9 +26,11 @@ reloaded per index block as a shared-memory dot operand instead of being held, a
 head or dim masks when the tiles cover H and D exactly (10% faster together). The backward (about 120
 TFLOPS, 7.1 ms at 4096 rows) keeps all 64 heads and 64 indices per program, so every dot is a warpgroup
 MMA and each kv row is reduced once per query row (the earlier design, head blocks of 16-32 on mma.sync,
-took 8.5 ms). It runs single-stage: q, dO and the kv block fill ~190 KB of shared memory. The atomics
-are not what it pays: in a two-kernel variant (dq, then dkv; 9.0 ms together) plain stores instead of
-them left the dkv kernel's time unchanged, and the same reductions alone run at ~3.5 TB/s (1.2 ms). cuDNN's fused backward is still about 2.6x faster, and `auto` prefers it on Hopper.
+took 8.5 ms). It runs single-stage: q, dO and the kv block fill ~190 KB of shared memory, and its
+[64, D] fp32 dq accumulator makes it spill. The atomics are not what it pays: in a two-kernel variant
+(dq, then dkv; 9.0 ms together) plain stores instead of them left the dkv kernel's time unchanged, and
+the same reductions alone run at ~3.5 TB/s (1.2 ms). cuDNN's fused backward is about 3x faster (2.3 ms),
+and `auto` prefers it on Hopper.
 
 Interpreter (`TRITON_INTERPRET=1`, CPU tests): triton 3.6's `triton.jit` chooses compiled or
 interpreted execution when a function is *decorated*. Our kernel bodies therefore live undecorated in
