@@ -107,8 +107,8 @@ def test_autotune_candidates_cap_the_column_chunk_at_the_head_dim():
     def chunks(dim: int) -> list[int]:
         return [config.kwargs["BLOCK_DC"] for config in triton_sparse._prune(configs, {"H": 64, "D": dim})]
 
-    assert chunks(512) == [64, 32, 128, 32] and chunks(576) == chunks(512)
-    assert chunks(20) == [32, 32]  # the first three candidates all become (64, 64, 32, 8, 1): kept once
+    assert chunks(512) == [64, 32, 32, 32] and chunks(576) == chunks(512)
+    assert chunks(20) == [32, 32, 32]  # the first two candidates both become (64, 64, 32, 8, 1): kept once
 
 
 # ---------------------------------------------------------------- GPU

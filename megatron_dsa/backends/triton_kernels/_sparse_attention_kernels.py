@@ -125,31 +125,23 @@ def row_normaliser(lse_ptr, sink_ptr, dlse_ptr, row, heads, head_ok, H, HAS_DLSE
 
 
 @triton.jit
-def score_grads(q_ptr, dout_ptr, kv_ptr, row_heads, kv_offsets, valid, head_ok, log_z, delta, g, lse,
-                qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, FULL_TILE: tl.constexpr,
+def score_grads(q, do, q_t, do_t, kv_ptr, kv_offsets, valid, head_ok, log_z, delta, g, lse, qk_scale,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, FULL_TILE: tl.constexpr,
                 HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """`(p, ds, kv, kv_t)` of one index block: probabilities and score gradients `[BLOCK_H, BLOCK_K]`
-    (fp32, 0 on invalid ids and padding heads) and the gathered kv rows `[BLOCK_K, BLOCK_D]` (+ tail).
-    q and dO are (re)loaded here, as in the forward, so that they stay shared-memory dot operands."""
+    (fp32, 0 on invalid ids and padding heads) and the gathered kv rows `[BLOCK_K, BLOCK_D]` (+ tail),
+    from the row's query and output gradient `[BLOCK_H, BLOCK_D]` (+ tails; unused without one)."""
     dm = tl.arange(0, BLOCK_D)
     if FULL_TILE:
         kv = tl.load(kv_ptr + kv_offsets * D + dm[None, :], mask=valid[:, None], other=0.0)
-        q = tl.load(q_ptr + row_heads + dm[None, :])
-        do = tl.load(dout_ptr + row_heads + dm[None, :])
     else:
-        dm_ok = dm < D
-        kv = tl.load(kv_ptr + kv_offsets * D + dm[None, :], mask=valid[:, None] & dm_ok[None, :], other=0.0)
-        q = tl.load(q_ptr + row_heads + dm[None, :], mask=head_ok[:, None] & dm_ok[None, :], other=0.0)
-        do = tl.load(dout_ptr + row_heads + dm[None, :], mask=head_ok[:, None] & dm_ok[None, :], other=0.0)
+        kv = tl.load(kv_ptr + kv_offsets * D + dm[None, :], mask=valid[:, None] & (dm < D)[None, :], other=0.0)
     s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
     dp = tl.dot(do, tl.trans(kv), input_precision=DOT_PRECISION)  # <dO, kv[k]>
     kv_t = kv  # placeholder when there is no tail chunk
     if BLOCK_DT > 0:
         dt = BLOCK_D + tl.arange(0, BLOCK_DT)
-        dt_ok = dt < D
-        kv_t = tl.load(kv_ptr + kv_offsets * D + dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
-        q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)
-        do_t = tl.load(dout_ptr + row_heads + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)
+        kv_t = tl.load(kv_ptr + kv_offsets * D + dt[None, :], mask=valid[:, None] & (dt < D)[None, :], other=0.0)
         s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
         dp = tl.dot(do_t, tl.trans(kv_t), dp, input_precision=DOT_PRECISION)
     s = tl.where(head_ok[:, None] & valid[None, :], s * qk_scale, float("-inf"))
@@ -186,39 +178,53 @@ def sparse_attention_bwd_kernel(
 
     dm = tl.arange(0, BLOCK_D)
     mask_m = head_ok[:, None] & (dm < D)[None, :]
+    # The row's q and dO are loaded once, before the loop (they stay in shared memory as dot operands): the
+    # atomics in the loop keep the compiler from hoisting loads itself. 7.0 -> 6.2 ms at N = 4096 (H200).
+    if FULL_TILE:
+        q = tl.load(q_ptr + row_heads + dm[None, :])
+        do = tl.load(dout_ptr + row_heads + dm[None, :])
+    else:
+        q = tl.load(q_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
+        do = tl.load(dout_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
     # delta = <dO, O> with the stored (rounded) O.
     o = tl.load(out_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0).to(tl.float32)
-    delta = tl.sum(tl.load(dout_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0).to(tl.float32) * o, 1)
+    delta = tl.sum(do.to(tl.float32) * o, 1)
     dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    q_t, do_t = q, do  # placeholders when there is no tail chunk
     if BLOCK_DT > 0:
         dt = BLOCK_D + tl.arange(0, BLOCK_DT)
         mask_t = head_ok[:, None] & (dt < D)[None, :]
+        q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
+        do_t = tl.load(dout_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
         o_t = tl.load(out_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0).to(tl.float32)
-        delta += tl.sum(tl.load(dout_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0).to(tl.float32) * o_t, 1)
+        delta += tl.sum(do_t.to(tl.float32) * o_t, 1)
         dq_t = tl.zeros([BLOCK_H, BLOCK_DT], dtype=tl.float32)
     log_z, p_sink, g, lse = row_normaliser(lse_ptr, sink_ptr, dlse_ptr, row, heads, head_ok, H, HAS_DLSE)
 
     for start in range(0, K, BLOCK_K):
         valid, kv_offsets = index_block(idx_ptr, row, start, K, M, BLOCK_K, WIDE_OFFSETS)
-        p, ds, kv, kv_t = score_grads(q_ptr, dout_ptr, kv_ptr, row_heads, kv_offsets, valid, head_ok, log_z, delta,
-                                      g, lse, qk_scale, D, BLOCK_D, BLOCK_DT, FULL_TILE, HAS_DLSE, DOT_PRECISION)
+        p, ds, kv, kv_t = score_grads(q, do, q_t, do_t, kv_ptr, kv_offsets, valid, head_ok, log_z, delta, g, lse,
+                                      qk_scale, D, BLOCK_D, BLOCK_DT, FULL_TILE, HAS_DLSE, DOT_PRECISION)
         ds_op = ds.to(kv.dtype)
         dq = tl.dot(ds_op, kv, dq, input_precision=DOT_PRECISION)
         if BLOCK_DT > 0:
             dq_t = tl.dot(ds_op, kv_t, dq_t, input_precision=DOT_PRECISION)
         p_op = tl.trans(p.to(kv.dtype))  # [BLOCK_K, BLOCK_H]
         ds_scaled_op = tl.trans((ds * scale).to(kv.dtype))
-        for chunk in tl.static_range(0, D, BLOCK_DC):
+        # A pipelined loop: the next chunks' q / dO columns load as asynchronous copies while this one
+        # computes (6.2 -> 5.5 ms on top of the hoisting; unrolled, every chunk load waited).
+        for chunk in tl.range(0, D, BLOCK_DC, num_stages=3):
             d = chunk + tl.arange(0, BLOCK_DC)
             d_ok = d < D
             if FULL_TILE and D % BLOCK_DC == 0:
-                q = tl.load(q_ptr + row_heads + d[None, :])
-                do = tl.load(dout_ptr + row_heads + d[None, :])
+                q_chunk = tl.load(q_ptr + row_heads + d[None, :])
+                do_chunk = tl.load(dout_ptr + row_heads + d[None, :])
             else:
-                q = tl.load(q_ptr + row_heads + d[None, :], mask=head_ok[:, None] & d_ok[None, :], other=0.0)
-                do = tl.load(dout_ptr + row_heads + d[None, :], mask=head_ok[:, None] & d_ok[None, :], other=0.0)
-            dkv = tl.dot(p_op, do, input_precision=DOT_PRECISION)
-            dkv = tl.dot(ds_scaled_op, q, dkv, input_precision=DOT_PRECISION)
+                q_chunk = tl.load(q_ptr + row_heads + d[None, :], mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+                do_chunk = tl.load(dout_ptr + row_heads + d[None, :], mask=head_ok[:, None] & d_ok[None, :],
+                                   other=0.0)
+            dkv = tl.dot(p_op, do_chunk, input_precision=DOT_PRECISION)
+            dkv = tl.dot(ds_scaled_op, q_chunk, dkv, input_precision=DOT_PRECISION)
             # Scalar atomics: one `red.v2.f32` per adjacent pair (inline PTX) measured no faster on an H200.
             tl.atomic_add(dkv_ptr + kv_offsets * D + d[None, :], dkv, mask=valid[:, None] & d_ok[None, :],
                           sem="relaxed")
