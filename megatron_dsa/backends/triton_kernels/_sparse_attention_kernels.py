@@ -42,11 +42,9 @@ def sparse_attention_fwd_kernel(
     row_heads = (row * H + heads).to(tl.int64)[:, None] * D  # [BLOCK_H, 1] element offsets
 
     dm = tl.arange(0, BLOCK_D)
-    dm_ok = dm < D
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     if BLOCK_DT > 0:
         dt = BLOCK_D + tl.arange(0, BLOCK_DT)
-        dt_ok = dt < D
         acc_t = tl.zeros([BLOCK_H, BLOCK_DT], dtype=tl.float32)
 
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
@@ -54,22 +52,18 @@ def sparse_attention_fwd_kernel(
     m_i = tl.maximum(sink, MAX_FLOOR)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum over the keys only (the LSE excludes the sink)
 
+    # The row's query stays in shared memory as the score dot's operand: the [64, 512] fp32 accumulator
+    # needs the registers.
+    q = row_tile(q_ptr + row_heads, dm, head_ok, D, not FULL_TILE, not FULL_TILE)
+    if BLOCK_DT > 0:
+        q_t = row_tile(q_ptr + row_heads, dt, head_ok, D, True, True)
     for start in range(0, K, BLOCK_K):
         valid, kv_offsets = index_block(idx_ptr, row, start, K, M, BLOCK_K, WIDE_OFFSETS)
         kv_rows = kv_offsets * D  # [BLOCK_K, 1]
-        # The query is (re)loaded here, not held from before the loop: as a pipelined load it stays a
-        # shared-memory dot operand, which frees the registers the [64, 512] fp32 accumulator needs
-        # (held in registers it spilled; reloading it from L1/L2 is faster on an H200).
-        if FULL_TILE:
-            kv = tl.load(kv_ptr + kv_rows + dm[None, :], mask=valid[:, None], other=0.0)
-            q = tl.load(q_ptr + row_heads + dm[None, :])
-        else:
-            kv = tl.load(kv_ptr + kv_rows + dm[None, :], mask=valid[:, None] & dm_ok[None, :], other=0.0)
-            q = tl.load(q_ptr + row_heads + dm[None, :], mask=head_ok[:, None] & dm_ok[None, :], other=0.0)
+        kv = row_tile(kv_ptr + kv_rows, dm, valid, D, True, not FULL_TILE)
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
         if BLOCK_DT > 0:
-            kv_t = tl.load(kv_ptr + kv_rows + dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
-            q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)
+            kv_t = row_tile(kv_ptr + kv_rows, dt, valid, D, True, True)
             s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
 
@@ -83,13 +77,12 @@ def sparse_attention_fwd_kernel(
         m_i = m_new
 
     inv_denominator = 1.0 / (l_i + tl.exp2(sink - m_i))
-    out_mask = head_ok[:, None] & dm_ok[None, :]
     tl.store(out_ptr + row_heads + dm[None, :], (acc * inv_denominator[:, None]).to(out_ptr.dtype.element_ty),
-             mask=out_mask)
+             mask=head_ok[:, None] & (dm < D)[None, :])
     if BLOCK_DT > 0:
         tl.store(out_ptr + row_heads + dt[None, :],
                  (acc_t * inv_denominator[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=head_ok[:, None] & dt_ok[None, :])
+                 mask=head_ok[:, None] & (dt < D)[None, :])
     lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(lse_ptr + row * H + heads, lse, mask=head_ok)
 
@@ -106,6 +99,22 @@ def index_block(idx_ptr, row, start, K, M, BLOCK_K: tl.constexpr, WIDE_OFFSETS: 
     if WIDE_OFFSETS:
         kv_rows = kv_rows.to(tl.int64)
     return valid, kv_rows[:, None]
+
+
+@triton.jit
+def row_tile(row_ptrs, cols, row_ok, D: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """`[R, C]` tile of the rows `row_ptrs [R, 1]` at the columns `cols [C]`, zero where masked: rows by
+    `row_ok [R]`, columns past `D`. Loads without a mask where the tiles are known to cover H and D."""
+    ptrs = row_ptrs + cols[None, :]
+    if MASK_ROWS and MASK_COLS:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & (cols < D)[None, :], other=0.0)
+    elif MASK_ROWS:
+        tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    elif MASK_COLS:
+        tile = tl.load(ptrs, mask=(cols < D)[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
@@ -131,17 +140,12 @@ def score_grads(q, do, q_t, do_t, kv_ptr, kv_offsets, valid, head_ok, log_z, del
     """`(p, ds, kv, kv_t)` of one index block: probabilities and score gradients `[BLOCK_H, BLOCK_K]`
     (fp32, 0 on invalid ids and padding heads) and the gathered kv rows `[BLOCK_K, BLOCK_D]` (+ tail),
     from the row's query and output gradient `[BLOCK_H, BLOCK_D]` (+ tails; unused without one)."""
-    dm = tl.arange(0, BLOCK_D)
-    if FULL_TILE:
-        kv = tl.load(kv_ptr + kv_offsets * D + dm[None, :], mask=valid[:, None], other=0.0)
-    else:
-        kv = tl.load(kv_ptr + kv_offsets * D + dm[None, :], mask=valid[:, None] & (dm < D)[None, :], other=0.0)
+    kv = row_tile(kv_ptr + kv_offsets * D, tl.arange(0, BLOCK_D), valid, D, True, not FULL_TILE)
     s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
     dp = tl.dot(do, tl.trans(kv), input_precision=DOT_PRECISION)  # <dO, kv[k]>
     kv_t = kv  # placeholder when there is no tail chunk
     if BLOCK_DT > 0:
-        dt = BLOCK_D + tl.arange(0, BLOCK_DT)
-        kv_t = tl.load(kv_ptr + kv_offsets * D + dt[None, :], mask=valid[:, None] & (dt < D)[None, :], other=0.0)
+        kv_t = row_tile(kv_ptr + kv_offsets * D, BLOCK_D + tl.arange(0, BLOCK_DT), valid, D, True, True)
         s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
         dp = tl.dot(do_t, tl.trans(kv_t), dp, input_precision=DOT_PRECISION)
     s = tl.where(head_ok[:, None] & valid[None, :], s * qk_scale, float("-inf"))
@@ -170,6 +174,7 @@ def sparse_attention_bwd_kernel(
     With `BLOCK_K >= 64` every dot has an M side of 64 or more, which Hopper runs
     as warpgroup MMAs; with all heads in one program, each kv row is reduced once per query row."""
     FULL_TILE: tl.constexpr = (H % BLOCK_H == 0) and (D == BLOCK_D + BLOCK_DT)
+    WHOLE_CHUNKS: tl.constexpr = FULL_TILE and (D % BLOCK_DC == 0)
     pid = tl.program_id(0)
     head_blocks = (H + BLOCK_H - 1) // BLOCK_H
     row = (pid // head_blocks).to(tl.int64)
@@ -181,24 +186,20 @@ def sparse_attention_bwd_kernel(
     mask_m = head_ok[:, None] & (dm < D)[None, :]
     # The row's q and dO are loaded once, before the loop (they stay in shared memory as dot operands): the
     # atomics in the loop keep the compiler from hoisting loads itself. 7.0 -> 6.2 ms at N = 4096 (H200).
-    if FULL_TILE:
-        q = tl.load(q_ptr + row_heads + dm[None, :])
-        do = tl.load(dout_ptr + row_heads + dm[None, :])
-    else:
-        q = tl.load(q_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
-        do = tl.load(dout_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0)
+    q = row_tile(q_ptr + row_heads, dm, head_ok, D, not FULL_TILE, not FULL_TILE)
+    do = row_tile(dout_ptr + row_heads, dm, head_ok, D, not FULL_TILE, not FULL_TILE)
     # delta = <dO, O> with the stored (rounded) O.
-    o = tl.load(out_ptr + row_heads + dm[None, :], mask=mask_m, other=0.0).to(tl.float32)
-    delta = tl.sum(do.to(tl.float32) * o, 1)
+    o = row_tile(out_ptr + row_heads, dm, head_ok, D, not FULL_TILE, not FULL_TILE)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     q_t, do_t = q, do  # placeholders when there is no tail chunk
     if BLOCK_DT > 0:
         dt = BLOCK_D + tl.arange(0, BLOCK_DT)
         mask_t = head_ok[:, None] & (dt < D)[None, :]
-        q_t = tl.load(q_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
-        do_t = tl.load(dout_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0)
-        o_t = tl.load(out_ptr + row_heads + dt[None, :], mask=mask_t, other=0.0).to(tl.float32)
-        delta += tl.sum(do_t.to(tl.float32) * o_t, 1)
+        q_t = row_tile(q_ptr + row_heads, dt, head_ok, D, True, True)
+        do_t = row_tile(dout_ptr + row_heads, dt, head_ok, D, True, True)
+        o_t = row_tile(out_ptr + row_heads, dt, head_ok, D, True, True)
+        delta += tl.sum(do_t.to(tl.float32) * o_t.to(tl.float32), 1)
         dq_t = tl.zeros([BLOCK_H, BLOCK_DT], dtype=tl.float32)
     log_z, p_sink, g, lse = row_normaliser(lse_ptr, sink_ptr, dlse_ptr, row, heads, head_ok, H, HAS_DLSE)
     # The kv gradient p^T dO + scale dS^T q is one dot of stacked operands, [p^T | scale dS^T] [dO ; q] with
@@ -224,15 +225,10 @@ def sparse_attention_bwd_kernel(
         # (6.2 -> 5.5 ms on top of the hoisting; unrolled, every chunk load waited).
         for chunk in tl.range(0, D, BLOCK_DC, num_stages=3):
             d = chunk + tl.arange(0, BLOCK_DC)
-            d_ok = d < D
-            if FULL_TILE and D % BLOCK_DC == 0:
-                grads_and_queries = tl.load(stacked_rows + d[None, :])
-            else:
-                grads_and_queries = tl.load(stacked_rows + d[None, :], mask=stacked_ok[:, None] & d_ok[None, :],
-                                            other=0.0)
+            grads_and_queries = row_tile(stacked_rows, d, stacked_ok, D, not WHOLE_CHUNKS, not WHOLE_CHUNKS)
             dkv = tl.dot(weights_op, grads_and_queries, input_precision=DOT_PRECISION)
             # Scalar atomics: one `red.v2.f32` per adjacent pair (inline PTX) measured no faster on an H200.
-            tl.atomic_add(dkv_ptr + kv_offsets * D + d[None, :], dkv, mask=valid[:, None] & d_ok[None, :],
+            tl.atomic_add(dkv_ptr + kv_offsets * D + d[None, :], dkv, mask=valid[:, None] & (d < D)[None, :],
                           sem="relaxed")
 
     tl.store(dq_ptr + row_heads + dm[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask_m)

@@ -12,25 +12,23 @@ Kernel design (Hopper first, correct anywhere Triton runs):
 * a loop over blocks of `BLOCK_K` indices gathers kv rows by pointer arithmetic; online softmax
   and accumulation in fp32; the head dim is a power-of-two chunk plus an optional tail chunk;
 * backward, one kernel: recomputes the probabilities from the saved LSE, keeps dq in registers, and
-  per index block forms the kv gradient (value term `p dO` plus key term `scale dS q`, K = V) in
-  column chunks of `BLOCK_DC`, scattered by fp32 atomic adds into an `[M, D]` scratch that is cast once
-  at the end; per-row sink terms are summed afterwards (deterministic for dq and the sink; the dkv sum
-  order follows the atomics).
+  per index block forms the kv gradient (value term `p dO` plus key term `scale dS q`, K = V, as one
+  dot of stacked operands) in column chunks of `BLOCK_DC`, scattered by fp32 atomic adds into an
+  `[M, D]` scratch that is cast once at the end; per-row sink terms are summed afterwards
+  (deterministic for dq and the sink; the dkv sum order follows the atomics).
 On CUDA a short autotune list picks the blocks, warps and stages; the CPU interpreter runs a single
 fixed configuration so that tests stay fast.
 
 Measured on an H200 (bf16, H = 64, D = 512, 640 indices per row; `benchmarks/sparse_attention.py`):
-the forward runs at about 235-270 TFLOPS with 64 heads, 64 indices, 8 warps and 2 stages per program.
-It is register-bound: the [64, 512] fp32 accumulator takes half the register file, so the query is
-reloaded per index block as a shared-memory dot operand instead of being held, and the loads carry no
-head or dim masks when the tiles cover H and D exactly (10% faster together). The backward (about 120
-TFLOPS, 7.1 ms at 4096 rows) keeps all 64 heads and 64 indices per program, so every dot is a warpgroup
-MMA and each kv row is reduced once per query row (the earlier design, head blocks of 16-32 on mma.sync,
-took 8.5 ms). It runs single-stage: q, dO and the kv block fill ~190 KB of shared memory, and its
-[64, D] fp32 dq accumulator makes it spill. The atomics are not what it pays: in a two-kernel variant
-(dq, then dkv; 9.0 ms together) plain stores instead of them left the dkv kernel's time unchanged, and
-the same reductions alone run at ~3.5 TB/s (1.2 ms). cuDNN's fused backward is about 3x faster (2.3 ms),
-and `auto` prefers it on Hopper.
+the forward runs at about 235-270 TFLOPS with 64 heads, 64 indices, 8 warps and 2 stages per program
+(about half of FlashMLA's speed). It is register-bound: the [64, 512] fp32 accumulator takes half the
+register file, so the query stays in shared memory as a dot operand, and the loads carry no head or dim
+masks when the tiles cover H and D exactly. The backward (about 150 TFLOPS, 4.65 ms at 4096 rows, about
+half of cuDNN's speed) keeps all 64 heads and 64 indices per program, so every dot is a warpgroup MMA and
+each kv row is reduced once per query row. q and dO are loaded once per row and stay in shared memory;
+the kv gradient is one stacked dot per column chunk in a pipelined loop. Its index loop runs single-stage
+(q, dO and the kv block fill 192 KB of shared memory), and its [64, D] fp32 dq accumulator makes it spill
+a little. cuDNN's fused backward is faster still, and `auto` prefers it on Hopper.
 
 Interpreter (`TRITON_INTERPRET=1`, CPU tests): triton 3.6's `triton.jit` chooses compiled or
 interpreted execution when a function is *decorated*. Our kernel bodies therefore live undecorated in
