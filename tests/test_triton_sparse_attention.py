@@ -111,6 +111,36 @@ def test_autotune_candidates_cap_the_column_chunk_at_the_head_dim():
     assert chunks(20) == [32, 32, 32]  # the first two candidates both become (64, 64, 32, 8, 1): kept once
 
 
+def test_hopper_backward_limits():
+    """The Gluon Hopper backward takes bf16, blocks of 64 heads and D = 512 on sm_90; every other call runs
+    the portable kernel, with the reason logged once."""
+    pytest.importorskip("triton")
+    decline = triton_sparse.hopper_shape_decline
+    if triton_sparse._gluon_problem() is None:
+        assert decline((9, 0), torch.bfloat16, 64, 512) is None
+        assert decline((9, 0), torch.bfloat16, 128, 512) is None
+    assert "sm_100" in decline((10, 0), torch.bfloat16, 64, 512)
+    assert "sm_80" in decline((8, 0), torch.bfloat16, 64, 512)
+    assert "bfloat16 only" in decline((9, 0), torch.float16, 64, 512)
+    assert "multiple of 64 heads" in decline((9, 0), torch.bfloat16, 20, 512)
+    assert "head dim 512" in decline((9, 0), torch.bfloat16, 64, 576)
+    assert "needs CUDA" in triton_sparse.hopper_backward_decline(torch.zeros(2, 64, 512, dtype=torch.bfloat16))
+
+
+def test_hopper_backward_needs_a_triton_with_gluon(monkeypatch):
+    pytest.importorskip("triton")
+
+    class OldTriton:
+        __version__ = "3.5.1"
+
+    monkeypatch.setattr(triton_sparse.probes, "load", lambda module: OldTriton)
+    triton_sparse._gluon_problem.cache_clear()
+    try:
+        assert "triton >= 3.6" in triton_sparse.hopper_shape_decline((9, 0), torch.bfloat16, 64, 512)
+    finally:
+        triton_sparse._gluon_problem.cache_clear()
+
+
 # ---------------------------------------------------------------- GPU
 def realistic_indices(rows: int, window: int, topk: int, ratio: int = 4, device: str = "cuda") -> tuple[Tensor, int]:
     """One causal sequence of `rows` tokens followed by its `rows // ratio` compressed entries in kv:
@@ -157,7 +187,13 @@ def test_gpu_matches_fp32_reference(dtype, rows, heads, dim, window, topk):
     grad_lse = torch.randn(rows, heads, device="cuda")
     scale = dim ** -0.5
 
+    before = triton_sparse.BACKWARD_KERNEL_CALLS.copy()
     got = run_triton(query, kv, indices, sink, scale, grad_out, grad_lse)
+    # The Hopper (Gluon) backward serves bf16, 64-head blocks and D = 512 on sm_90; the rest is portable.
+    hopper = (torch.cuda.get_device_capability()[0] == 9 and dtype == torch.bfloat16 and heads % 64 == 0
+              and dim == 512)
+    ran = triton_sparse.BACKWARD_KERNEL_CALLS - before
+    assert ran == {("hopper" if hopper else "portable"): 1}, ran
     expected = reference(query.float(), kv.float(), indices, sink, scale, grad_out.float(), grad_lse)
     assert got[0].dtype == dtype and got[3].dtype == dtype and got[4].dtype == torch.float32
     out, lse = got[:2]
@@ -179,3 +215,45 @@ def test_gpu_matches_fp32_reference(dtype, rows, heads, dim, window, topk):
         out_like = name == "out"
         assert cosine(a, b) >= (0.9999 if out_like else 0.999), (name, cosine(a, b))
         assert relative_error(a, b) <= (1e-2 if out_like else 2e-2), (name, relative_error(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, window, topk, with_lse_grad", [
+    (64, 128, 512, False),  # dsv4-flash
+    (128, 100, 300, True),  # two head blocks, K = 400 (not a multiple of the index block), LSE gradient
+], ids=["flash", "h128_k400_dlse"])
+def test_gpu_hopper_backward_matches_portable(monkeypatch, heads, window, topk, with_lse_grad):
+    """Metamorphic: the Hopper (Gluon) backward equals the portable Triton backward on the same inputs,
+    including duplicate ids, -1 padding and rows without any valid id."""
+    if triton_sparse.hopper_shape_decline(torch.cuda.get_device_capability(), torch.bfloat16, heads, 512):
+        pytest.skip("the Hopper backward needs an sm_90 GPU and a triton with Gluon")
+    torch.manual_seed(0)
+    rows, dim = 1024, 512
+    indices, kv_rows = realistic_indices(rows, window, topk)
+    indices[:, -8:] = indices[:, :8]  # duplicates count as separate keys
+    indices[:5] = -1
+    query = torch.randn(rows, heads, dim, device="cuda").bfloat16()
+    kv = torch.randn(kv_rows, dim, device="cuda").bfloat16()
+    sink = torch.randn(heads, device="cuda")
+    grad_out = torch.randn(rows, heads, dim, device="cuda").bfloat16()
+    grad_lse = torch.randn(rows, heads, device="cuda") if with_lse_grad else None
+    scale = dim ** -0.5
+    out, lse = sparse_attention_forward(query, kv, indices, sink, scale)
+
+    def backward() -> tuple[Tensor, ...]:
+        return triton_sparse.sparse_attention_backward(query, kv, indices, sink, scale, out, lse, grad_out, grad_lse)
+
+    before = triton_sparse.BACKWARD_KERNEL_CALLS.copy()
+    hopper = backward()
+    monkeypatch.setattr(triton_sparse, "hopper_backward_decline", lambda query: "forced off by the test")
+    portable = backward()
+    assert triton_sparse.BACKWARD_KERNEL_CALLS - before == {"hopper": 1, "portable": 1}
+    assert torch.equal(hopper[0][:5].float(), torch.zeros_like(hopper[0][:5].float()))  # rows without keys
+    # Both round the same fp32 sums to bf16 (dq, dkv); only the fp32 summation order differs (the kv
+    # gradient's atomics, in another order): cosine >= 0.99999 and relative norm error <= 2e-3 (a few bf16
+    # roundings flip); the sink terms are the same fp32 formula per row.
+    for name, a, b in zip(("grad_query", "grad_kv"), hopper[:2], portable[:2]):
+        assert torch.isfinite(a).all(), name
+        assert cosine(a, b) >= 0.99999, (name, cosine(a, b))
+        assert relative_error(a, b) <= 2e-3, (name, relative_error(a, b))
+    torch.testing.assert_close(hopper[2], portable[2], atol=1e-5, rtol=1e-5)
