@@ -11,11 +11,12 @@ Kernel design (Hopper first, correct anywhere Triton runs):
   (padded to at least 16 with masks), so each gathered kv block serves every head of the row;
 * a loop over blocks of `BLOCK_K` indices gathers kv rows by pointer arithmetic; online softmax
   and accumulation in fp32; the head dim is a power-of-two chunk plus an optional tail chunk;
-* backward, one kernel: recomputes the probabilities from the saved LSE, keeps dq in registers, and
-  per index block forms the kv gradient (value term `p dO` plus key term `scale dS q`, K = V, as one
-  dot of stacked operands) in column chunks of `BLOCK_DC`, scattered by fp32 atomic adds into an
-  `[M, D]` scratch that is cast once at the end; per-row sink terms are summed afterwards
-  (deterministic for dq and the sink; the dkv sum order follows the atomics).
+* backward (the portable kernel; Hopper has its own, below): recomputes the probabilities from the
+  saved LSE, keeps dq in registers, and per index block forms the kv gradient (value term `p dO` plus
+  key term `scale dS q`, K = V, as one dot of stacked operands) in column chunks of `BLOCK_DC`,
+  scattered by fp32 atomic adds into an `[M, D]` scratch that is cast once at the end; per-row sink
+  terms are summed afterwards (deterministic for dq and the sink; the dkv sum order follows the
+  atomics).
 On CUDA a short autotune list picks the blocks, warps and stages; the CPU interpreter runs a single
 fixed configuration so that tests stay fast.
 
@@ -66,16 +67,16 @@ from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precis
 logger = logging.getLogger("megatron_dsa.backends")
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 1024
+MAX_BLOCK_H = 64  # heads per program: one Hopper warpgroup MMA tile
+INTERPRETER_BLOCK_K = 16
+LOG2E = math.log2(math.e)
 # The Hopper backward (`_sparse_attention_hopper`, Gluon): its tiles, and the triton that was measured.
 HOPPER_HEAD_BLOCK = 64
 HOPPER_HEAD_DIM = 512
 HOPPER_MIN_TRITON = (3, 6)
 # Which backward kernel ran, per call: "hopper" or "portable" (tests read it to prove the path).
 BACKWARD_KERNEL_CALLS: collections.Counter = collections.Counter()
-MAX_HEAD_DIM = 1024
-MAX_BLOCK_H = 64  # heads per program: one Hopper warpgroup MMA tile
-INTERPRETER_BLOCK_K = 16
-LOG2E = math.log2(math.e)
 
 
 # ---------------------------------------------------------------- kernels, decorated lazily per mode
