@@ -141,6 +141,35 @@ def test_hopper_backward_needs_a_triton_with_gluon(monkeypatch):
         triton_sparse._gluon_problem.cache_clear()
 
 
+HOPPER_SHARED_MEMORY = 232448  # bytes per block on sm_90
+
+
+def test_hopper_backward_compiles_for_sm90_within_shared_memory():
+    """The Gluon kernel compiles for sm_90a on a machine without a GPU (triton bundles ptxas), within
+    Hopper's shared memory per block: an edit that overflows it would otherwise fail only at launch."""
+    triton = pytest.importorskip("triton")
+    if triton_sparse._gluon_problem() is not None:
+        pytest.skip(triton_sparse._gluon_problem())
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper import sparse_attention_bwd_hopper_kernel
+
+    bf16, fp32 = "*bf16", "*fp32"
+    signature = dict(q_ptr=bf16, kv_ptr=bf16, idx_ptr="*i32", sink_ptr=fp32, out_ptr=bf16, lse_ptr=fp32,
+                     dout_ptr=bf16, dlse_ptr=fp32, dq_ptr=bf16, dkv_ptr=fp32, dsink_ptr=fp32, scale="fp32",
+                     qk_scale="fp32", M="i32", K="i32", H="constexpr", D="constexpr", HAS_DLSE="constexpr",
+                     num_warps="constexpr")
+    # What a launch specialises on: 16-byte aligned pointers (torch allocations are).
+    aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
+    for heads, has_dlse in ((64, False), (128, True)):
+        source = GluonASTSource(fn=sparse_attention_bwd_hopper_kernel, signature=signature, attrs=aligned,
+                                constexprs=dict(H=heads, D=512, HAS_DLSE=has_dlse, num_warps=8))
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+        assert "wgmma.mma_async" in compiled.asm["ptx"]
+        assert 0 < compiled.metadata.shared <= HOPPER_SHARED_MEMORY, compiled.metadata.shared
+
+
 # ---------------------------------------------------------------- GPU
 def realistic_indices(rows: int, window: int, topk: int, ratio: int = 4, device: str = "cuda") -> tuple[Tensor, int]:
     """One causal sequence of `rows` tokens followed by its `rows // ratio` compressed entries in kv:
