@@ -13,6 +13,7 @@ import torch
 
 import megatron_dsa
 from megatron_dsa.backends import availability_table
+from megatron_dsa.backends.triton_kernels.sparse_attention import describe_backward_kernel
 
 
 def describe_devices() -> list[str]:
@@ -44,6 +45,8 @@ def run_info(args: argparse.Namespace) -> int:
         print(f"device: {device}")
     print()
     print(format_table(("backend", "versions", "op family", "available"), availability_table()))
+    print()
+    print(describe_backward_kernel())
     return 0
 
 

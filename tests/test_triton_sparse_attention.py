@@ -127,6 +127,19 @@ def test_hopper_backward_limits():
     assert "needs CUDA" in triton_sparse.hopper_backward_decline(torch.zeros(2, 64, 512, dtype=torch.bfloat16))
 
 
+def test_info_line_names_the_backward_kernel(monkeypatch):
+    """`python -m megatron_dsa info` says which backward serves dsv4 calls on the current GPU."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(triton_sparse, "triton_decline_reason", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (8, 0))
+    assert triton_sparse.describe_backward_kernel().endswith(
+        "the portable kernel (the Hopper kernel needs a Hopper GPU (sm_90), got sm_80)")
+    if triton_sparse._gluon_problem() is None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+        assert triton_sparse.describe_backward_kernel().endswith("the Hopper kernel (Gluon)")
+
+
 def test_hopper_backward_needs_a_triton_with_gluon(monkeypatch):
     pytest.importorskip("triton")
 

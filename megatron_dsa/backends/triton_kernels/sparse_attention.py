@@ -61,7 +61,7 @@ from torch import Tensor
 
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.sparse_layout import INT32_ROWS, kernel_ids
-from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
+from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton, triton_decline_reason
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 
 logger = logging.getLogger("megatron_dsa.backends")
@@ -209,6 +209,22 @@ def hopper_shape_decline(capability: tuple[int, int], dtype: torch.dtype, heads:
     if dim != HOPPER_HEAD_DIM:
         return f"needs head dim {HOPPER_HEAD_DIM}, got {dim}"
     return _gluon_problem()
+
+
+def describe_backward_kernel() -> str:
+    """Which Triton sparse-attention backward serves dsv4 calls (bf16, 64 heads, D = 512) on this machine's
+    current CUDA device, for `python -m megatron_dsa info`."""
+    prefix = "triton sparse attention backward (bf16, 64 heads, D = 512):"
+    reason = triton_decline_reason(None)
+    if reason is None and not torch.cuda.is_available():
+        reason = "no CUDA device"
+    if reason is not None:
+        return f"{prefix} not available here ({reason})"
+    decline = hopper_shape_decline(torch.cuda.get_device_capability(), torch.bfloat16, HOPPER_HEAD_BLOCK,
+                                   HOPPER_HEAD_DIM)
+    if decline is None:
+        return f"{prefix} the Hopper kernel (Gluon)"
+    return f"{prefix} the portable kernel (the Hopper kernel {decline})"
 
 
 @functools.lru_cache(maxsize=None)
