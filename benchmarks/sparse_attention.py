@@ -35,6 +35,7 @@ from megatron_dsa.backends import BackendUnavailableError, OpFamily, resolve  # 
 from megatron_dsa.backends.sparse_attention import sparse_call  # noqa: E402
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason  # noqa: E402
 from megatron_dsa.backends.triton_kernels.sparse_attention import (  # noqa: E402
+    backward_kernel_choice,
     hopper_shape_decline,
     sparse_attention_backward,
     sparse_attention_forward,
@@ -180,10 +181,8 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def describe_run(args: argparse.Namespace, device: torch.device) -> str:
-    hopper_decline = hopper_shape_decline(torch.cuda.get_device_capability(device), DTYPES[args.dtype], args.heads,
-                                          args.dim)
-    backward = ("the Hopper kernel (Gluon)" if hopper_decline is None
-                else f"the portable kernel (the Hopper kernel {hopper_decline})")
+    backward = backward_kernel_choice(hopper_shape_decline(torch.cuda.get_device_capability(device),
+                                                           DTYPES[args.dtype], args.heads, args.dim))
     return (f"sparse attention, H={args.heads}, D={args.dim}, K={args.window}+{args.topk}, {args.dtype}, "
             f"indices {args.indices}, {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n"
             f"Triton backward: {backward}\n"

@@ -222,9 +222,13 @@ def describe_backward_kernel() -> str:
         return f"{prefix} not available here ({reason})"
     decline = hopper_shape_decline(torch.cuda.get_device_capability(), torch.bfloat16, HOPPER_HEAD_BLOCK,
                                    HOPPER_HEAD_DIM)
-    if decline is None:
-        return f"{prefix} the Hopper kernel (Gluon)"
-    return f"{prefix} the portable kernel (the Hopper kernel {decline})"
+    return f"{prefix} {backward_kernel_choice(decline)}"
+
+
+def backward_kernel_choice(decline: Optional[str]) -> str:
+    """The backward that runs, given the Hopper kernel's decline reason (None: it runs), as the log, the
+    `info` command and the benchmark name it."""
+    return "the Hopper kernel (Gluon)" if decline is None else f"the portable kernel (the Hopper kernel {decline})"
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,10 +242,7 @@ def _gluon_problem() -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def _log_backward_choice(decline: Optional[str]) -> None:
     """Log once per distinct reason which backward kernel runs."""
-    if decline is None:
-        logger.info("triton sparse attention backward: the Hopper kernel (Gluon)")
-    else:
-        logger.info("triton sparse attention backward: the portable kernel; the Hopper kernel declines: %s", decline)
+    logger.info("triton sparse attention backward: %s", backward_kernel_choice(decline))
 
 
 def _launch_hopper_backward(operands: _Prepared, *args: Any, has_dlse: bool) -> None:
