@@ -13,7 +13,7 @@ import torch
 
 import megatron_dsa
 from megatron_dsa.backends import availability_table
-from megatron_dsa.backends.triton_kernels.sparse_attention import describe_backward_kernel
+from megatron_dsa.backends.triton_kernels.sparse_attention import describe_hopper_kernels
 
 
 def describe_devices() -> list[str]:
@@ -46,7 +46,7 @@ def run_info(args: argparse.Namespace) -> int:
     print()
     print(format_table(("backend", "versions", "op family", "available"), availability_table()))
     print()
-    print(describe_backward_kernel())
+    print(describe_hopper_kernels())
     return 0
 
 

@@ -23,7 +23,7 @@ def test_module_info_lists_the_unfused_backend() -> None:
     assert result.returncode == 0, result.stderr
     assert "unfused" in result.stdout and "sparse_attention" in result.stdout
     assert "torch" in result.stdout and "device:" in result.stdout
-    assert "triton sparse attention backward (bf16, 64 heads, D = 512):" in result.stdout
+    assert "triton sparse attention forward and backward (bf16, 64 heads, D = 512):" in result.stdout
 
 
 def test_main_info_returns_zero(capsys: pytest.CaptureFixture) -> None:

@@ -133,11 +133,11 @@ def test_info_line_names_the_backward_kernel(monkeypatch):
     monkeypatch.setattr(triton_sparse, "triton_decline_reason", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (8, 0))
-    assert triton_sparse.describe_backward_kernel().endswith(
+    assert triton_sparse.describe_hopper_kernels().endswith(
         "the portable kernel (the Hopper kernel needs a Hopper GPU (sm_90), got sm_80)")
     if triton_sparse._gluon_problem() is None:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
-        assert triton_sparse.describe_backward_kernel().endswith("the Hopper kernel (Gluon)")
+        assert triton_sparse.describe_hopper_kernels().endswith("the Hopper kernel (Gluon)")
 
 
 def test_hopper_backward_needs_a_triton_with_gluon(monkeypatch):

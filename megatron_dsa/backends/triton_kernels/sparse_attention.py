@@ -71,11 +71,13 @@ MAX_HEAD_DIM = 1024
 MAX_BLOCK_H = 64  # heads per program: one Hopper warpgroup MMA tile
 INTERPRETER_BLOCK_K = 16
 LOG2E = math.log2(math.e)
-# The Hopper backward (`_sparse_attention_hopper`, Gluon): its tiles, and the triton that was measured.
+# The Hopper kernels (Gluon; `_sparse_attention_hopper_forward`, `_sparse_attention_hopper`): their tiles,
+# and the triton that was measured.
 HOPPER_HEAD_BLOCK = 64
 HOPPER_HEAD_DIM = 512
 HOPPER_MIN_TRITON = (3, 6)
-# Which backward kernel ran, per call: "hopper" or "portable" (tests read it to prove the path).
+# Which kernel ran, per call and pass: "hopper" or "portable" (tests read them to prove the path).
+FORWARD_KERNEL_CALLS: collections.Counter = collections.Counter()
 BACKWARD_KERNEL_CALLS: collections.Counter = collections.Counter()
 
 
@@ -187,9 +189,18 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-# ---------------------------------------------------------------- the Hopper backward
+# ---------------------------------------------------------------- the Hopper kernels
+def hopper_forward_decline(query: Tensor) -> Optional[str]:
+    """None when the Gluon Hopper forward takes a call with this `query [N, H, D]`, else why not."""
+    return _hopper_decline(query)
+
+
 def hopper_backward_decline(query: Tensor) -> Optional[str]:
     """None when the Gluon Hopper backward takes a call with this `query [N, H, D]`, else why not."""
+    return _hopper_decline(query)
+
+
+def _hopper_decline(query: Tensor) -> Optional[str]:
     if query.device.type != "cuda":
         return f"tensors on {query.device.type}, it needs CUDA"
     if interpreting():
@@ -198,8 +209,9 @@ def hopper_backward_decline(query: Tensor) -> Optional[str]:
 
 
 def hopper_shape_decline(capability: tuple[int, int], dtype: torch.dtype, heads: int, dim: int) -> Optional[str]:
-    """The Hopper backward's limits on a CUDA device of `capability`: it is tuned and tested for bf16,
-    blocks of 64 heads and D = 512 (dsv4); every other call runs the portable Triton kernel."""
+    """The Hopper kernels' limits (forward and backward alike) on a CUDA device of `capability`: they are
+    tuned and tested for bf16, blocks of 64 heads and D = 512 (dsv4); every other call runs the portable
+    Triton kernels."""
     if capability[0] != 9:
         return f"needs a Hopper GPU (sm_90), got sm_{capability[0]}{capability[1]}"
     if dtype != torch.bfloat16:
@@ -211,10 +223,10 @@ def hopper_shape_decline(capability: tuple[int, int], dtype: torch.dtype, heads:
     return _gluon_problem()
 
 
-def describe_backward_kernel() -> str:
-    """Which Triton sparse-attention backward serves dsv4 calls (bf16, 64 heads, D = 512) on this machine's
+def describe_hopper_kernels() -> str:
+    """Which Triton sparse-attention kernels serve dsv4 calls (bf16, 64 heads, D = 512) on this machine's
     current CUDA device, for `python -m megatron_dsa info`."""
-    prefix = "triton sparse attention backward (bf16, 64 heads, D = 512):"
+    prefix = "triton sparse attention forward and backward (bf16, 64 heads, D = 512):"
     reason = triton_decline_reason(None)
     if reason is None and not torch.cuda.is_available():
         reason = "no CUDA device"
@@ -222,11 +234,11 @@ def describe_backward_kernel() -> str:
         return f"{prefix} not available here ({reason})"
     decline = hopper_shape_decline(torch.cuda.get_device_capability(), torch.bfloat16, HOPPER_HEAD_BLOCK,
                                    HOPPER_HEAD_DIM)
-    return f"{prefix} {backward_kernel_choice(decline)}"
+    return f"{prefix} {kernel_choice(decline)}"
 
 
-def backward_kernel_choice(decline: Optional[str]) -> str:
-    """The backward that runs, given the Hopper kernel's decline reason (None: it runs), as the log, the
+def kernel_choice(decline: Optional[str]) -> str:
+    """The kernel that runs, given the Hopper kernel's decline reason (None: it runs), as the log, the
     `info` command and the benchmark name it."""
     return "the Hopper kernel (Gluon)" if decline is None else f"the portable kernel (the Hopper kernel {decline})"
 
@@ -240,9 +252,21 @@ def _gluon_problem() -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _log_backward_choice(decline: Optional[str]) -> None:
-    """Log once per distinct reason which backward kernel runs."""
-    logger.info("triton sparse attention backward: %s", backward_kernel_choice(decline))
+def _log_kernel_choice(pass_name: str, decline: Optional[str]) -> None:
+    """Log once per pass and distinct reason which kernel runs."""
+    logger.info("triton sparse attention %s: %s", pass_name, kernel_choice(decline))
+
+
+def _launch_hopper_forward(operands: _Prepared, out: Tensor, lse: Tensor, qk_scale: float) -> None:
+    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper_forward import (
+        sparse_attention_fwd_hopper_kernel,
+    )
+
+    rows, heads, dim = operands.query.shape
+    q, kv, ids, sink = operands.query, operands.kv, operands.indices, operands.sink
+    # 4 warps for consumer 0; the kernel's warp specialisation adds consumer 1 and the producer.
+    sparse_attention_fwd_hopper_kernel[(rows * (heads // HOPPER_HEAD_BLOCK),)](
+        q, kv, ids, sink, out, lse, qk_scale, operands.kv_rows, ids.shape[1], heads, dim, num_warps=4)
 
 
 def _launch_hopper_backward(operands: _Prepared, *args: Any, has_dlse: bool) -> None:
@@ -355,12 +379,18 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
     if rows == 0:
         return out, lse
     operands = _prepare(query, kv, indices, sink)
-    kernels = _kernels()
+    decline = hopper_forward_decline(query)
+    _log_kernel_choice("forward", decline)
+    FORWARD_KERNEL_CALLS["portable" if decline else "hopper"] += 1
     with _on_device(query.device):
-        _launch(kernels.forward, kernels.autotuned, rows, heads, dim,
-                operands.query, operands.kv, operands.indices, operands.sink, out, lse,
-                float(scale) * LOG2E, heads, operands.kv_rows, operands.indices.shape[1], dim,
-                WIDE_OFFSETS=operands.wide_offsets, DOT_PRECISION=dot_precision(query.dtype))
+        if decline is None:
+            _launch_hopper_forward(operands, out, lse, float(scale) * LOG2E)
+        else:
+            kernels = _kernels()
+            _launch(kernels.forward, kernels.autotuned, rows, heads, dim,
+                    operands.query, operands.kv, operands.indices, operands.sink, out, lse,
+                    float(scale) * LOG2E, heads, operands.kv_rows, operands.indices.shape[1], dim,
+                    WIDE_OFFSETS=operands.wide_offsets, DOT_PRECISION=dot_precision(query.dtype))
     return out, lse
 
 
@@ -391,7 +421,7 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
         tensors = (out.contiguous(), lse.to(torch.float32).contiguous(), grad_out.to(query.dtype).contiguous(), dlse,
                    grad_query, grad_kv, sink_terms, float(scale), float(scale) * LOG2E)
         decline = hopper_backward_decline(query)
-        _log_backward_choice(decline)
+        _log_kernel_choice("backward", decline)
         BACKWARD_KERNEL_CALLS["portable" if decline else "hopper"] += 1
         with _on_device(query.device):
             if decline is None:
