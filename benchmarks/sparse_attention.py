@@ -35,8 +35,9 @@ from megatron_dsa.backends import BackendUnavailableError, OpFamily, resolve  # 
 from megatron_dsa.backends.sparse_attention import sparse_call  # noqa: E402
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason  # noqa: E402
 from megatron_dsa.backends.triton_kernels.sparse_attention import (  # noqa: E402
-    backward_kernel_choice,
     hopper_shape_decline,
+    kernel_choice,
+    portable_kernels,
     sparse_attention_backward,
     sparse_attention_forward,
 )
@@ -93,6 +94,17 @@ def triton_calls(p: Problem) -> tuple[Callable[[], object], Callable[[], object]
                                               None))
 
 
+def portable_calls(p: Problem) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The portable Triton kernels, where the Hopper kernels would otherwise serve the call."""
+    def portable(call: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            with portable_kernels():
+                return call()
+        return run
+
+    return tuple(portable(call) for call in triton_calls(p))
+
+
 def unfused_calls(p: Problem) -> tuple[Callable[[], object], Callable[[], object]]:
     leaves = [t.detach().requires_grad_() for t in (p.query, p.kv, p.sink)]
     out, _ = sparse_attention(leaves[0], leaves[1], p.indices, leaves[2], p.scale)
@@ -132,6 +144,7 @@ class Row:
     flops: float
     triton_ms: float
     unfused_ms: float
+    portable_ms: Optional[float] = None  # the portable Triton kernel, when the Hopper kernel is the one timed
     vendor_ms: Optional[float] = None  # VENDORS[phase], when it runs here
 
     @property
@@ -157,35 +170,42 @@ def benchmark_rows(rows: int, args: argparse.Namespace, device: torch.device) ->
     problem = build_problem(rows, args, device)
     flops = nominal_flops(rows, args.heads, args.window + args.topk, args.dim)
     timed = {"triton": triton_calls(problem), "unfused": unfused_calls(problem)}
+    if hopper_decline(args) is None:
+        timed["portable"] = portable_calls(problem)
     vendors = vendor_calls(problem)
     result = []
     for position, phase in enumerate(("fwd", "bwd")):
         ms = {name: median_ms(calls[position], args.repeats, args.warmup) for name, calls in timed.items()}
         vendor_ms = median_ms(vendors[phase], args.repeats, args.warmup) if phase in vendors else None
-        result.append(Row(rows, phase, flops[phase], ms["triton"], ms["unfused"], vendor_ms))
+        result.append(Row(rows, phase, flops[phase], ms["triton"], ms["unfused"], ms.get("portable"), vendor_ms))
     return result
 
 
 # ---------------------------------------------------------------- report
 def format_table(rows: Sequence[Row]) -> str:
-    lines = ["| N | pass | Triton ms | Triton TFLOPS | unfused ms | unfused TFLOPS | ratio | vendor | vendor ms "
-             "| vendor TFLOPS | share |",
-             "|--:|------|----------:|--------------:|-----------:|---------------:|------:|--------|----------:"
-             "|--------------:|------:|"]
+    lines = ["| N | pass | Triton ms | Triton TFLOPS | portable ms | unfused ms | unfused TFLOPS | ratio | vendor "
+             "| vendor ms | vendor TFLOPS | share |",
+             "|--:|------|----------:|--------------:|------------:|-----------:|---------------:|------:|--------"
+             "|----------:|--------------:|------:|"]
     for r in rows:
         vendor = (f"{VENDORS[r.phase]} | {r.vendor_ms:.3f} | {r.tflops(r.vendor_ms):.1f} | {r.share:.2f}"
                   if r.vendor_ms is not None else "n/a | | |")
-        lines.append(f"| {r.rows} | {r.phase} | {r.triton_ms:.3f} | {r.tflops(r.triton_ms):.1f} | "
+        portable = f"{r.portable_ms:.3f}" if r.portable_ms is not None else "n/a"
+        lines.append(f"| {r.rows} | {r.phase} | {r.triton_ms:.3f} | {r.tflops(r.triton_ms):.1f} | {portable} | "
                      f"{r.unfused_ms:.3f} | {r.tflops(r.unfused_ms):.1f} | {r.ratio:.3f} | {vendor} |")
     return "\n".join(lines)
 
 
+def hopper_decline(args: argparse.Namespace) -> Optional[str]:
+    """Why the Hopper kernels do not serve this run's calls (None: they do)."""
+    return hopper_shape_decline(torch.cuda.get_device_capability(), DTYPES[args.dtype], args.heads, args.dim)
+
+
 def describe_run(args: argparse.Namespace, device: torch.device) -> str:
-    backward = backward_kernel_choice(hopper_shape_decline(torch.cuda.get_device_capability(device),
-                                                           DTYPES[args.dtype], args.heads, args.dim))
     return (f"sparse attention, H={args.heads}, D={args.dim}, K={args.window}+{args.topk}, {args.dtype}, "
             f"indices {args.indices}, {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n"
-            f"Triton backward: {backward}\n"
+            f"Triton forward and backward: {kernel_choice(hopper_decline(args))}; portable = the portable "
+            f"Triton kernels, timed where the Hopper kernels serve\n"
             f"median of {args.repeats} calls after {args.warmup} warm-up (CUDA events); nominal TFLOPS: "
             f"fwd 2·N·H·K·(D_qk+D_v), bwd 2·N·H·K·(3·D_qk+2·D_v); ratio = Triton / unfused (< 1: Triton faster); "
             f"share = vendor ms / Triton ms (Triton's fraction of the vendor kernel's speed)")

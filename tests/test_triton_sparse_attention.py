@@ -111,9 +111,9 @@ def test_autotune_candidates_cap_the_column_chunk_at_the_head_dim():
     assert chunks(20) == [32, 32, 32]  # the first two candidates both become (64, 64, 32, 8, 1): kept once
 
 
-def test_hopper_backward_limits():
-    """The Gluon Hopper backward takes bf16, blocks of 64 heads and D = 512 on sm_90; every other call runs
-    the portable kernel, with the reason logged once."""
+def test_hopper_kernel_limits():
+    """The Gluon Hopper kernels take bf16, blocks of 64 heads and D = 512 on sm_90; every other call runs
+    the portable kernels, with the reason logged once per pass."""
     pytest.importorskip("triton")
     decline = triton_sparse.hopper_shape_decline
     if triton_sparse._gluon_problem() is None:
@@ -124,11 +124,15 @@ def test_hopper_backward_limits():
     assert "bfloat16 only" in decline((9, 0), torch.float16, 64, 512)
     assert "multiple of 64 heads" in decline((9, 0), torch.bfloat16, 20, 512)
     assert "head dim 512" in decline((9, 0), torch.bfloat16, 64, 576)
-    assert "needs CUDA" in triton_sparse.hopper_backward_decline(torch.zeros(2, 64, 512, dtype=torch.bfloat16))
+    query = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
+    for pass_decline in (triton_sparse.hopper_forward_decline, triton_sparse.hopper_backward_decline):
+        assert "needs CUDA" in pass_decline(query)
+        with triton_sparse.portable_kernels():
+            assert "switched off by portable_kernels()" in pass_decline(query)
 
 
-def test_info_line_names_the_backward_kernel(monkeypatch):
-    """`python -m megatron_dsa info` says which backward serves dsv4 calls on the current GPU."""
+def test_info_line_names_the_hopper_kernels(monkeypatch):
+    """`python -m megatron_dsa info` says which forward and backward serve dsv4 calls on the current GPU."""
     pytest.importorskip("triton")
     monkeypatch.setattr(triton_sparse, "triton_decline_reason", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -140,7 +144,7 @@ def test_info_line_names_the_backward_kernel(monkeypatch):
         assert triton_sparse.describe_hopper_kernels().endswith("the Hopper kernel (Gluon)")
 
 
-def test_hopper_backward_needs_a_triton_with_gluon(monkeypatch):
+def test_hopper_kernels_need_a_triton_with_gluon(monkeypatch):
     pytest.importorskip("triton")
 
     class OldTriton:
@@ -155,33 +159,55 @@ def test_hopper_backward_needs_a_triton_with_gluon(monkeypatch):
 
 
 HOPPER_SHARED_MEMORY = 232448  # bytes per block on sm_90
+BF16, FP32 = "*bf16", "*fp32"
+POINTERS = dict(q_ptr=BF16, kv_ptr=BF16, idx_ptr="*i32", sink_ptr=FP32, out_ptr=BF16, lse_ptr=FP32)
+HOPPER_SIGNATURES = {
+    "forward": dict(POINTERS, qk_scale="fp32", M="i32", K="i32", H="constexpr", D="constexpr"),
+    "backward": dict(POINTERS, dout_ptr=BF16, dlse_ptr=FP32, dq_ptr=BF16, dkv_ptr=FP32, dsink_ptr=FP32,
+                     scale="fp32", qk_scale="fp32", M="i32", K="i32", H="constexpr", D="constexpr",
+                     HAS_DLSE="constexpr", num_warps="constexpr"),
+}
 
 
-def test_hopper_backward_compiles_for_sm90_within_shared_memory():
-    """The Gluon kernel compiles for sm_90a on a machine without a GPU (triton bundles ptxas), within
-    Hopper's shared memory per block: an edit that overflows it would otherwise fail only at launch."""
+def hopper_kernel(pass_name: str):
+    if pass_name == "forward":
+        from megatron_dsa.backends.triton_kernels._sparse_attention_hopper_forward import (
+            sparse_attention_fwd_hopper_kernel,
+        )
+        return sparse_attention_fwd_hopper_kernel, 4, [dict(H=64, D=512), dict(H=128, D=512)]
+    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper import sparse_attention_bwd_hopper_kernel
+    return sparse_attention_bwd_hopper_kernel, 8, [dict(H=64, D=512, HAS_DLSE=False, num_warps=8),
+                                                   dict(H=128, D=512, HAS_DLSE=True, num_warps=8)]
+
+
+@pytest.mark.parametrize("pass_name", ["forward", "backward"])
+def test_hopper_kernels_compile_for_sm90_within_shared_memory_without_spills(pass_name, tmp_path):
+    """The Gluon kernels compile for sm_90a on a machine without a GPU (triton bundles ptxas), within
+    Hopper's shared memory per block, and without register spills: an edit that overflows the shared
+    memory would otherwise fail only at launch, and one that lets the compiler hoist the forward's MMA
+    descriptors out of its loop spills ~0.8 KB per thread and costs half its speed."""
     triton = pytest.importorskip("triton")
     problem = triton_sparse._gluon_problem()
     if problem is not None:
-        pytest.skip(f"this triton cannot build the Hopper kernel: {problem}")
+        pytest.skip(f"this triton cannot build the Hopper kernels: {problem}")
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper import sparse_attention_bwd_hopper_kernel
-
-    bf16, fp32 = "*bf16", "*fp32"
-    signature = dict(q_ptr=bf16, kv_ptr=bf16, idx_ptr="*i32", sink_ptr=fp32, out_ptr=bf16, lse_ptr=fp32,
-                     dout_ptr=bf16, dlse_ptr=fp32, dq_ptr=bf16, dkv_ptr=fp32, dsink_ptr=fp32, scale="fp32",
-                     qk_scale="fp32", M="i32", K="i32", H="constexpr", D="constexpr", HAS_DLSE="constexpr",
-                     num_warps="constexpr")
+    kernel, num_warps, variants = hopper_kernel(pass_name)
+    signature = HOPPER_SIGNATURES[pass_name]
     # What a launch specialises on: 16-byte aligned pointers (torch allocations are).
     aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
-    for heads, has_dlse in ((64, False), (128, True)):
-        source = GluonASTSource(fn=sparse_attention_bwd_hopper_kernel, signature=signature, attrs=aligned,
-                                constexprs=dict(H=heads, D=512, HAS_DLSE=has_dlse, num_warps=8))
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    for constexprs in variants:
+        source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
         assert "wgmma.mma_async" in compiled.asm["ptx"]
         assert 0 < compiled.metadata.shared <= HOPPER_SHARED_MEMORY, compiled.metadata.shared
+        ptx = tmp_path / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "kernel.o")],
+                                capture_output=True, text=True, check=True).stderr
+        assert "0 bytes spill stores" in report, report
 
 
 # ---------------------------------------------------------------- GPU
@@ -201,6 +227,9 @@ def realistic_indices(rows: int, window: int, topk: int, ratio: int = 4, device:
     if top.shape[1] < topk:
         top = torch.cat([top, top.new_full((rows, topk - top.shape[1]), -1)], 1)
     return torch.cat([win, top], 1).to(torch.int32), rows + entries
+
+
+KERNEL_CALLS = (triton_sparse.FORWARD_KERNEL_CALLS, triton_sparse.BACKWARD_KERNEL_CALLS)
 
 
 def cosine(a: Tensor, b: Tensor) -> float:
@@ -230,13 +259,13 @@ def test_gpu_matches_fp32_reference(dtype, rows, heads, dim, window, topk):
     grad_lse = torch.randn(rows, heads, device="cuda")
     scale = dim ** -0.5
 
-    before = triton_sparse.BACKWARD_KERNEL_CALLS.copy()
+    before = [counter.copy() for counter in KERNEL_CALLS]
     got = run_triton(query, kv, indices, sink, scale, grad_out, grad_lse)
-    # The Hopper (Gluon) backward serves bf16, 64-head blocks and D = 512 on sm_90; the rest is portable.
+    # The Hopper (Gluon) kernels serve bf16, 64-head blocks and D = 512 on sm_90; the rest is portable.
     hopper = (torch.cuda.get_device_capability()[0] == 9 and dtype == torch.bfloat16 and heads % 64 == 0
               and dim == 512)
-    ran = triton_sparse.BACKWARD_KERNEL_CALLS - before
-    assert ran == {("hopper" if hopper else "portable"): 1}, ran
+    for counter, earlier in zip(KERNEL_CALLS, before):
+        assert counter - earlier == {("hopper" if hopper else "portable"): 1}, counter - earlier
     expected = reference(query.float(), kv.float(), indices, sink, scale, grad_out.float(), grad_lse)
     assert got[0].dtype == dtype and got[3].dtype == dtype and got[4].dtype == torch.float32
     out, lse = got[:2]
@@ -265,7 +294,7 @@ def test_gpu_matches_fp32_reference(dtype, rows, heads, dim, window, topk):
     (64, 128, 512, False),  # dsv4-flash
     (128, 100, 300, True),  # two head blocks, K = 400 (not a multiple of the index block), LSE gradient
 ], ids=["flash", "h128_k400_dlse"])
-def test_gpu_hopper_backward_matches_portable(monkeypatch, heads, window, topk, with_lse_grad):
+def test_gpu_hopper_backward_matches_portable(heads, window, topk, with_lse_grad):
     """Metamorphic: the Hopper (Gluon) backward equals the portable Triton backward on the same inputs,
     including duplicate ids, -1 padding and rows without any valid id."""
     decline = triton_sparse.hopper_shape_decline(torch.cuda.get_device_capability(), torch.bfloat16, heads, 512)
@@ -289,8 +318,8 @@ def test_gpu_hopper_backward_matches_portable(monkeypatch, heads, window, topk, 
 
     before = triton_sparse.BACKWARD_KERNEL_CALLS.copy()
     hopper = backward()
-    monkeypatch.setattr(triton_sparse, "hopper_backward_decline", lambda query: "forced off by the test")
-    portable = backward()
+    with triton_sparse.portable_kernels():
+        portable = backward()
     assert triton_sparse.BACKWARD_KERNEL_CALLS - before == {"hopper": 1, "portable": 1}
     assert torch.equal(hopper[0][:5].float(), torch.zeros_like(hopper[0][:5].float()))  # rows without keys
     # Both round the same fp32 sums to bf16 (dq, dkv); only the fp32 summation order differs (the kv
@@ -301,3 +330,44 @@ def test_gpu_hopper_backward_matches_portable(monkeypatch, heads, window, topk, 
         assert cosine(a, b) >= 0.99999, (name, cosine(a, b))
         assert relative_error(a, b) <= 2e-3, (name, relative_error(a, b))
     torch.testing.assert_close(hopper[2], portable[2], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, window, topk", [
+    (64, 128, 512),  # dsv4-flash: 5 pairs of index blocks
+    (128, 100, 300),  # two head blocks; K = 400: the last pair's second block is partly padding
+    (64, 16, 40),  # K = 56: one index block, the pair's second block is all padding
+], ids=["flash", "h128_k400", "k56"])
+def test_gpu_hopper_forward_matches_portable(heads, window, topk):
+    """Metamorphic: the Hopper (Gluon) forward equals the portable Triton forward on the same inputs,
+    including duplicate ids, -1 padding, ids past M and rows without any valid id."""
+    decline = triton_sparse.hopper_shape_decline(torch.cuda.get_device_capability(), torch.bfloat16, heads, 512)
+    if decline is not None:
+        pytest.skip(f"the Hopper forward does not run here, so there is nothing to compare: it {decline}")
+    torch.manual_seed(0)
+    rows, dim = 1024, 512
+    indices, kv_rows = realistic_indices(rows, window, topk)
+    indices[:, -4:] = indices[:, :4]  # duplicates count as separate keys
+    indices[::7, 1] = kv_rows + 3  # past M: ignored
+    indices[:5] = -1
+    query = torch.randn(rows, heads, dim, device="cuda").bfloat16()
+    kv = torch.randn(kv_rows, dim, device="cuda").bfloat16()
+    sink = torch.randn(heads, device="cuda")
+    scale = dim ** -0.5
+
+    before = triton_sparse.FORWARD_KERNEL_CALLS.copy()
+    out, lse = sparse_attention_forward(query, kv, indices, sink, scale)
+    with triton_sparse.portable_kernels():
+        portable_out, portable_lse = sparse_attention_forward(query, kv, indices, sink, scale)
+    assert triton_sparse.FORWARD_KERNEL_CALLS - before == {"hopper": 1, "portable": 1}
+    assert torch.equal(out[:5].float(), torch.zeros_like(out[:5].float()))  # rows without keys
+    assert torch.isinf(lse[:5]).all() and torch.isfinite(lse[5:]).all()
+    # The LSE is an fp32 sum of fp32 exponentials in both, in another order: 1e-5 relative.
+    torch.testing.assert_close(lse, portable_lse, atol=1e-4, rtol=1e-5)
+    # Both round fp32 sums to a bf16 output; the probabilities enter the value MMA as bf16 in both, but the
+    # Hopper kernel rounds half of them at a provisional maximum and rescales (2^-8 relative per rounding,
+    # averaging out over the keys): cosine >= 0.99999, relative norm error <= 3e-3 (each side is ~2e-3
+    # from the fp32 reference, mostly the output's own rounding).
+    assert torch.isfinite(out).all()
+    assert cosine(out, portable_out) >= 0.99999, cosine(out, portable_out)
+    assert relative_error(out, portable_out) <= 3e-3, relative_error(out, portable_out)

@@ -46,6 +46,14 @@ def _gather_kv(smem, kv_ptr, idx_ptr, row, start, K, M, D: gl.constexpr, layout:
 
 
 @gluon.jit
+def _opaque_zero(value):
+    """0, computed at run time from the loop-varying `value`. Shared-memory views indexed with it inside a
+    loop keep their MMA descriptors there: with constant views the compiler hoists every MMA's descriptor
+    out of the loop (64 for a [64, 512] x [512, 64] product alone), and they spill."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [value], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _valid_ids(idx_ptr, row, start, K, M, layout: gl.constexpr):
     """`(valid, ids)` of the row's indices `[start, start + BLOCK_K)` in `layout` (a 1-D slice layout)."""
     ks = start + gl.arange(0, BLOCK_K, layout=layout)
@@ -85,9 +93,12 @@ def sparse_attention_bwd_hopper_kernel(
     rows_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D], dtype)
     weights_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, BLOCK_K], dtype)
 
-    stacked = gl.allocate_shared_memory(dtype, [2 * BLOCK_H, D], rows_smem)  # [dO ; q]
-    kv_block = gl.allocate_shared_memory(dtype, [BLOCK_K, D], rows_smem)
-    weights = gl.allocate_shared_memory(dtype, [2 * BLOCK_H, BLOCK_K], weights_smem)  # [p ; scale dS]
+    # One-deep leading dimensions, indexed inside the loop by a run-time zero (`_opaque_zero`).
+    stacked_tiles = gl.allocate_shared_memory(dtype, [1, 2 * BLOCK_H, D], rows_smem)  # [dO ; q]
+    kv_tiles = gl.allocate_shared_memory(dtype, [1, BLOCK_K, D], rows_smem)
+    weights_tiles = gl.allocate_shared_memory(dtype, [1, 2 * BLOCK_H, BLOCK_K], weights_smem)  # [p ; scale dS]
+    stacked = stacked_tiles.index(0)
+    kv_block = kv_tiles.index(0)
 
     stacked_rows = gl.arange(0, 2 * BLOCK_H, layout=gl.SliceLayout(1, copy_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, copy_layout))
@@ -120,8 +131,12 @@ def sparse_attention_bwd_hopper_kernel(
     no_scores = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=score_layout)
     no_chunk = gl.zeros([BLOCK_K, BLOCK_DC], gl.float32, layout=chunk_layout)
     chunk_cols = gl.arange(0, BLOCK_DC, layout=gl.SliceLayout(0, atomic_layout))
-    weights_op = weights.permute((1, 0))  # [BLOCK_K, 2 BLOCK_H] = [p^T | scale dS^T]
     for start in range(0, K, BLOCK_K):
+        zero = _opaque_zero(start)
+        stacked = stacked_tiles.index(zero)
+        kv_block = kv_tiles.index(zero)
+        weights = weights_tiles.index(zero)
+        weights_op = weights.permute((1, 0))  # [BLOCK_K, 2 BLOCK_H] = [p^T | scale dS^T]
         async_copy.wait_group(0)
         gl.thread_barrier()
         fence_async_shared()

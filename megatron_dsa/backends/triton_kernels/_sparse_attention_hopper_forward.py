@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from megatron_dsa.backends.triton_kernels._sparse_attention_hopper import BLOCK_H, BLOCK_K, LOG2E, MAX_FLOOR, \
-    _valid_ids
+    _opaque_zero, _valid_ids
 
 LN2 = gl.constexpr(0.6931471805599453)
 HALF_D = gl.constexpr(256)  # columns per kv / output half
@@ -107,14 +107,6 @@ def _signal(bars, which: gl.constexpr):
     """Arrive once for the whole warpgroup, after every thread's shared-memory work before it."""
     gl.thread_barrier()
     mbarrier.arrive(bars.index(which))
-
-
-@gluon.jit
-def _opaque_zero(value):
-    """0, computed at run time from the loop-varying `value`: shared-memory views indexed with it stay
-    inside the loop. Views with constant indices let the compiler hoist every MMA's descriptor (64 of them
-    for the scores alone) out of the loop, and they spill."""
-    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [value], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

@@ -54,7 +54,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -200,7 +200,24 @@ def hopper_backward_decline(query: Tensor) -> Optional[str]:
     return _hopper_decline(query)
 
 
+@contextlib.contextmanager
+def portable_kernels() -> Iterator[None]:
+    """Within the block, every call runs the portable Triton kernels (benchmarks and tests compare the
+    Hopper kernels against them)."""
+    global _portable_only
+    previous, _portable_only = _portable_only, True
+    try:
+        yield
+    finally:
+        _portable_only = previous
+
+
+_portable_only = False
+
+
 def _hopper_decline(query: Tensor) -> Optional[str]:
+    if _portable_only:
+        return "is switched off by portable_kernels()"
     if query.device.type != "cuda":
         return f"tensors on {query.device.type}, it needs CUDA"
     if interpreting():
