@@ -175,8 +175,10 @@ def benchmark_rows(rows: int, args: argparse.Namespace, device: torch.device) ->
     vendors = vendor_calls(problem)
     result = []
     for position, phase in enumerate(("fwd", "bwd")):
-        ms = {name: median_ms(calls[position], args.repeats, args.warmup) for name, calls in timed.items()}
-        vendor_ms = median_ms(vendors[phase], args.repeats, args.warmup) if phase in vendors else None
+        ms = {name: median_ms(calls[position], args.repeats, args.warmup, args.back_to_back)
+              for name, calls in timed.items()}
+        vendor_ms = (median_ms(vendors[phase], args.repeats, args.warmup, args.back_to_back) if phase in vendors
+                     else None)
         result.append(Row(rows, phase, flops[phase], ms["triton"], ms["unfused"], ms.get("portable"), vendor_ms))
     return result
 
@@ -206,7 +208,8 @@ def describe_run(args: argparse.Namespace, device: torch.device) -> str:
             f"indices {args.indices}, {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n"
             f"Triton forward and backward: {kernel_choice(hopper_decline(args))}; portable = the portable "
             f"Triton kernels, timed where the Hopper kernels serve\n"
-            f"median of {args.repeats} calls after {args.warmup} warm-up (CUDA events); nominal TFLOPS: "
+            f"median of {args.repeats} timings of {args.back_to_back} back-to-back calls each, after "
+            f"{args.warmup} warm-up calls (CUDA events); nominal TFLOPS: "
             f"fwd 2·N·H·K·(D_qk+D_v), bwd 2·N·H·K·(3·D_qk+2·D_v); ratio = Triton / unfused (< 1: Triton faster); "
             f"share = vendor ms / Triton ms (Triton's fraction of the vendor kernel's speed)")
 
@@ -218,13 +221,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--topk", type=int, default=512)
+    parser.add_argument("--back-to-back", type=int, default=4,
+                        help="calls per timing, issued without a sync, so that the host's launch work overlaps "
+                             "the previous call's kernels (1: the latency of one call from an idle GPU)")
     parser.add_argument("--indices", default="causal", choices=["causal", "full"],
                         help="causal: window + visible top-k with -1 padding; full: every slot a valid id")
     args = parser.parse_args(argv)
     if min(args.seq_lens) < COMPRESS_RATIO or args.heads < 1 or args.dim < 1 or args.window < 1 or args.topk < 0:
         parser.error(f"--seq-lens must be >= {COMPRESS_RATIO}; --heads, --dim, --window >= 1; --topk >= 0")
-    if args.repeats < 1 or args.warmup < 1:
-        parser.error("--repeats and --warmup must be >= 1 (the warm-up autotunes the kernels)")
+    if args.repeats < 1 or args.warmup < 1 or args.back_to_back < 1:
+        parser.error("--repeats, --warmup and --back-to-back must be >= 1 (the warm-up autotunes the kernels)")
     return args
 
 

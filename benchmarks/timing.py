@@ -31,19 +31,23 @@ def cuda_available(script: str) -> bool:
     return torch.cuda.is_available()
 
 
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int, back_to_back: int = 1) -> float:
     """Median of `repeats` CUDA-event timings after `warmup` untimed calls (the first Triton call of a
-    shape compiles and autotunes, so it belongs to the warm-up)."""
+    shape compiles and autotunes, so it belongs to the warm-up). Each timing covers `back_to_back` calls
+    issued without a sync, divided by their number: with more than one, the host's work for a call
+    overlaps the previous call's kernels, so a kernel is timed rather than the latency of one call from
+    an idle GPU (which adds the host's launch time)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(back_to_back):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / back_to_back)
     return statistics.median(times)
 
 
