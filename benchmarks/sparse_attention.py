@@ -9,10 +9,12 @@ valid instead). Forward: `sparse_attention_forward` vs the reference op; backwar
 
 TFLOPS are nominal and count every index slot, padded or not: forward `2·N·H·K·(D_qk + D_v)`, backward
 `2·N·H·K·(3·D_qk + 2·D_v)` with `D_qk = D_v = D` (K = V). Ratio = Triton / unfused (< 1: Triton is
-faster). Where the vendor kernels the issue measures Triton against run here (FlashMLA's sparse forward,
-cuDNN's DSA backward, through our adapters), they are timed on the same inputs too, and `share` is
-Triton's speed as a fraction of theirs (vendor ms / Triton ms). Needs a CUDA GPU; on a machine without
-one it says so and exits.
+faster). Where the Hopper (Gluon) kernels serve the calls, the portable Triton kernels are timed beside
+them (`portable`). Where the vendor kernels the issue measures Triton against run here (FlashMLA's
+sparse forward, cuDNN's DSA backward, through our adapters), they are timed on the same inputs too, and
+`share` is Triton's speed as a fraction of theirs (vendor ms / Triton ms). Each timing covers
+`--back-to-back` calls without a sync, so that kernels are compared rather than one call's latency from
+an idle GPU. Needs a CUDA GPU; on a machine without one it says so and exits.
 
 Run from the repository root: `python benchmarks/sparse_attention.py --help`.
 """

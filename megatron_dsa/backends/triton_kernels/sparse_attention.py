@@ -20,17 +20,21 @@ Kernel design (Hopper first, correct anywhere Triton runs):
 On CUDA a short autotune list picks the blocks, warps and stages; the CPU interpreter runs a single
 fixed configuration so that tests stay fast.
 
-Measured on an H200 (bf16, H = 64, D = 512, 640 indices per row; `benchmarks/sparse_attention.py`):
-the forward runs at about 235-270 TFLOPS with 64 heads, 64 indices, 8 warps and 2 stages per program
-(about half of FlashMLA's speed). It is register-bound: the [64, 512] fp32 accumulator takes half the
-register file, so the query stays in shared memory as a dot operand, and the loads carry no head or dim
-masks when the tiles cover H and D exactly.
+The forward has two kernels. On Hopper, for bf16, blocks of 64 heads and D = 512 (dsv4), a
+warp-specialised Gluon kernel (`_sparse_attention_hopper_forward`: a producer warpgroup gathers kv, two
+consumer warpgroups score alternate index blocks and split the output columns) takes 0.78 ms at 4096
+rows and 2.87 ms at 16k on an H200 (bf16, H = 64, D = 512, 640 indices per row;
+`benchmarks/sparse_attention.py`), 86-97% of FlashMLA's speed; `hopper_forward_decline` says when it does
+not apply. Everywhere else the portable Triton kernel runs (1.30 / 4.94 ms there, about 270 TFLOPS) with
+64 heads, 64 indices, 8 warps and 2 stages per program. It is register-bound: the [64, 512] fp32
+accumulator takes half the register file, so the query stays in shared memory as a dot operand, and the
+loads carry no head or dim masks when the tiles cover H and D exactly.
 
 The backward has two kernels. On Hopper, for bf16, blocks of 64 heads and D = 512 (dsv4), a Gluon kernel
 (`_sparse_attention_hopper`: explicit shared-memory tiles, asynchronous gathers and MMAs that overlap the
-atomics) takes 3.3 ms at 4096 rows, about 70% of cuDNN's speed; `hopper_backward_decline` says when it
+atomics) takes 3.0 ms at 4096 rows, 71-76% of cuDNN's speed; `hopper_backward_decline` says when it
 does not apply. Everywhere else (other GPUs, dtypes, head counts, head dims, and the interpreter) the
-portable Triton kernel runs: it takes 4.65 ms on the same problem. It keeps all 64 heads and 64 indices per
+portable Triton kernel runs: it takes 4.6 ms on the same problem. It keeps all 64 heads and 64 indices per
 program, so every dot is a warpgroup MMA and each kv row is reduced once per query row; q and dO are loaded
 once per row and stay in shared memory; the kv gradient is one stacked dot per column chunk in a
 pipelined loop. Its index loop runs single-stage (q, dO and the kv block fill 192 KB of shared memory),
