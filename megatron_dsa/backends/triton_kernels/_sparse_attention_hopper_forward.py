@@ -72,8 +72,9 @@ def _fill_half(kv_smem, bars, kv_ptr, rows, buffer: gl.constexpr, half: gl.const
     offsets, valid = rows
     slot: gl.constexpr = 2 * buffer + half
     mbarrier.wait(bars.index(KV_FREE + slot), phase)
-    async_copy.async_copy_global_to_shared(kv_smem.index(slot), kv_ptr + offsets[:, None] + (half * HALF_D + cols)[None, :],
-                                           mask=valid[:, None], eviction_policy="evict_last")
+    pointers = kv_ptr + offsets[:, None] + (half * HALF_D + cols)[None, :]
+    async_copy.async_copy_global_to_shared(kv_smem.index(slot), pointers, mask=valid[:, None],
+                                           eviction_policy="evict_last")
     async_copy.mbarrier_arrive(bars.index(KV_READY + slot), increment_count=False)
 
 
@@ -87,7 +88,8 @@ def _producer(q_smem, kv_smem, bars, q_ptr, kv_ptr, idx_ptr, row, first_head, M,
     cols = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, layout))
     q_rows = (row * H + first_head + rows).to(gl.int64) * D
     for half in gl.static_range(2):
-        async_copy.async_copy_global_to_shared(q_smem.index(half), q_ptr + q_rows[:, None] + (half * HALF_D + cols)[None, :])
+        pointers = q_ptr + q_rows[:, None] + (half * HALF_D + cols)[None, :]
+        async_copy.async_copy_global_to_shared(q_smem.index(half), pointers)
     async_copy.mbarrier_arrive(bars.index(Q_READY), increment_count=False)
 
     for pair in range(gl.cdiv(K, 2 * BLOCK_K)):
@@ -131,10 +133,11 @@ def _scores(q_smem, kv_smem, bars, buffer: gl.constexpr, phase, idx_ptr, row, bl
 
 
 @gluon.jit
-def _consumer(which: gl.constexpr, q_smem, kv_smem, p_smem, max_smem, sum_smem, bars, idx_ptr, sink_ptr,
-              out_ptr, lse_ptr, qk_scale, row, first_head, M, K, H: gl.constexpr, D: gl.constexpr):
+def _consumer(which: gl.constexpr, args):
     """Consumer `which` (0 or 1): scores the index blocks of buffer `which` and accumulates output columns
-    `[which * 256, which * 256 + 256)`."""
+    `[which * 256, which * 256 + 256)`. `args`: the kernel's shared memory, pointers and scalars."""
+    q_smem, kv_smem, p_smem, max_smem, sum_smem, bars, idx_ptr, sink_ptr, out_ptr, lse_ptr, qk_scale, row, \
+        first_head, M, K, H, D = args
     other: gl.constexpr = 1 - which
     score_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_K, 16])
@@ -217,20 +220,6 @@ def _consumer(which: gl.constexpr, q_smem, kv_smem, p_smem, max_smem, sum_smem, 
              out_tile.load(store_layout))
 
 
-@gluon.jit
-def _consumer0(q_smem, kv_smem, p_smem, max_smem, sum_smem, bars, idx_ptr, sink_ptr, out_ptr, lse_ptr, qk_scale,
-               row, first_head, M, K, H: gl.constexpr, D: gl.constexpr):
-    _consumer(0, q_smem, kv_smem, p_smem, max_smem, sum_smem, bars, idx_ptr, sink_ptr, out_ptr, lse_ptr,
-              qk_scale, row, first_head, M, K, H, D)
-
-
-@gluon.jit
-def _consumer1(q_smem, kv_smem, p_smem, max_smem, sum_smem, bars, idx_ptr, sink_ptr, out_ptr, lse_ptr, qk_scale,
-               row, first_head, M, K, H: gl.constexpr, D: gl.constexpr):
-    _consumer(1, q_smem, kv_smem, p_smem, max_smem, sum_smem, bars, idx_ptr, sink_ptr, out_ptr, lse_ptr,
-              qk_scale, row, first_head, M, K, H, D)
-
-
 # ---------------------------------------------------------------- kernel
 @gluon.jit
 def sparse_attention_fwd_hopper_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
@@ -268,6 +257,6 @@ def sparse_attention_fwd_hopper_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr
 
     consumer_args = (q_smem, kv_smem, p_smem, max_smem, sum_smem, bars, idx_ptr, sink_ptr, out_ptr, lse_ptr,
                      qk_scale, row, first_head, M, K, H, D)
-    gl.warp_specialize([(_consumer0, consumer_args), (_consumer1, consumer_args),
+    gl.warp_specialize([(_consumer, (0, consumer_args)), (_consumer, (1, consumer_args)),
                         (_producer, (q_smem, kv_smem, bars, q_ptr, kv_ptr, idx_ptr, row, first_head, M, K, H, D))],
                        [4, 4], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
