@@ -289,6 +289,24 @@ def test_gpu_matches_fp32_reference(dtype, rows, heads, dim, window, topk):
         assert relative_error(a, b) <= (1e-2 if out_like else 2e-2), (name, relative_error(a, b))
 
 
+def hopper_case(pass_name: str, heads: int, window: int, topk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """`(query, kv, indices, sink, scale)` in bf16 for a Hopper-vs-portable comparison (1024 rows, D = 512):
+    realistic indices with duplicates, ids past M and 5 rows without any valid id. Skips where the
+    Hopper kernel of `pass_name` would not run."""
+    decline = triton_sparse.hopper_shape_decline(torch.cuda.get_device_capability(), torch.bfloat16, heads, 512)
+    if decline is not None:
+        pytest.skip(f"the Hopper {pass_name} does not run here, so there is nothing to compare: it {decline}")
+    torch.manual_seed(0)
+    rows, dim = 1024, 512
+    indices, kv_rows = realistic_indices(rows, window, topk)
+    indices[:, -8:] = indices[:, :8]  # duplicates count as separate keys
+    indices[::7, 1] = kv_rows + 3  # past M: ignored
+    indices[:5] = -1
+    query = torch.randn(rows, heads, dim, device="cuda").bfloat16()
+    kv = torch.randn(kv_rows, dim, device="cuda").bfloat16()
+    return query, kv, indices, torch.randn(heads, device="cuda"), dim ** -0.5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, window, topk, with_lse_grad", [
     (64, 128, 512, False),  # dsv4-flash
@@ -296,21 +314,10 @@ def test_gpu_matches_fp32_reference(dtype, rows, heads, dim, window, topk):
 ], ids=["flash", "h128_k400_dlse"])
 def test_gpu_hopper_backward_matches_portable(heads, window, topk, with_lse_grad):
     """Metamorphic: the Hopper (Gluon) backward equals the portable Triton backward on the same inputs,
-    including duplicate ids, -1 padding and rows without any valid id."""
-    decline = triton_sparse.hopper_shape_decline(torch.cuda.get_device_capability(), torch.bfloat16, heads, 512)
-    if decline is not None:
-        pytest.skip(f"the Hopper backward does not run here, so there is nothing to compare: it {decline}")
-    torch.manual_seed(0)
-    rows, dim = 1024, 512
-    indices, kv_rows = realistic_indices(rows, window, topk)
-    indices[:, -8:] = indices[:, :8]  # duplicates count as separate keys
-    indices[:5] = -1
-    query = torch.randn(rows, heads, dim, device="cuda").bfloat16()
-    kv = torch.randn(kv_rows, dim, device="cuda").bfloat16()
-    sink = torch.randn(heads, device="cuda")
-    grad_out = torch.randn(rows, heads, dim, device="cuda").bfloat16()
-    grad_lse = torch.randn(rows, heads, device="cuda") if with_lse_grad else None
-    scale = dim ** -0.5
+    including duplicate ids, -1 padding, ids past M and rows without any valid id."""
+    query, kv, indices, sink, scale = hopper_case("backward", heads, window, topk)
+    grad_out = torch.randn_like(query)
+    grad_lse = torch.randn(query.shape[:2], device="cuda") if with_lse_grad else None
     out, lse = sparse_attention_forward(query, kv, indices, sink, scale)
 
     def backward() -> tuple[Tensor, ...]:
@@ -341,20 +348,7 @@ def test_gpu_hopper_backward_matches_portable(heads, window, topk, with_lse_grad
 def test_gpu_hopper_forward_matches_portable(heads, window, topk):
     """Metamorphic: the Hopper (Gluon) forward equals the portable Triton forward on the same inputs,
     including duplicate ids, -1 padding, ids past M and rows without any valid id."""
-    decline = triton_sparse.hopper_shape_decline(torch.cuda.get_device_capability(), torch.bfloat16, heads, 512)
-    if decline is not None:
-        pytest.skip(f"the Hopper forward does not run here, so there is nothing to compare: it {decline}")
-    torch.manual_seed(0)
-    rows, dim = 1024, 512
-    indices, kv_rows = realistic_indices(rows, window, topk)
-    indices[:, -4:] = indices[:, :4]  # duplicates count as separate keys
-    indices[::7, 1] = kv_rows + 3  # past M: ignored
-    indices[:5] = -1
-    query = torch.randn(rows, heads, dim, device="cuda").bfloat16()
-    kv = torch.randn(kv_rows, dim, device="cuda").bfloat16()
-    sink = torch.randn(heads, device="cuda")
-    scale = dim ** -0.5
-
+    query, kv, indices, sink, scale = hopper_case("forward", heads, window, topk)
     before = triton_sparse.FORWARD_KERNEL_CALLS.copy()
     out, lse = sparse_attention_forward(query, kv, indices, sink, scale)
     with triton_sparse.portable_kernels():

@@ -36,8 +36,8 @@ from megatron_dsa.backends.triton_kernels._sparse_attention_hopper import BLOCK_
 LN2 = gl.constexpr(0.6931471805599453)
 HALF_D = gl.constexpr(256)  # columns per kv / output half
 PRODUCER_THREADS = gl.constexpr(4 * 32)  # one warpgroup
-PRODUCER_REGISTERS = gl.constexpr(56)
-CONSUMER_REGISTERS = gl.constexpr(232)
+PRODUCER_REGISTERS = gl.constexpr(40)
+CONSUMER_REGISTERS = gl.constexpr(224)
 # Barriers, one per slot of `bars`: kv halves ready / free at 2 * buffer + half, then the query and the
 # consumers' hand-offs.
 KV_READY = gl.constexpr(0)
@@ -112,23 +112,19 @@ def _signal(bars, which: gl.constexpr):
 
 
 @gluon.jit
-def _scores(q_smem, kv_smem, bars, buffer: gl.constexpr, phase, idx_ptr, row, block, K, M, qk_scale,
-            layout: gl.constexpr):
-    """Scaled, masked scores `[BLOCK_H, BLOCK_K]` (base 2) of one index block: `q kv^T` over both column
-    halves, each MMA issued as soon as its half has landed (consumer 1 starts from the right half, which
-    the producer fills first for it)."""
-    first: gl.constexpr = buffer  # consumer 0: left then right; consumer 1: right then left
-    second: gl.constexpr = 1 - buffer
-    zeros = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout)
-    zero = _opaque_zero(block)
-    mbarrier.wait(bars.index(KV_READY + 2 * buffer + first), phase)
-    s = warpgroup_mma(q_smem.index(first + zero), kv_smem.index(2 * buffer + first + zero).permute((1, 0)), zeros,
-                      use_acc=False, is_async=True)
-    mbarrier.wait(bars.index(KV_READY + 2 * buffer + second), phase)
-    s = warpgroup_mma(q_smem.index(second + zero), kv_smem.index(2 * buffer + second + zero).permute((1, 0)), s,
-                      is_async=True)
+def _score_half(q_smem, kv_smem, bars, buffer: gl.constexpr, half: gl.constexpr, phase, zero, s,
+                use_acc: gl.constexpr):
+    """Once its column half of the kv buffer has landed, issue `s (+)= q[:, half] kv[:, half]^T`
+    (asynchronous; `zero`: the loop's run-time zero for the views)."""
+    mbarrier.wait(bars.index(KV_READY + 2 * buffer + half), phase)
+    return warpgroup_mma(q_smem.index(half + zero), kv_smem.index(2 * buffer + half + zero).permute((1, 0)), s,
+                         use_acc=use_acc, is_async=True)
+
+
+@gluon.jit
+def _masked(s, idx_ptr, row, block, K, M, qk_scale, layout: gl.constexpr):
+    """Scores `[BLOCK_H, BLOCK_K]` of index block `block` scaled to base 2, -inf on invalid ids."""
     valid, _ = _valid_ids(idx_ptr, row, block * BLOCK_K, K, M, gl.SliceLayout(0, layout))
-    s = warpgroup_mma_wait(0, deps=(s,))
     return gl.where(valid[None, :], s * qk_scale, float("-inf"))
 
 
@@ -153,15 +149,24 @@ def _consumer(which: gl.constexpr, args):
     m = gl.maximum(sink, MAX_FLOOR)  # the common running maximum
     total = gl.zeros([BLOCK_H], gl.float32, heads_layout)  # this consumer's sum of p, at m
     acc = gl.zeros([BLOCK_H, HALF_D], gl.float32, out_layout)
+    no_scores = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, score_layout)
+    pairs = gl.cdiv(K, 2 * BLOCK_K)
     mbarrier.wait(bars.index(Q_READY), 0)
-    for pair in range(gl.cdiv(K, 2 * BLOCK_K)):
+    if which == 0:  # later pairs' scores are issued at the end of the pair before (below)
+        s = _score_half(q_smem, kv_smem, bars, 0, 0, 0, 0, no_scores, False)
+        s = _score_half(q_smem, kv_smem, bars, 0, 1, 0, 0, s, True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+    for pair in range(pairs):
         phase = pair & 1
         zero = _opaque_zero(pair)
         own_p = p_smem.index(which + zero)
         own_v = kv_smem.index(2 * which + which + zero)  # this buffer's half of this consumer's columns
         other_v = kv_smem.index(2 * other + which + zero)  # the other buffer's half of this consumer's columns
-        s = _scores(q_smem, kv_smem, bars, which, phase, idx_ptr, row, 2 * pair + which, K, M, qk_scale,
-                    score_layout)
+        if which == 1:  # the right half first: the producer fills it first for this consumer
+            s = _score_half(q_smem, kv_smem, bars, 1, 1, phase, zero, no_scores, False)
+            s = _score_half(q_smem, kv_smem, bars, 1, 0, phase, zero, s, True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+        s = _masked(s, idx_ptr, row, 2 * pair + which, K, M, qk_scale, score_layout)
         block_max = gl.max(s, 1)
         if which == 0:
             m_new = gl.maximum(m, block_max)
@@ -195,11 +200,23 @@ def _consumer(which: gl.constexpr, args):
 
         mbarrier.wait(bars.index(P0_READY + other), phase)
         acc = warpgroup_mma(p_smem.index(other + zero), other_v, acc, is_async=True)
-        if which == 1:
+        if which == 0:
+            if pair + 1 < pairs:
+                # The next pair's scores overlap this product: its left half was freed (above) first.
+                following = _score_half(q_smem, kv_smem, bars, 0, 0, phase ^ 1, zero, no_scores, False)
+                done = warpgroup_mma_wait(1, deps=(acc,))
+                _signal(bars, KV_FREE + 2)  # left half of buffer 1
+                following = _score_half(q_smem, kv_smem, bars, 0, 1, phase ^ 1, zero, following, True)
+                s = warpgroup_mma_wait(0, deps=(following,))
+            else:
+                done = warpgroup_mma_wait(0, deps=(acc,))
+                _signal(bars, KV_FREE + 2)
+            acc = done
+        else:
             acc = warpgroup_mma_wait(1, deps=(acc,))  # the own-half product (issued first) is done
-            _signal(bars, KV_FREE + 3)  # right half of buffer 1: its own product is done
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        _signal(bars, KV_FREE + 2 * other + which)
+            _signal(bars, KV_FREE + 3)  # right half of buffer 1
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _signal(bars, KV_FREE + 1)  # right half of buffer 0
 
     # Add the two consumers' sums; every MMA is done, so the query's shared memory is free for the output.
     sum_smem.index(which).store(total)
