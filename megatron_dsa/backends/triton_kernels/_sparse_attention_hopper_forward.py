@@ -11,7 +11,9 @@ blocks of 64 heads, D = 512 and bf16. One program per (query row, block of 64 he
   warpgroups, which pays a cross-warpgroup reduction and a trip of P through shared memory per block);
 * the output is split by columns: consumer 0 accumulates `O[:, :256]`, consumer 1 `O[:, 256:]`, so each
   block's P meets both halves of V: its own consumer multiplies it from registers, the other reads it
-  from shared memory.
+  from shared memory;
+* consumer 0 issues the next pair's score MMAs while its last value MMA of a pair runs (its left kv half
+  is freed first, so it is usually refilled by then).
 
 The two consumers share one running maximum per head. Per pair of blocks, consumer 0 publishes
 `m0 = max(m, rowmax S0)` and multiplies its own half with it; consumer 1 takes `m1 = max(m0, rowmax S1)`,

@@ -22,17 +22,17 @@ fixed configuration so that tests stay fast.
 
 The forward has two kernels. On Hopper, for bf16, blocks of 64 heads and D = 512 (dsv4), a
 warp-specialised Gluon kernel (`_sparse_attention_hopper_forward`: a producer warpgroup gathers kv, two
-consumer warpgroups score alternate index blocks and split the output columns) takes 0.78 ms at 4096
-rows and 2.87 ms at 16k on an H200 (bf16, H = 64, D = 512, 640 indices per row;
-`benchmarks/sparse_attention.py`), 86-97% of FlashMLA's speed; `hopper_forward_decline` says when it does
-not apply. Everywhere else the portable Triton kernel runs (1.30 / 4.94 ms there, about 270 TFLOPS) with
+consumer warpgroups score alternate index blocks and split the output columns) takes 0.76 ms at 4096
+rows and 2.86 ms at 16k on an H200 (bf16, H = 64, D = 512, 640 indices per row;
+`benchmarks/sparse_attention.py`), 90-96% of FlashMLA's speed; `hopper_forward_decline` says when it does
+not apply. Everywhere else the portable Triton kernel runs (1.31 / 4.97 ms there, about 265 TFLOPS) with
 64 heads, 64 indices, 8 warps and 2 stages per program. It is register-bound: the [64, 512] fp32
 accumulator takes half the register file, so the query stays in shared memory as a dot operand, and the
 loads carry no head or dim masks when the tiles cover H and D exactly.
 
 The backward has two kernels. On Hopper, for bf16, blocks of 64 heads and D = 512 (dsv4), a Gluon kernel
 (`_sparse_attention_hopper`: explicit shared-memory tiles, asynchronous gathers and MMAs that overlap the
-atomics) takes 3.0 ms at 4096 rows, 71-76% of cuDNN's speed; `hopper_backward_decline` says when it
+atomics) takes 2.9 ms at 4096 rows, 73-76% of cuDNN's speed; `hopper_backward_decline` says when it
 does not apply. Everywhere else (other GPUs, dtypes, head counts, head dims, and the interpreter) the
 portable Triton kernel runs: it takes 4.6 ms on the same problem. It keeps all 64 heads and 64 indices per
 program, so every dot is a warpgroup MMA and each kv row is reduced once per query row; q and dO are loaded
