@@ -24,7 +24,7 @@ The forward has two kernels. On Hopper, for bf16, blocks of 64 heads and D = 512
 warp-specialised Gluon kernel (`_sparse_attention_hopper_forward`: a producer warpgroup gathers kv, two
 consumer warpgroups score alternate index blocks and split the output columns) takes 0.76 ms at 4096
 rows and 2.86 ms at 16k on an H200 (bf16, H = 64, D = 512, 640 indices per row;
-`benchmarks/sparse_attention.py`), 90-96% of FlashMLA's speed; `hopper_forward_decline` says when it does
+`benchmarks/sparse_attention.py`), 90-96% of FlashMLA's speed; `hopper_decline` says when it does
 not apply. Everywhere else the portable Triton kernel runs (1.31 / 4.97 ms there, about 265 TFLOPS) with
 64 heads, 64 indices, 8 warps and 2 stages per program. It is register-bound: the [64, 512] fp32
 accumulator takes half the register file, so the query stays in shared memory as a dot operand, and the
@@ -32,7 +32,7 @@ loads carry no head or dim masks when the tiles cover H and D exactly.
 
 The backward has two kernels. On Hopper, for bf16, blocks of 64 heads and D = 512 (dsv4), a Gluon kernel
 (`_sparse_attention_hopper`: explicit shared-memory tiles, asynchronous gathers and MMAs that overlap the
-atomics) takes 2.9 ms at 4096 rows, 73-76% of cuDNN's speed; `hopper_backward_decline` says when it
+atomics) takes 2.9 ms at 4096 rows, 73-76% of cuDNN's speed; `hopper_decline` says when it
 does not apply. Everywhere else (other GPUs, dtypes, head counts, head dims, and the interpreter) the
 portable Triton kernel runs: it takes 4.6 ms on the same problem. It keeps all 64 heads and 64 indices per
 program, so every dot is a warpgroup MMA and each kv row is reduced once per query row; q and dO are loaded
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -194,33 +195,24 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 # ---------------------------------------------------------------- the Hopper kernels
-def hopper_forward_decline(query: Tensor) -> Optional[str]:
-    """None when the Gluon Hopper forward takes a call with this `query [N, H, D]`, else why not."""
-    return _hopper_decline(query)
-
-
-def hopper_backward_decline(query: Tensor) -> Optional[str]:
-    """None when the Gluon Hopper backward takes a call with this `query [N, H, D]`, else why not."""
-    return _hopper_decline(query)
+_PORTABLE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("portable_kernels", default=False)
 
 
 @contextlib.contextmanager
 def portable_kernels() -> Iterator[None]:
     """Within the block, every call runs the portable Triton kernels (benchmarks and tests compare the
     Hopper kernels against them)."""
-    global _portable_only
-    previous, _portable_only = _portable_only, True
+    token = _PORTABLE_ONLY.set(True)
     try:
         yield
     finally:
-        _portable_only = previous
+        _PORTABLE_ONLY.reset(token)
 
 
-_portable_only = False
-
-
-def _hopper_decline(query: Tensor) -> Optional[str]:
-    if _portable_only:
+def hopper_decline(query: Tensor) -> Optional[str]:
+    """None when the Gluon Hopper kernels (forward and backward alike) take a call with this
+    `query [N, H, D]`, else why not."""
+    if _PORTABLE_ONLY.get():
         return "is switched off by portable_kernels()"
     if query.device.type != "cuda":
         return f"tensors on {query.device.type}, it needs CUDA"
@@ -400,7 +392,7 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
     if rows == 0:
         return out, lse
     operands = _prepare(query, kv, indices, sink)
-    decline = hopper_forward_decline(query)
+    decline = hopper_decline(query)
     _log_kernel_choice("forward", decline)
     FORWARD_KERNEL_CALLS["portable" if decline else "hopper"] += 1
     with _on_device(query.device):
@@ -441,7 +433,7 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
         dlse = grad_lse.to(torch.float32).contiguous() if has_dlse else sink_terms  # unread without HAS_DLSE
         tensors = (out.contiguous(), lse.to(torch.float32).contiguous(), grad_out.to(query.dtype).contiguous(), dlse,
                    grad_query, grad_kv, sink_terms, float(scale), float(scale) * LOG2E)
-        decline = hopper_backward_decline(query)
+        decline = hopper_decline(query)
         _log_kernel_choice("backward", decline)
         BACKWARD_KERNEL_CALLS["portable" if decline else "hopper"] += 1
         with _on_device(query.device):
