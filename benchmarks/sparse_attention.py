@@ -172,7 +172,7 @@ def benchmark_rows(rows: int, args: argparse.Namespace, device: torch.device) ->
     problem = build_problem(rows, args, device)
     flops = nominal_flops(rows, args.heads, args.window + args.topk, args.dim)
     timed = {"triton": triton_calls(problem), "unfused": unfused_calls(problem)}
-    if hopper_decline(args) is None:
+    if run_hopper_decline(args) is None:
         timed["portable"] = portable_calls(problem)
     vendors = vendor_calls(problem)
     result = []
@@ -200,7 +200,7 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def hopper_decline(args: argparse.Namespace) -> Optional[str]:
+def run_hopper_decline(args: argparse.Namespace) -> Optional[str]:
     """Why the Hopper kernels do not serve this run's calls (None: they do)."""
     return hopper_shape_decline(torch.cuda.get_device_capability(), DTYPES[args.dtype], args.heads, args.dim)
 
@@ -208,7 +208,7 @@ def hopper_decline(args: argparse.Namespace) -> Optional[str]:
 def describe_run(args: argparse.Namespace, device: torch.device) -> str:
     return (f"sparse attention, H={args.heads}, D={args.dim}, K={args.window}+{args.topk}, {args.dtype}, "
             f"indices {args.indices}, {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n"
-            f"Triton forward and backward: {kernel_choice(hopper_decline(args))}; portable = the portable "
+            f"Triton forward and backward: {kernel_choice(run_hopper_decline(args))}; portable = the portable "
             f"Triton kernels, timed where the Hopper kernels serve\n"
             f"median of {args.repeats} timings of {args.back_to_back} back-to-back calls each, after "
             f"{args.warmup} warm-up calls (CUDA events); nominal TFLOPS: "

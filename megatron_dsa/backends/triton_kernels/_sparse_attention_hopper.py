@@ -39,9 +39,7 @@ def _gather_kv(smem, kv_ptr, idx_ptr, row, start, K, M, D: gl.constexpr, layout:
     """Issue the asynchronous copy of kv rows `indices[row, start:start + BLOCK_K]` into `smem [BLOCK_K, D]`;
     ids outside `[0, M)` (and columns past K) are zero-filled without a read (the scores mask them): padding
     redirected to one kv row would hit one L2 slice from every program."""
-    ks = start + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
-    ids = gl.load(idx_ptr + row * K + ks, mask=ks < K, other=-1)
-    valid = (ids >= 0) & (ids < M)
+    valid, ids = _valid_ids(idx_ptr, row, start, K, M, gl.SliceLayout(1, layout))
     rows = gl.where(valid, ids, 0).to(gl.int64)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     async_copy.async_copy_global_to_shared(smem, kv_ptr + rows[:, None] * D + cols[None, :], mask=valid[:, None])

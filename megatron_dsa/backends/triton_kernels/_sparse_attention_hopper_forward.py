@@ -59,9 +59,7 @@ NUM_BARRIERS = gl.constexpr(15)
 def _kv_rows(idx_ptr, row, block, K, M, D: gl.constexpr, layout: gl.constexpr):
     """`(offsets, valid)` of the kv rows of index block `block`: element offsets `[BLOCK_K]` (0 where
     invalid) and which ids lie in `[0, M)`."""
-    ks = block * BLOCK_K + gl.arange(0, BLOCK_K, layout=layout)
-    ids = gl.load(idx_ptr + row * K + ks, mask=ks < K, other=-1)
-    valid = (ids >= 0) & (ids < M)
+    valid, ids = _valid_ids(idx_ptr, row, block * BLOCK_K, K, M, layout)
     return gl.where(valid, ids, 0).to(gl.int64) * D, valid
 
 
