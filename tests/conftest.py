@@ -1,7 +1,10 @@
-"""Shared test setup: GPU markers skip cleanly on machines without CUDA; deterministic seeds."""
+"""Shared test setup: GPU markers skip cleanly on machines without CUDA; deterministic seeds; every test
+starts with the dispatcher asking the backends afresh (tests fake packages and GPUs)."""
 
 import pytest
 import torch
+
+from megatron_dsa.backends import registry
 
 
 def pytest_collection_modifyitems(config, items):
@@ -16,3 +19,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_choices():
+    registry.forget_choices()
+    yield
+    registry.forget_choices()

@@ -69,6 +69,33 @@ def test_a_per_op_priority_ranks_a_backend_below_another_for_that_op_only(clean_
     assert resolve(other)[0] == "slow_here"
 
 
+def test_a_choice_is_remembered_per_call_description_until_forgotten(clean_registry: None) -> None:
+    """The probes run once per (op, requested, description); a description holding a non-plain value (a
+    layout object) is asked every time; `forget_choices` and a new registration ask again."""
+    asked = []
+
+    def counting_probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
+        asked.append(dict(call))
+        return fake_probe(op, call)
+
+    register_backend(Backend(name="fake", priority=100, ops={OP: fake_sparse_attention}, probe=counting_probe))
+    for _ in range(3):
+        assert resolve(OP, head_dim=64, dtype=torch.bfloat16)[0] == "fake"
+        assert resolve(OP, head_dim=96, dtype=torch.bfloat16)[0] == "unfused"
+    assert [call["head_dim"] for call in asked] == [64, 96]
+    assert resolve(OP, "fake", head_dim=64, dtype=torch.bfloat16)[0] == "fake"  # by name: its own entry
+    assert len(asked) == 3 and asked[-1]["explicit"]
+    for _ in range(2):
+        resolve(OP, head_dim=64, layout=object())
+    assert len(asked) == 5
+    registry.forget_choices()
+    resolve(OP, head_dim=64, dtype=torch.bfloat16)
+    assert len(asked) == 6
+    register_backend(Backend(name="other", priority=1, ops={OP: fake_sparse_attention}))
+    resolve(OP, head_dim=64, dtype=torch.bfloat16)
+    assert len(asked) == 7
+
+
 def test_auto_falls_back_and_logs_the_choice_once(fake_backend: Backend,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
@@ -157,5 +184,6 @@ def test_auto_never_picks_the_triton_interpreter_on_cpu(monkeypatch: pytest.Monk
         assert resolve(op, device=cpu, dtype=torch.float32)[0] == "unfused"
         assert resolve(op, "triton", device=cpu, dtype=torch.float32)[0] == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")
+    registry.forget_choices()  # what runs here changed
     with pytest.raises(BackendUnavailableError, match="Triton needs CUDA"):
         resolve(OpFamily.ROPE, "triton", device=cpu, dtype=torch.float32)

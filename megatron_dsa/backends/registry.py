@@ -10,6 +10,12 @@ the backend was requested by name.
 (op, choice, reasons); an explicitly requested backend that declines raises `BackendUnavailableError`
 carrying its reason. The choice can be made per op (`HybridAttentionConfig.attention_backend_overrides`).
 Every dispatched call increments a counter tests read to prove which path ran.
+
+Choices are remembered per (op, requested name, call description) when the description holds only
+plain values (device, dtype, numbers, strings): the probes answer from the call and from what is
+installed, which a process does not change, and asking every backend again costs tens of
+microseconds per call, a few hundred per layer step. Code that changes what is installed (tests that
+fake packages or GPUs) calls `forget_choices()`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Mapping, Optional, Protocol, Union
+from typing import Any, Callable, Hashable, Mapping, Optional, Protocol, Union
+
+import torch
 
 logger = logging.getLogger("megatron_dsa.backends")
 
@@ -94,12 +102,22 @@ class Backend:
 _BACKENDS: dict[str, Backend] = {}
 _CALL_COUNTS: Counter = Counter()
 _LOGGED_CHOICES: set[tuple[OpFamily, str, tuple[str, ...]]] = set()
+_CHOICES: dict[Hashable, tuple[str, Callable[..., Any]]] = {}
+# Call-description values a choice may be remembered under: their equality is their meaning.
+_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 def register_backend(backend: Backend) -> None:
     if backend.name == AUTO:
         raise ValueError(f"'{AUTO}' is reserved and cannot name a backend")
     _BACKENDS[backend.name] = backend
+    forget_choices()
+
+
+def forget_choices() -> None:
+    """Drop the remembered choices: the next call of every op asks the backends again (after
+    installing a package or faking one in a test)."""
+    _CHOICES.clear()
 
 
 def registered_backends(op: Optional[OpFamily] = None) -> list[Backend]:
@@ -128,6 +146,23 @@ def resolve(op: OpFamily, requested: Requested = AUTO, **call: Any) -> tuple[str
     """
     op = OpFamily(op)
     name = _requested_name(op, requested)
+    key = _choice_key(op, name, call)
+    chosen = _CHOICES.get(key) if key is not None else None
+    if chosen is None:
+        chosen = _choose(op, name, call)
+        if key is not None:
+            _CHOICES[key] = chosen
+    return chosen
+
+
+def _choice_key(op: OpFamily, name: str, call: Mapping[str, Any]) -> Optional[Hashable]:
+    """The key a choice is remembered under, None when the description holds other values (a layout)."""
+    if not all(isinstance(value, _PLAIN_VALUES) for value in call.values()):
+        return None
+    return op, name, tuple(call.items())
+
+
+def _choose(op: OpFamily, name: str, call: Mapping[str, Any]) -> tuple[str, Callable[..., Any]]:
     if name != AUTO:
         backend = _lookup(name, op)
         reason = backend.decline_reason(op, {**call, "explicit": True})
