@@ -19,6 +19,7 @@ from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
 from megatron_dsa.layers.context_parallel import ContextParallelRows, context_halo, ring_attention
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.output_projection import grouped_output_projection
+from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.rope import plain_inv_freq, yarn_inv_freq
 from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
 from megatron_dsa.parallel.linear import ColumnParallelLinear, RowParallelLinear, divide
@@ -194,7 +195,7 @@ class HybridAttention(HighPrecisionModule):
     def _attend(self, x: Tensor, layout: TokenLayout, cp: Optional[ContextParallelRows] = None) -> Tensor:
         """Token rows `x [T, d]` → this rank's grouped-projected attention output `[T, G/tp·Ro]`."""
         c = self.config
-        positions, inv_freq = layout.positions, self.rotary_inv_freq
+        positions, inv_freq = layout.positions, self._angle_freq(x.dtype)
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         norm_rope = dispatch(OpFamily.NORM_ROPE, c, device=x.device, dtype=x.dtype)
         qr = self.q_layernorm(self.linear_q_down_proj(x))  # [T, Rq], also the indexer's input
@@ -204,6 +205,11 @@ class HybridAttention(HighPrecisionModule):
         o = self.core_attention(q, kv, x, qr, layout, inv_freq, cp)
         o = rope(o, positions, inv_freq, inverse=True)  # relative positions in V; new storage
         return grouped_output_projection(o.flatten(1), self.linear_o_group_proj, self.local_groups)
+
+    def _angle_freq(self, dtype: torch.dtype) -> Tensor:
+        """The RoPE frequencies in the angle dtype of `dtype` rows, converted once per forward (each RoPE
+        op would otherwise convert the float64 table again: one kernel per call)."""
+        return self.rotary_inv_freq.to(compute_dtype(dtype))
 
     def _check_input(self, hidden_states: Tensor) -> None:
         if not isinstance(hidden_states, Tensor):
@@ -282,7 +288,7 @@ class DenseMLAttention(HybridAttention):
         heads, groups = self.local_heads, self.local_groups
         nope, rope_dim, rank = c.mla_qk_head_dim, c.qk_pos_emb_head_dim, c.mla_kv_lora_rank
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
-        positions, inv_freq, amplitude = layout.positions, self.rotary_inv_freq, self.rope_amplitude
+        positions, inv_freq, amplitude = layout.positions, self._angle_freq(x.dtype), self.rope_amplitude
 
         q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
         q = rope(q.view(-1, heads, nope + rope_dim), positions, inv_freq, amplitude=amplitude)

@@ -224,6 +224,15 @@ class CompressedLayout:
             first = first - self.tokens.position_offsets[self.segment_ids]
         return torch.where(self.valid, first, 0)
 
+    @cached_property
+    def pooled_group_starts(self) -> tuple[Tensor, Tensor]:
+        """`(own, previous)`, `[capacity]` int64: the first token row of each entry's own group and of the
+        group before it (which the overlapping ratio-4 compressor pools too); −1 for unused capacity
+        rows, and (previous) for the first entry of a sequence."""
+        own = torch.where(self.valid, self.group_first_rows, -1)
+        previous = torch.where(self.entry_index > 0, own - self.ratio, -1)  # entry_index is 0 when unused
+        return own, previous
+
     def visible_counts(self) -> Tensor:
         """`[T]` entries token `t` may see: `min(floor((pos+1)/r), C_b)` (ratio-causal, §3.3)."""
         causal = torch.div(self.tokens.positions + 1, self.ratio, rounding_mode="floor")

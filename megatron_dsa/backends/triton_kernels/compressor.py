@@ -106,17 +106,6 @@ class TritonGatedPool(torch.autograd.Function):
         return grad_kv, grad_gate, grad_ape, None, None, None
 
 
-def _group_starts(layout: CompressedLayout) -> tuple[Tensor, Tensor]:
-    """`(own, previous)`, `[capacity]` int64: the first token row of each entry's own group and of the
-    group before it; −1 for unused capacity rows, and (previous) for the first entry of a sequence.
-
-    The reference reads the previous group at `own − r` (clamped at row 0); layouts keep that row in
-    the same segment (a context-parallel piece carries the preceding rows as its halo)."""
-    own = torch.where(layout.valid, layout.group_first_rows, -1)
-    previous = torch.where(layout.entry_index > 0, own - layout.ratio, -1)  # entry_index is 0 when unused
-    return own.contiguous(), previous.contiguous()
-
-
 def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) -> Tensor:
     """Pool token projections into compressed entries (same contract as `ops.compressor.gated_pool`).
 
@@ -126,7 +115,9 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
     Gradients flow to kv, gate and ape.
     """
     _check_inputs(kv, gate, ape, layout)
-    own, previous = _group_starts(layout)
+    # The reference reads the previous group at `own − r` (clamped at row 0); layouts keep that row in
+    # the same segment (a context-parallel piece carries the preceding rows as its halo).
+    own, previous = layout.pooled_group_starts
     return TritonGatedPool.apply(kv.contiguous(), gate.contiguous(), ape.contiguous(), own, previous, layout.ratio)
 
 
