@@ -45,7 +45,9 @@ from megatron_dsa.backends.sparse_layout import (
 )
 from megatron_dsa.backends.torch_sdpa import batched_dense_attention, layout_problem
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
+from megatron_dsa.backends.triton_kernels.constants import device_scalar
 from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl_per_row
+from megatron_dsa.backends.triton_kernels.kl_slots import kl_slots as triton_kl_slots
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
 from megatron_dsa.ops.indexer_loss import KLFn, indexer_kl, kl_per_row
 from megatron_dsa.ops.indices import UniformVisibleRows
@@ -270,17 +272,11 @@ def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tenso
     """
     rows, heads, _ = q.shape
     width = probes.round_up(max(candidates.shape[1], 1), INDEXER_BLOCK)
-    valid = (candidates >= 0) & (candidates < k.shape[0])
-    floor = torch.finfo(torch.float32).min
-    predict = torch.where(valid, torch.softmax(torch.where(valid, student.float(), floor), -1), 0.0)
-    weighted = torch.where(valid, target.float() * grad_rows.float().unsqueeze(-1), 0.0)
-
-    def slots(t: Tensor, value: float) -> Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value).unsqueeze(0)
-
+    slots = triton_kl_slots if triton_decline_reason(q.device) is None else kl_slots  # one kernel, else ~15 ops
+    weighted, predict, ids = (t.unsqueeze(0) for t in slots(
+        candidates, k.shape[0], student.float(), target.float(), grad_rows.float(), width))
     q_heads = max(heads, INDEXER_MIN_HEADS)
     q_padded, w_padded = pad_heads(q, q_heads).unsqueeze(0), pad_heads(weights, q_heads).unsqueeze(0)
-    ids = slots(torch.where(valid, candidates, -1).to(torch.int32), -1)
     keys = k.contiguous().unsqueeze(0)
     grad_q, grad_w, grad_k = [], [], None
     for start in range(0, rows, INDEXER_ROW_CHUNK):
@@ -288,8 +284,7 @@ def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tenso
         count = q_padded[:, chunk].shape[1]
         result = _dsa().indexer_backward_wrapper(
             q_padded[:, chunk].contiguous(), w_padded[:, chunk].contiguous(), keys,
-            slots(weighted[chunk], 0.0).contiguous(), slots(predict[chunk], 0.0).contiguous(),
-            ids[:, chunk].contiguous(), torch.full((1,), float(count), dtype=torch.float32, device=q.device),
+            weighted[:, chunk], predict[:, chunk], ids[:, chunk], device_scalar(count, torch.float32, q.device),
             sm_scale=float(scale), loss_coeff=1.0, topk_indices_global=True,
             d_index_k=torch.empty(keys.shape, dtype=torch.float32, device=k.device))
         grad_q.append(result["d_index_q"][0, :, :heads])
@@ -300,6 +295,24 @@ def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tenso
     # One chunk (up to 32768 rows, the usual case) returns the kernel's own buffers: no copies.
     merged = [t[0] if len(t) == 1 else torch.cat(t) for t in (grad_q, grad_w)]
     return merged[0].to(q.dtype), grad_k.to(k.dtype), merged[1].to(weights.dtype)
+
+
+def kl_slots(candidates: Tensor, keys: int, student: Tensor, target: Tensor, grad_rows: Tensor,
+             width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's per-slot inputs, `[T, width]` each: `(weighted, predict, ids)` (the torch form of
+    `triton_kernels.kl_slots.kl_slots`; shapes there).
+
+    A slot is valid when its candidate is a row of k. predict: the student's softmax over the valid slots
+    (invalid ones at float32's lowest value), 0 elsewhere; weighted: `target · grad_rows[t]` at valid
+    slots; ids: the candidate, −1 where invalid; padding slots 0, 0, −1."""
+    valid = (candidates >= 0) & (candidates < keys)
+    floor = torch.finfo(torch.float32).min
+    predict = torch.where(valid, torch.softmax(torch.where(valid, student, floor), -1), 0.0)
+    weighted = torch.where(valid, target * grad_rows.unsqueeze(-1), 0.0)
+    ids = torch.where(valid, candidates, -1).to(torch.int32)
+    pad = (0, width - candidates.shape[1])
+    return (torch.nn.functional.pad(weighted, pad), torch.nn.functional.pad(predict, pad),
+            torch.nn.functional.pad(ids, pad, value=-1))
 
 
 def _indexer_kl_problem(call: Mapping[str, Any]) -> Optional[str]:
