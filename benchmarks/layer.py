@@ -159,12 +159,6 @@ def train_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> None:
     out.backward(grad_out)
 
 
-def timed_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> tuple[float, Optional[float]]:
-    """Wall time (ms) of one training forward + backward, and the peak memory (MiB) it allocated on top
-    of what was live before it (CUDA only, else None)."""
-    return timed(partial(train_step, layer, x, grad_out), x.device)
-
-
 def timed(step: Callable[[], None], device: torch.device) -> tuple[float, Optional[float]]:
     """Wall time (ms) of `step` and the peak memory (MiB) it allocated above what was live before it."""
     synchronize(device)
@@ -201,18 +195,22 @@ def captured_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> Callab
     return graph.replay
 
 
+def back_to_back(step: Callable[[], None], steps: int) -> Callable[[], None]:
+    """`steps` calls of `step` issued without a sync in between (a training loop's steps)."""
+    def steps_in_a_row() -> None:
+        for _ in range(steps):
+            step()
+
+    return steps_in_a_row
+
+
 def measure(layer: HybridAttention, x: Tensor, grad_out: Tensor, repeats: int, warmup: int,
-            cuda_graph: bool = False) -> Measurement:
-    """Median time and peak memory of the layer's training step (eager, or replays of its CUDA graph);
-    `OUT_OF_MEMORY` if it does not fit."""
+            cuda_graph: bool = False, steps: int = 1) -> Measurement:
+    """Median time per step and peak memory of the layer's training step (eager, or replays of its CUDA
+    graph), each timing covering `steps` steps in a row; `OUT_OF_MEMORY` if it does not fit."""
     try:
-        if cuda_graph:
-            replay = captured_step(layer, x, grad_out)
-            runs = [timed(replay, x.device) for _ in range(warmup + repeats)][warmup:]
-        else:
-            for _ in range(warmup):
-                train_step(layer, x, grad_out)
-            runs = [timed_step(layer, x, grad_out) for _ in range(repeats)]
+        step = captured_step(layer, x, grad_out) if cuda_graph else partial(train_step, layer, x, grad_out)
+        runs = [timed(back_to_back(step, steps), x.device) for _ in range(warmup + repeats)][warmup:]
     except torch.OutOfMemoryError:
         layer.zero_grad(set_to_none=True)
         x.grad = None
@@ -220,7 +218,7 @@ def measure(layer: HybridAttention, x: Tensor, grad_out: Tensor, repeats: int, w
         return OUT_OF_MEMORY
     # A replay allocates nothing (the graph's pool was reserved at capture): no peak to report.
     peaks = None if cuda_graph or runs[0][1] is None else max(peak for _, peak in runs)
-    return Measurement(statistics.median(ms for ms, _ in runs), peaks)
+    return Measurement(statistics.median(ms for ms, _ in runs) / steps, peaks)
 
 
 def essential_tflop(layer: HybridAttention, seq_len: int, batch: int) -> float:
@@ -258,13 +256,13 @@ def benchmark_kind(config: HybridAttentionConfig, kind: LayerKind, args: argpars
     x = torch.randn(args.seq_len, args.batch, config.hidden_size, device=device, dtype=dtype,
                     requires_grad=True)
     grad_out = torch.randn_like(x)
-    layer_time = measure(layer, x, grad_out, args.repeats, args.warmup, args.cuda_graph)
+    layer_time = measure(layer, x, grad_out, args.repeats, args.warmup, args.cuda_graph, args.back_to_back)
     reset_call_counts()
     if layer_time is not OUT_OF_MEMORY:
         train_step(layer, x, grad_out)  # one counted step: which backend ran each op
     used = sorted({f"{op}={backend}" for (backend, op), calls in call_counts().items() if calls})
     tflop = essential_tflop(layer, args.seq_len, args.batch) if layer_time is not OUT_OF_MEMORY else 0.0
-    baseline_time = measure(baseline, x, grad_out, args.repeats, args.warmup)
+    baseline_time = measure(baseline, x, grad_out, args.repeats, args.warmup, steps=args.back_to_back)
     return Row(kind, layer_time, baseline_time, tflop, ", ".join(used))
 
 
@@ -299,7 +297,8 @@ def describe_run(args: argparse.Namespace) -> str:
               else "peak MiB: n/a on CPU (no allocator statistics)")
     return (f"HybridAttention forward + backward, preset {args.preset}, S={args.seq_len}, B={args.batch}, "
             f"{args.dtype}, {name}, torch {torch.__version__}\n"
-            f"median of {args.repeats} steps after {args.warmup} warm-up, layer first, then the baseline"
+            f"median of {args.repeats} timings after {args.warmup} warm-up, each of {args.back_to_back} step(s) in a "
+            f"row (per step), layer first, then the baseline"
             f"{' (layer: CUDA-graph replays)' if args.cuda_graph else ''}\n"
             f"layer backend {args.backend}; ratio = layer / {args.baseline} baseline (< 1: the layer is faster); "
             f"TFLOPS = essential work / layer time; {memory}")
@@ -329,11 +328,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time replays of the measured layer's step captured as one CUDA graph "
                              "(no per-kernel host time; the baseline stays eager)")
+    parser.add_argument("--back-to-back", type=int, default=1,
+                        help="steps per timing, issued without a sync in between (a training loop's steps: the "
+                             "host issues a step while the GPU still runs the previous one); 1 times each step "
+                             "from an idle GPU, which adds the host time the GPU waits for")
     args = parser.parse_args(argv)
     if args.cuda_graph and not args.device.startswith("cuda"):
         parser.error("--cuda-graph needs a CUDA device")
-    if args.seq_len < 1 or args.batch < 1 or args.repeats < 1 or args.warmup < 0:
-        parser.error("--seq-len, --batch and --repeats must be >= 1 and --warmup >= 0")
+    if min(args.seq_len, args.batch, args.repeats, args.back_to_back) < 1 or args.warmup < 0:
+        parser.error("--seq-len, --batch, --repeats and --back-to-back must be >= 1 and --warmup >= 0")
     return args
 
 
