@@ -54,4 +54,6 @@ def test_gpu_matches_the_torch_form_at_dsv4_shapes():
     got = triton_kl_slots(candidates, 1024, student, target, grad_rows, 512)
     expected = kl_slots(candidates, 1024, student, target, grad_rows, 512)
     assert torch.equal(got[2], expected[2]) and torch.equal(got[0], expected[0])
-    torch.testing.assert_close(got[1], expected[1], rtol=4e-7, atol=1e-9)
+    # Triton's exp on a GPU is exp2 of a rounded product (ex2.approx): its relative error grows with
+    # |logit − max|, up to ~30 here, to a few 1e-6; torch's softmax calls expf.
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-9)
