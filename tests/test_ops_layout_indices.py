@@ -6,8 +6,9 @@ Everything here is integer-valued, so every comparison is exact (tier T0, `==` /
 import pytest
 import torch
 
-from megatron_dsa.ops.indices import (offset_valid, topk_columns, visible_compressed_indices,
-                                      window_indices)
+from megatron_dsa.ops import indices
+from megatron_dsa.ops.indices import (offset_valid, topk_columns, visible_compressed_entries,
+                                      visible_compressed_indices, window_indices)
 from megatron_dsa.ops.layout import TokenLayout
 from oracles import (INVALID, compressed_counts_oracle, segment_starts, topk_oracle, visible_compressed_oracle,
                      window_rows_oracle)
@@ -245,3 +246,18 @@ def test_uniform_layouts_and_what_is_derived_from_them_are_shared_per_shape():
     window = first.derived(("window", 3), lambda: built.append(1) or window_indices(first, 3))
     assert first.derived(("window", 3), lambda: built.append(1)) is window and built == [1]
     torch.testing.assert_close(window, window_indices(TokenLayout.packed(first.cu_seqlens, 48, device), 3))
+
+
+def test_all_visible_rows_are_kept_when_small_and_equal_the_chunked_rows(monkeypatch: pytest.MonkeyPatch):
+    """The full id matrix is built once and reused (a shared layout's); chunks and large matrices are
+    built per call; every form holds the same ids."""
+    layout = TokenLayout.packed(torch.tensor([0, 17, 40]), 40, torch.device("cpu")).compressed(4)
+    entries = visible_compressed_entries(layout)
+    whole = entries.rows()
+    assert entries.rows(slice(0, 40)) is whole and entries.rows(slice(None)) is whole
+    chunked = torch.cat([entries.rows(chunk) for chunk in entries.row_chunks(7 * entries.width)])
+    assert torch.equal(chunked, whole)
+    assert entries.rows(slice(3, 9)) is not entries.rows(slice(3, 9))
+    monkeypatch.setattr(indices, "KEPT_ROWS_ELEMENTS", whole.numel() - 1)
+    fresh = visible_compressed_entries(layout)
+    assert fresh.rows() is not fresh.rows() and torch.equal(fresh.rows(), whole)

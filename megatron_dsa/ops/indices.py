@@ -7,6 +7,7 @@ window entry is a token row id and compressed entry `c` is row `T + c`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Optional
 
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 
 INVALID = -1
+KEPT_ROWS_ELEMENTS = 1 << 23  # visible-entry id matrices kept for reuse up to 64 MiB of int64
 
 
 def window_indices(layout: TokenLayout, window: int) -> Tensor:
@@ -63,7 +65,22 @@ class VisibleEntries:
         return self.table.shape[1]
 
     def rows(self, chunk: slice = slice(None)) -> Tensor:
-        """`[n, C]` buffer rows visible to the query rows `chunk`, −1 elsewhere."""
+        """`[n, C]` buffer rows visible to the query rows `chunk`, −1 elsewhere.
+
+        All rows at once are built once and kept when they are small (`KEPT_ROWS_ELEMENTS`): a layout
+        shared by every layer and step then saves six small ops per C layer forward, which matter at
+        short sequences, where the host's launch time is a large part of a step. Callers never write into
+        the result."""
+        if chunk.indices(self.group.shape[0]) == (0, self.group.shape[0], 1) and (
+                self.group.shape[0] * self.width <= KEPT_ROWS_ELEMENTS):
+            return self._all_rows
+        return self._rows(chunk)
+
+    @cached_property
+    def _all_rows(self) -> Tensor:
+        return self._rows(slice(None))
+
+    def _rows(self, chunk: slice) -> Tensor:
         ids = self.table[self.group[chunk]]
         visible = torch.arange(self.width, device=ids.device) < self.count[chunk].unsqueeze(1)
         return torch.where(visible & (ids >= 0), ids, INVALID)
