@@ -69,7 +69,8 @@ def test_a_per_op_priority_ranks_a_backend_below_another_for_that_op_only(clean_
     assert resolve(other)[0] == "slow_here"
 
 
-def test_a_choice_is_remembered_per_call_description_until_forgotten(clean_registry: None) -> None:
+def test_a_choice_is_remembered_per_call_description_until_forgotten(clean_registry: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The probes run once per (op, requested, description); a description holding a non-plain value (a
     layout object) is asked every time; `forget_choices` and a new registration ask again."""
     asked = []
@@ -94,6 +95,10 @@ def test_a_choice_is_remembered_per_call_description_until_forgotten(clean_regis
     register_backend(Backend(name="other", priority=1, ops={OP: fake_sparse_attention}))
     resolve(OP, head_dim=64, dtype=torch.bfloat16)
     assert len(asked) == 7
+    monkeypatch.setattr(registry, "MAX_REMEMBERED_CHOICES", 2)  # bounded: full means start again
+    for rows in (1, 2, 3):
+        resolve(OP, head_dim=64, kv_rows=rows)
+    assert len(registry._CHOICES) <= 2
 
 
 def test_auto_falls_back_and_logs_the_choice_once(fake_backend: Backend,

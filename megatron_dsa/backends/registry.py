@@ -12,7 +12,7 @@ carrying its reason. The choice can be made per op (`HybridAttentionConfig.atten
 Every dispatched call increments a counter tests read to prove which path ran.
 
 Choices are remembered per (op, requested name, call description) when the description holds only
-plain values (device, dtype, numbers, strings): the probes answer from the call and from what is
+plain values (device, dtype, integers, strings; at most `MAX_REMEMBERED_CHOICES`): the probes answer from the call and from what is
 installed, which a process does not change, and asking every backend again costs tens of
 microseconds per call, a few hundred per layer step. Code that changes what is installed (tests that
 fake packages or GPUs) calls `forget_choices()`.
@@ -104,7 +104,9 @@ _CALL_COUNTS: Counter = Counter()
 _LOGGED_CHOICES: set[tuple[OpFamily, str, tuple[str, ...]]] = set()
 _CHOICES: dict[Hashable, tuple[str, Callable[..., Any]]] = {}
 # Call-description values a choice may be remembered under: their equality is their meaning.
-_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+_PLAIN_VALUES = (type(None), bool, int, str, torch.dtype, torch.device)
+# Descriptions with shapes in them (kv rows) vary with packed lengths: the memory is bounded.
+MAX_REMEMBERED_CHOICES = 4096
 
 
 def register_backend(backend: Backend) -> None:
@@ -151,6 +153,8 @@ def resolve(op: OpFamily, requested: Requested = AUTO, **call: Any) -> tuple[str
     if chosen is None:
         chosen = _choose(op, name, call)
         if key is not None:
+            if len(_CHOICES) >= MAX_REMEMBERED_CHOICES:
+                forget_choices()
             _CHOICES[key] = chosen
     return chosen
 
