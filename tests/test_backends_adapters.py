@@ -219,6 +219,26 @@ def test_cudnn_topk_matches_topk_columns_exactly(vendors) -> None:
     assert seq_lens[2] == 0 and seq_lens[3] <= 5
 
 
+@pytest.mark.parametrize("chunk", [slice(0, 26), slice(5, 20), slice(14, 15)])
+def test_cudnn_topk_with_the_uniform_structure_scans_only_visible_prefixes(vendors, chunk) -> None:
+    """With the `visible` hint the kernel gets each row's visible count as its scan length and the scores
+    unmasked (finite garbage past the prefix must not matter); the result is still `topk_columns`'s.
+    The counts are built once per row structure and reused."""
+    dsa = with_cudnn(vendors)
+    _, _, _, entries = uniform_indexer_problem(batch=2, seqlen=13)
+    candidates, visible = entries.rows(chunk), entries.uniform_rows(chunk)
+    valid = candidates >= 0
+    scores = torch.randint(0, 3, candidates.shape).float()  # ties; invalid columns hold finite values too
+    for k in (1, 2, 3, 5):
+        got = cudnn_backend.topk(scores, valid, k, visible)
+        assert torch.equal(got, topk_columns(scores, valid, k)), k
+    calls = [call for name, call in dsa.calls if name == "topk"]
+    assert torch.equal(calls[-1]["seq_lens"], valid.sum(1).int())
+    assert calls[0]["seq_lens"] is calls[-1]["seq_lens"]  # kept, not rebuilt
+    with pytest.raises(ValueError, match="visible rows"):
+        cudnn_backend.topk(scores[:, :2], valid[:, :2], 2, visible)
+
+
 def indexer_kl_problem(rows: int, heads: int, width: int, keys: int = 9):
     """bf16 indexer inputs (DI = 128), candidates with −1 slots and an empty row, a teacher target, the
     reference student scores, and non-negative row weights with a zero (padding) row."""
@@ -297,6 +317,9 @@ def test_cudnn_indexer_scores_match_the_reference_on_row_chunks(vendors, chunk) 
     first_sequence = chunk.start // 13
     assert call["offsets"][0] == chunk.start - 13 * first_sequence and (call["offsets"][1:] == 0).all()
     assert call["k"].shape[0] == int(call["cu_k"][-1])  # only the touched sequences' keys
+    cudnn_backend.indexer_scores(q[chunk], k, weights[chunk], candidates, 0.09, visible)
+    again = dsa.calls[-1][1]
+    assert all(again[name] is call[name] for name in ("cu_q", "cu_k", "offsets"))  # kept per row structure
 
 
 def test_cudnn_indexer_scores_need_the_uniform_structure(vendors) -> None:

@@ -125,9 +125,11 @@ def test_cudnn_topk_matches_topk_columns_with_ties_and_short_rows() -> None:
 def test_cudnn_indexer_scores_match_unfused_on_uniform_row_chunks() -> None:
     """cuDNN's dense indexer forward (THD segments, causal offsets) against the reference scores of the
     visible entries at the dsv4-flash indexer dims (64 heads × 128, ratio 4): two 2048-token
-    sequences, whole and as a chunk starting mid-sequence. Tolerance: both sum float32 products of the
-    same bf16 inputs; 5e-3 relative leaves room for one bf16 rounding of an intermediate in the kernel.
-    The −inf pattern (the ratio-causal rule) must match exactly."""
+    sequences, whole and as a chunk starting mid-sequence; then cuDNN's top-k of those scores with the
+    uniform structure (visible prefixes as scan lengths) against `topk_columns`. Tolerance: both sum
+    float32 products of the same bf16 inputs; 5e-3 relative leaves room for one bf16 rounding of an
+    intermediate in the kernel. The −inf pattern (the ratio-causal rule) must match exactly.
+    """
     require("cudnn", "nvidia-cudnn-frontend not installed")
     gen = torch.Generator(device=CUDA).manual_seed(8)
     layout = TokenLayout.uniform(2, 2048, CUDA)
@@ -147,6 +149,9 @@ def test_cudnn_indexer_scores_match_unfused_on_uniform_row_chunks() -> None:
         assert torch.equal(torch.isneginf(got), candidates < 0), chunk
         finite = candidates >= 0
         assert relative_error(got[finite], expected[finite]) <= 5e-3, chunk
+        # The layer's next step: top-k over these scores with the same structure hint.
+        _, topk = resolve(OpFamily.TOPK, "cudnn", device=CUDA, dtype=got.dtype, topk=512)
+        assert torch.equal(topk(got, finite, 512, visible), topk_columns(got, finite, 512)), chunk
 
 
 def test_cudnn_indexer_kl_backward_matches_unfused() -> None:

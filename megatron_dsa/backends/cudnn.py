@@ -50,6 +50,7 @@ from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as trit
 from megatron_dsa.backends.triton_kernels.kl_slots import kl_slots as triton_kl_slots
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
 from megatron_dsa.ops.indexer_loss import KLFn, indexer_kl, kl_per_row
+from megatron_dsa.ops.device_cache import DeviceCache
 from megatron_dsa.ops.indices import UniformVisibleRows
 from megatron_dsa.parallel.state import group_size
 
@@ -65,6 +66,9 @@ INDEXER_MIN_HEADS = 64  # SM90 asserts at least 64 indexer heads (fewer are padd
 INDEXER_HEAD_DIM = 128
 INDEXER_ROW_CHUNK = 32768  # query rows per call (the kernel's grid limit, as Megatron chunks them)
 INDEXER_FORWARD_HEADS = (16, 32, 64)  # query heads per key head the SM90 indexer forward is built for
+# Index tensors of uniform-batch rows (segment bounds, visible counts): built by a few small ops from
+# host ints, the same for every layer and step of a layout, so they are kept.
+_UNIFORM_ROWS_INDEX: DeviceCache[Any] = DeviceCache(max_entries=256)
 
 
 def _dsa() -> Any:
@@ -162,7 +166,8 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
     and writes −inf past the ratio-causal limit `(offset + row + 1) // ratio`, our visibility rule; its
     column j is entry j of the row's sequence, which is our candidate column j. `sm_scale` multiplies
     `Σ_h ReLU(<q_h, k>)·w_h` once, as our `scale`. Every index tensor is made on the device from host
-    ints (no host-to-device copy, no sync). Forward only: the selection needs no gradient.
+    ints (no host-to-device copy, no sync) and kept per row structure. Forward only: the selection
+    needs no gradient.
     """
     if visible is None:
         raise ValueError("the cuDNN indexer forward needs the uniform visible-entry structure (`visible`)")
@@ -175,15 +180,37 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
     if rows == 0 or entries == 0:
         return torch.full((rows, entries), float("-inf"), dtype=torch.float32, device=q.device)
     first, last = visible.start // seqlen, (visible.stop - 1) // seqlen
-    segment = torch.arange(last - first + 2, dtype=torch.int32, device=q.device)  # one per sequence touched
+    cu_seqlens_q, cu_seqlens_k, q_causal_offsets = _indexer_segments(visible, q.device)
     result = _dsa().indexer_forward_wrapper(
         q.contiguous(), k[first * entries:(last + 1) * entries].unsqueeze(1), weights.contiguous(),
-        ratio=visible.ratio, sm_scale=float(scale),
-        cu_seqlens_q=(segment * seqlen + (first * seqlen - visible.start)).clamp_(0, rows),
-        cu_seqlens_k=segment * entries,
-        max_seqlen_q=min(seqlen, rows), max_seqlen_k=entries,
-        q_causal_offsets=(visible.start - (first + segment[:-1]) * seqlen).clamp_(min=0))
-    return torch.where(candidates >= 0, result["scores"], float("-inf"))
+        ratio=visible.ratio, sm_scale=float(scale), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=min(seqlen, rows), max_seqlen_k=entries, q_causal_offsets=q_causal_offsets)
+    # The kernel's −inf past the ratio-causal limit is exactly where the candidates are −1 (the uniform
+    # structure has no other gaps): its scores are returned as they are.
+    return result["scores"]
+
+
+def _indexer_segments(visible: UniformVisibleRows, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """`(cu_seqlens_q, cu_seqlens_k, q_causal_offsets)` int32 of the THD call scoring the rows `visible`
+    describes: one segment per sequence the rows touch, each starting at its first row in the chunk."""
+    def build() -> tuple[Tensor, Tensor, Tensor]:
+        rows, seqlen = visible.stop - visible.start, visible.seqlen
+        first, last = visible.start // seqlen, (visible.stop - 1) // seqlen
+        segment = torch.arange(last - first + 2, dtype=torch.int32, device=device)
+        return ((segment * seqlen + (first * seqlen - visible.start)).clamp_(0, rows), segment * visible.entries,
+                (visible.start - (first + segment[:-1]) * seqlen).clamp_(min=0))
+
+    return _UNIFORM_ROWS_INDEX.get(("indexer_segments", visible, torch.device(device)), device, build)
+
+
+def _visible_counts(visible: UniformVisibleRows, device: torch.device) -> Tensor:
+    """`[n]` int32 visible entries of each row `visible` describes, `(position + 1) // ratio` (a prefix of
+    its columns)."""
+    def build() -> Tensor:
+        positions = torch.arange(visible.start, visible.stop, device=device) % visible.seqlen
+        return ((positions + 1) // visible.ratio).to(torch.int32)
+
+    return _UNIFORM_ROWS_INDEX.get(("visible_counts", visible, torch.device(device)), device, build)
 
 
 def _indexer_scores_problem(call: Mapping[str, Any]) -> Optional[str]:
@@ -205,24 +232,31 @@ def _indexer_scores_problem(call: Mapping[str, Any]) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- top-k
-def topk(scores: Tensor, valid: Tensor, k: int) -> Tensor:
+def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None) -> Tensor:
     """The `ops.indices.topk_columns` contract on `DSA.indexer_top_k_wrapper`.
 
     scores `[T, C]`, valid `[T, C]` → `[T, min(k, C)]` int64 columns, highest score first, ties to the
     lower column, −1 where fewer than k are valid. The kernel scans columns `[0, seq_len)` of each row,
     so seq_len is the last valid column + 1 and invalid columns inside it are −inf; its picks are
     then re-checked against `valid` and put in our order (the kernel does not promise an order).
+    With `visible` (uniform-batch rows) the valid columns are a prefix of known length, kept per
+    layout, and the scores go in as they are: five small ops fewer per call.
     """
     rows, cols = scores.shape
     width = min(k, cols)
+    if visible is not None and (rows != visible.stop - visible.start or cols != visible.entries):
+        raise ValueError(f"top-k scores {tuple(scores.shape)} do not match the visible rows "
+                         f"{visible.start}:{visible.stop} with {visible.entries} entries each")
     if rows == 0 or width == 0:
         return torch.full((rows, width), -1, dtype=torch.long, device=scores.device)
-    ranked = torch.where(valid, scores.float(), float("-inf"))
+    if visible is None:
+        ranked = torch.where(valid, scores.float(), float("-inf"))
+        seq_lens = torch.where(valid, torch.arange(1, cols + 1, device=scores.device), 0).amax(1).to(torch.int32)
+    else:
+        ranked, seq_lens = scores.float(), _visible_counts(visible, scores.device)
     if cols % TOPK_COLUMN_ALIGNMENT:
         ranked = torch.nn.functional.pad(ranked, (0, TOPK_COLUMN_ALIGNMENT - cols % TOPK_COLUMN_ALIGNMENT),
                                          value=float("-inf"))
-    column = torch.arange(1, cols + 1, device=scores.device)
-    seq_lens = torch.where(valid, column, 0).amax(1).to(torch.int32)
     picked = _dsa().indexer_top_k_wrapper(ranked, seq_lens, width, next_n=1, return_val=False,
                                           deterministic=True)["indices"]
     if triton_decline_reason(scores.device) is None:  # one kernel instead of the torch sort below

@@ -37,7 +37,7 @@ class OpFamily(str, Enum):
     SPARSE_ATTENTION_FWD = "sparse_attention_fwd"  # (q, kv, indices, sink, scale) -> (out, lse)
     SPARSE_ATTENTION_BWD = "sparse_attention_bwd"  # (..., out, lse, grad_out, grad_lse) -> grads
     INDEXER_SCORES = "indexer_scores"  # (q, k, weights, candidates, scale, visible=None) -> scores [n, C]
-    TOPK = "topk"
+    TOPK = "topk"  # (scores [T, C], valid [T, C], k, visible=None) -> columns [T, min(k, C)]
     INDEXER_LOSS = "indexer_loss"
     INDEXER_KL_BWD = "indexer_kl_bwd"  # (q, k, weights, candidates, target, student, grad_rows, scale) -> grads
     COMPRESSOR = "compressor"

@@ -106,10 +106,10 @@ class LightningIndexer(nn.Module):
         columns, picked_scores = [], []
         with torch.no_grad():
             for rows in entries.row_chunks(SELECTION_CHUNK_ELEMENTS):
-                candidates = entries.rows(rows)
-                scores = self.scores((q[rows], k, weights[rows]), candidates, entries.uniform_rows(rows))
+                candidates, visible = entries.rows(rows), entries.uniform_rows(rows)
+                scores = self.scores((q[rows], k, weights[rows]), candidates, visible)
                 pick = dispatch(OpFamily.TOPK, self.config, device=q.device, dtype=scores.dtype, topk=topk)
-                chosen = pick(scores, candidates >= 0, topk)
+                chosen = pick(scores, candidates >= 0, topk, visible)
                 columns.append(chosen)
                 picked_scores.append(torch.where(chosen >= 0, scores.gather(1, chosen.clamp_min(0)),
                                                  float("-inf")))

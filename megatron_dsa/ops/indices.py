@@ -121,11 +121,13 @@ def visible_compressed_indices(layout: CompressedLayout) -> Tensor:
     return visible_compressed_entries(layout).rows()
 
 
-def topk_columns(scores: Tensor, valid: Tensor, k: int) -> Tensor:
+def topk_columns(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None) -> Tensor:
     """Columns of the top-`k` valid scores per row, −1 where fewer than `k` are valid.
 
     scores: `[T, C]`; valid: `[T, C]` bool. Returns `[T, min(k, C)]` int64, highest score first;
     ties go to the lower column (stable sort), so the selection is deterministic. Non-differentiable.
+    `visible` (the `topk` op family's optional hint, as for `indexer_scores`): `valid` is the visible-entry
+    mask of these uniform-batch rows, a prefix of each row; `valid` says the same, so this ignores it.
     """
     width = min(k, scores.shape[1])
     ranked = torch.where(valid, scores.detach(), float("-inf"))
