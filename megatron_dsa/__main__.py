@@ -1,6 +1,7 @@
 """Command line of the package: `python -m megatron_dsa <command>` or the `megatron-dsa` script.
 
-    info    package and torch versions, the device, and which backend can run which op family here
+    info    package and torch versions, the device, which backend can run which op family here, and
+            which kernel generation serves where a backend has several (FlashAttention, Triton)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 import megatron_dsa
 from megatron_dsa.backends import availability_table
+from megatron_dsa.backends.flash_attn import describe_generations
 from megatron_dsa.backends.triton_kernels.sparse_attention import describe_hopper_kernels
 
 
@@ -45,6 +47,8 @@ def run_info(args: argparse.Namespace) -> int:
         print(f"device: {device}")
     print()
     print(format_table(("backend", "versions", "op family", "available"), availability_table()))
+    print()
+    print(describe_generations())
     print()
     print(describe_hopper_kernels())
     return 0

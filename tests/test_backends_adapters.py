@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import megatron_dsa.backends.cudnn as cudnn_backend
+import megatron_dsa.backends.flash_attn as flash_attn_backend
 import megatron_dsa.backends.flashmla as flashmla_backend
 import megatron_dsa.backends.triton_kernels.availability as triton_availability
 from megatron_dsa import HybridAttention, HybridAttentionConfig
@@ -30,7 +31,6 @@ from megatron_dsa.backends import (
     reset_call_counts,
     resolve,
 )
-from megatron_dsa.backends.flash_attn import dense_attention as fa4_dense_attention
 from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
@@ -55,6 +55,7 @@ def clear_probe_caches() -> None:
     cudnn_backend.wrapper_problem.cache_clear()
     flashmla_backend.package_problem.cache_clear()
     flashmla_backend._lse_is_base2.cache_clear()
+    flash_attn_backend._self_test_verdict.cache_clear()
     triton_availability._package_problem.cache_clear()
 
 
@@ -63,7 +64,8 @@ def vendors(monkeypatch: pytest.MonkeyPatch):
     """Fresh registry state and probe caches; no vendor package importable unless a test installs one."""
     monkeypatch.setattr(registry, "_LOGGED_CHOICES", set())
     monkeypatch.setattr(registry, "_CALL_COUNTS", Counter())
-    for name in ("cudnn", "flash_mla", "flash_attn", "flash_attn.cute", "triton"):
+    for name in ("cudnn", "flash_mla", "flash_attn", "flash_attn.cute", "flash_attn.flash_attn_interface",
+                 "flash_attn_interface", "triton"):
         install(monkeypatch, name, None)
     clear_probe_caches()
     yield monkeypatch
@@ -519,15 +521,13 @@ def loss_of(out: torch.Tensor, lse: torch.Tensor, use_lse: bool) -> torch.Tensor
     return loss
 
 
-@pytest.mark.parametrize("use_lse", [False, True])
-def test_flashmla_forward_with_cudnn_backward_equals_unfused_autograd(vendors, use_lse) -> None:
-    with_cudnn(vendors)
-    install(vendors, "flash_mla", FakeFlashMLA())
-    clear_probe_caches()
-    on_gpu_generation(vendors, (9, 0))
+def assert_dispatched_sparse_autograd_matches_unfused(overrides: dict[str, str], use_lse: bool,
+                                                      expected_counts: dict) -> None:
+    """Forward and backward of a bf16 sparse problem through the backends `overrides` pick equal the
+    unfused autograd (out, lse, dq, dkv, dsink; cosine > 0.999, relative error < 2e-2: bf16 kernels
+    against the bf16 reference), after exactly the dispatched calls `expected_counts`."""
     base = fake_sparse_inputs(12, 8, 512, 20, 40, torch.bfloat16, seed=9)
-    config = HybridAttentionConfig.from_preset("tiny", attention_backend_overrides={
-        "sparse_attention_fwd": "flashmla", "sparse_attention_bwd": "auto"})
+    config = HybridAttentionConfig.from_preset("tiny", attention_backend_overrides=overrides)
 
     def run(fn):
         query, kv, sink = (t.detach().clone().requires_grad_() for t in (base[0], base[1], base[3]))
@@ -537,13 +537,24 @@ def test_flashmla_forward_with_cudnn_backward_equals_unfused_autograd(vendors, u
 
     reset_call_counts()
     fused = run(lambda q, kv, idx, s: sparse_attention(q, kv, idx, s, 0.05, config))
-    expected_bwd = "unfused" if use_lse else "cudnn"  # cuDNN has no lse-gradient input: auto falls back
-    assert call_counts() == {("flashmla", "sparse_attention_fwd"): 1, (expected_bwd, "sparse_attention_bwd"): 1}
+    assert call_counts() == expected_counts
     reference = run(lambda q, kv, idx, s: reference_sparse_attention(q, kv, idx, s, 0.05))
     for name, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), fused, reference):
         finite = torch.isfinite(b)
         assert torch.equal(torch.isfinite(a), finite), name
         assert cosine(a[finite], b[finite]) > 0.999 and relative_error(a[finite], b[finite]) < 2e-2, name
+
+
+@pytest.mark.parametrize("use_lse", [False, True])
+def test_flashmla_forward_with_cudnn_backward_equals_unfused_autograd(vendors, use_lse) -> None:
+    with_cudnn(vendors)
+    install(vendors, "flash_mla", FakeFlashMLA())
+    clear_probe_caches()
+    on_gpu_generation(vendors, (9, 0))
+    expected_bwd = "unfused" if use_lse else "cudnn"  # cuDNN has no lse-gradient input: auto falls back
+    assert_dispatched_sparse_autograd_matches_unfused(
+        {"sparse_attention_fwd": "flashmla", "sparse_attention_bwd": "auto"}, use_lse,
+        {("flashmla", "sparse_attention_fwd"): 1, (expected_bwd, "sparse_attention_bwd"): 1})
 
 
 def test_explicit_cudnn_backward_raises_when_lse_needs_a_gradient(vendors) -> None:
@@ -573,7 +584,7 @@ def test_fa4_dense_glue_matches_the_reference_with_padding_and_tail_rows(vendors
     calls: list = []
     install(vendors, "flash_attn.cute", fake_flash_attn_cute(calls))
     layout, q, k, v = packed_problem([3, 5], [4, 6], tail=2)
-    out, lse = fa4_dense_attention(q, k, v, layout, 0.3)
+    out, lse = flash_attn_backend.FLASH_ATTENTION_4.attend(q, k, v, layout, 0.3)
     out_ref, lse_ref = causal_attention(q, k, v, layout, 0.3)
     torch.testing.assert_close(out, out_ref, **EXACT)
     torch.testing.assert_close(lse, lse_ref.float())  # FA4 returns [H, T]: transposed back
@@ -608,21 +619,27 @@ def test_torch_sdpa_cpu_kernel_is_explicit_only_and_matches_the_reference(vendor
         torch.testing.assert_close(a, b, **EXACT)
 
 
-def test_m_layer_with_explicit_torch_sdpa_matches_unfused(vendors) -> None:
-    torch.manual_seed(0)
-    config = HybridAttentionConfig.from_preset("tiny", qk_head_dim=16, kv_lora_rank=16, num_query_groups=2)
-    hidden = torch.randn(9, 2, config.hidden_size, dtype=torch.float64)
-    fused = HybridAttention(config.replace(attention_backend_overrides={"dense_attention": "torch_sdpa"}),
-                            kind="M").double()
-    reference = HybridAttention(config.replace(attention_backend="unfused"), kind="M").double()
+def m_layer_runs(config: HybridAttentionConfig, backend: str, hidden: torch.Tensor) -> list[tuple]:
+    """An M layer with `dense_attention` on `backend` and an unfused one with the same weights, each run
+    forward and backward on `hidden`: `(out, d hidden, parameter grads, call counts)` per layer."""
+    fused = HybridAttention(config.replace(attention_backend_overrides={"dense_attention": backend}),
+                            kind="M").to(hidden.dtype)
+    reference = HybridAttention(config.replace(attention_backend="unfused"), kind="M").to(hidden.dtype)
     reference.load_state_dict(fused.state_dict())
-    outputs = []
+    results = []
     for layer in (fused, reference):
         x = hidden.clone().requires_grad_()
         reset_call_counts()
         out, _ = layer(x)
-        out.square().sum().backward()
-        outputs.append((out, x.grad, [p.grad for p in layer.parameters()], call_counts()))
+        out.double().square().sum().backward()
+        results.append((out, x.grad, [p.grad for p in layer.parameters()], call_counts()))
+    return results
+
+
+def test_m_layer_with_explicit_torch_sdpa_matches_unfused(vendors) -> None:
+    torch.manual_seed(0)
+    config = HybridAttentionConfig.from_preset("tiny", qk_head_dim=16, kv_lora_rank=16, num_query_groups=2)
+    outputs = m_layer_runs(config, "torch_sdpa", torch.randn(9, 2, config.hidden_size, dtype=torch.float64))
     assert outputs[0][3][("torch_sdpa", "dense_attention")] == 1
     torch.testing.assert_close(outputs[0][0], outputs[1][0], **EXACT)
     torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=1e-9, atol=1e-9)

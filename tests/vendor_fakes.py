@@ -1,4 +1,5 @@
-"""CPU stand-ins for the vendor kernel modules (`cudnn`, `flash_mla`, `flash_attn.cute`).
+"""CPU stand-ins for the vendor kernel modules (`cudnn`, `flash_mla`, `flash_attn.cute` (FA4),
+`flash_attn.flash_attn_interface` (FA2), `flash_attn_interface` (FA3)).
 
 Each fake implements its vendor's call contract with the reference math (so only our glue differs)
 and asserts the input rules the real kernel has (int32 ids, tile-aligned widths, 64-head tiles, a
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import types
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -20,9 +21,35 @@ from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_
 
 
 class FakeCudnnDSA:
+    # (heads, D) the SM100 sparse forward is built for; its output keeps the first 512 dims (V) either way.
+    FORWARD_VARIANTS = ((64, 512), (64, 576), (128, 512))
+    FORWARD_VALUE_DIM = 512
+
     def __init__(self, index_alignment: int = 128):
         self.index_alignment = index_alignment
+        self.forward_lse_base2 = False  # True fakes a broken forward (for the adapter's self-test to catch)
         self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def sparse_attention_forward_wrapper(self, q, kv, topk_idxs, *, attn_sink=None, topk_length=None,
+                                         softmax_scale=None, indexer_topk=0, stream=None):
+        """The SM100 sparse forward: a slot is a key when `0 <= id < M` (any other id is skipped), the sink
+        enters only the output's normaliser, lse is natural-log and sink-free; a row without keys gives
+        out 0 and lse +inf."""
+        self.calls.append(("fwd", dict(q=q, kv=kv, ids=topk_idxs, sink=attn_sink, scale=softmax_scale)))
+        rows, heads, dim = q.shape
+        assert q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
+        assert (heads, dim) in self.FORWARD_VARIANTS and kv.dim() == 2 and kv.shape[1] == dim
+        assert topk_idxs.dtype == torch.int32 and topk_idxs.dim() == 2 and topk_idxs.shape[0] == rows
+        assert attn_sink is not None and attn_sink.dtype == torch.float32 and attn_sink.shape == (heads,)
+        assert topk_length is None and indexer_topk == 0 and stream is None  # what our glue passes
+        scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
+        out, lse = sparse_attention_forward(q, kv, topk_idxs, attn_sink, scale)
+        empty = ~((topk_idxs >= 0) & (topk_idxs < kv.shape[0])).any(1)
+        out = out[..., :self.FORWARD_VALUE_DIM].masked_fill(empty.view(-1, 1, 1), 0.0)
+        lse = lse.float().masked_fill(empty.unsqueeze(1), math.inf)
+        if self.forward_lse_base2:
+            lse = lse / math.log(2.0)
+        return {"out": out, "max_logits": None, "lse": lse, "lse_indexer": None}  # max_logits: unread by the glue
 
     def sparse_attention_backward_wrapper(self, q, kv, out, dout, lse, attn_sink, topk_idxs,
                                           softmax_scale=None, topk_length=None, **_):
@@ -173,6 +200,86 @@ def fake_flash_attn_cute(calls: list) -> types.ModuleType:
     module = types.ModuleType("flash_attn.cute")
     module.flash_attn_varlen_func = flash_attn_varlen_func
     return module
+
+
+def _flash_attn_varlen(calls: list, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       softmax_scale, causal, corrupt: Optional[str]) -> tuple[Tensor, Tensor]:
+    """FA2/FA3 `flash_attn_varlen_func` math with the input rules both kernels check: fp16/bf16 with
+    one dtype, last dims contiguous, int32 contiguous `cu_seqlens` from 0 to T on q's device, every
+    segment within `max_seqlen` (the kernels launch row blocks only up to it), G | H, head dims ≤ 256
+    and multiples of 8. Returns `out [T, H, Dv]` (q dtype) and the natural-log `lse [H, T]` float32,
+    still attached to the graph (the real autograd functions ignore its gradient; the glue detaches).
+    `corrupt` ("out" or "lse") fakes a broken build for the self-test to catch."""
+    calls.append(dict(cu=cu_seqlens_q, max_seqlen=max_seqlen_q, causal=causal, scale=softmax_scale,
+                      q=q, k=k, v=v))
+    assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert causal and softmax_scale is not None and cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous() and cu_seqlens_q.device == q.device
+    assert int(cu_seqlens_q[0]) == 0 and int(cu_seqlens_q[-1]) == q.shape[0] == k.shape[0]
+    assert int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) <= max_seqlen_q, "rows past max_seqlen are skipped"
+    assert q.shape[1] % k.shape[1] == 0 and k.shape[:2] == v.shape[:2] and k.shape[2] == q.shape[2]
+    assert max(q.shape[2], v.shape[2]) <= 256 and q.shape[2] % 8 == 0 and v.shape[2] % 8 == 0
+    layout = TokenLayout.packed(cu_seqlens_q, q.shape[0], q.device, max_seqlen=max_seqlen_q)
+    out, lse = causal_attention(q, k, v, layout, softmax_scale)
+    if corrupt == "out":
+        out = out * 1.25
+    if corrupt == "lse":
+        lse = lse + 0.25
+    return out, lse.float().t().contiguous()
+
+
+def fake_flash_attn_2(calls: list, version: str = "2.8.3", corrupt: Optional[str] = None) -> dict[str, Any]:
+    """The modules of `flash-attn` 2.x: the `flash_attn` package (its `__version__`) and
+    `flash_attn.flash_attn_interface.flash_attn_varlen_func`, which with `return_attn_probs=True` returns
+    `(out, lse [H, T], None)` (no dropout: no probabilities) and needs one head dim for q, k and v."""
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        assert q.shape[2] == v.shape[2], "FA2: q, k and v share one head dim"
+        assert dropout_p == 0.0 and window_size == (-1, -1) and alibi_slopes is None and block_table is None
+        out, lse = _flash_attn_varlen(calls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale, causal, corrupt)
+        return (out, lse, None) if return_attn_probs else out
+
+    package = types.ModuleType("flash_attn")
+    package.__version__ = version
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    interface.flash_attn_varlen_func = flash_attn_varlen_func
+    package.flash_attn_varlen_func = flash_attn_varlen_func
+    return {"flash_attn": package, "flash_attn.flash_attn_interface": interface}
+
+
+def fake_flash_attn_3(calls: list, api: str = "return_attn_probs", corrupt: Optional[str] = None) -> dict[str, Any]:
+    """The `flash_attn_interface` module of a FlashAttention-3 (hopper/) build. Its varlen function
+    takes unequal head dims only as qk (128, 192] with v (96, 128], or qk <= 64. `api` picks the build:
+    "return_attn_probs" (Aug 2025 on: `(out, lse)` when asked), "always" (earlier: always `(out, lse)`,
+    no such keyword), "out_only" (Jul-Aug 2025: `out` alone, no keyword)."""
+
+    def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        qk, dv = q.shape[2], v.shape[2]
+        assert qk == dv or (128 < qk <= 192 and 96 < dv <= 128) or qk <= 64, "FA3 rejects these head dims"
+        return _flash_attn_varlen(calls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  softmax_scale, causal, corrupt)
+
+    def with_keyword(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                     seqused_k=None, softmax_scale=None, causal=False, deterministic=False, return_attn_probs=False):
+        out, lse = run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        return (out, lse) if return_attn_probs else out
+
+    def always(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+               softmax_scale=None, causal=False, deterministic=False):
+        return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+
+    def out_only(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+                 softmax_scale=None, causal=False, deterministic=False):
+        return always(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+                      causal=causal)[0]
+
+    module = types.ModuleType("flash_attn_interface")
+    module.flash_attn_varlen_func = {"return_attn_probs": with_keyword, "always": always, "out_only": out_only}[api]
+    return {"flash_attn_interface": module}
 
 
 def install(monkeypatch, name: str, module: Any) -> None:

@@ -5,6 +5,10 @@
   forward returns, and the plain softmax scale (it applies log2(e) itself: passing a pre-multiplied
   scale would apply it twice, bug class A2.1; the GPU test with a non-default scale catches that).
   It has no LSE-gradient input, so it declines calls whose `lse_grad` is set.
+* `sparse_attention_fwd` (SM100 only): `DSA.sparse_attention_forward_wrapper` (CuTe DSL). It returns
+  the LSE the backward takes (natural log, sink-free), so either backward follows it. Never run on
+  its GPU here (ours are SM90), only against a CPU fake: a one-time self-test against the reference
+  guards each call class before it serves one (see `sparse_attention_forward`).
 * `indexer_kl_bwd` (sparse indexer loss): `DSA.indexer_backward_wrapper`, the KL gradient fused
   into the indexer-scores backward; per-row loss weights enter through the target (see there).
 * `indexer_loss` (sparse indexer loss, no tensor parallelism, SM90): the teacher target from
@@ -27,6 +31,7 @@ the first call of each kernel shape.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -38,6 +43,7 @@ from megatron_dsa.backends.flash_attn import dense_problem
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.backends.sparse_layout import (
     INT32_ROWS,
+    empty_rows,
     heads_problem,
     kernel_ids,
     pad_heads,
@@ -50,8 +56,9 @@ from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as trit
 from megatron_dsa.backends.triton_kernels.kl_slots import kl_slots as triton_kl_slots
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
 from megatron_dsa.ops.indexer_loss import KLFn, indexer_kl, kl_per_row
-from megatron_dsa.ops.device_cache import DeviceCache
+from megatron_dsa.ops.device_cache import DeviceCache, capturing
 from megatron_dsa.ops.indices import UniformVisibleRows
+from megatron_dsa.ops.sparse_attention import sparse_attention_forward as reference_sparse_forward
 from megatron_dsa.parallel.state import group_size
 
 PACKAGE = "cudnn"
@@ -89,7 +96,8 @@ def package_problem() -> Optional[str]:
 
 
 # The DSA wrapper behind each op family (the dense kind uses torch's own cuDNN SDPA instead).
-WRAPPERS = {OpFamily.SPARSE_ATTENTION_BWD: "sparse_attention_backward_wrapper",
+WRAPPERS = {OpFamily.SPARSE_ATTENTION_FWD: "sparse_attention_forward_wrapper",
+            OpFamily.SPARSE_ATTENTION_BWD: "sparse_attention_backward_wrapper",
             OpFamily.TOPK: "indexer_top_k_wrapper",
             OpFamily.INDEXER_SCORES: "indexer_forward_wrapper",
             OpFamily.INDEXER_KL_BWD: "indexer_backward_wrapper",
@@ -154,6 +162,114 @@ def _sparse_backward_problem(call: Mapping[str, Any]) -> Optional[str]:
         heads_problem(heads) if heads is not None else None,
         f"{call['kv_rows']} kv rows exceed int32 ids" if call.get("kv_rows", 0) > INT32_ROWS else None,
     )
+
+
+# ---------------------------------------------------------------- sparse attention forward (SM100)
+FORWARD_TOPK_TILE = 64  # the SM100 forward reads ids 64 slots at a time (any count of tiles)
+# The self-test: |out| <= 1 (kv in [-1, 1]); the kernel rounds P and out to 16 bits (each <= 2^-9
+# relative), so a correct kernel is within about 2^-8 of the float32 reference; 2^-6 is four times that.
+# The lse is float32 from the same rounded inputs (only summation order differs, ~1e-6). On this problem
+# a missing or doubled sink, a base-2 lse, an lse with the sink or a scale applied with log2(e) moves out
+# by >= 0.16 or the lse by >= 0.7 (any head count).
+SELF_TEST_SCALE = 0.09  # not 1/sqrt(D) (the kernel's default); logits of about unit size at D = 512
+SELF_TEST_OUT_TOLERANCE = 2.0 ** -6
+SELF_TEST_LSE_TOLERANCE = 1e-3
+SELF_TEST_EMPTY_ROW = 1
+
+
+def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
+                             scale: float) -> tuple[Tensor, Tensor]:
+    """The `sparse_attention_fwd` contract on `DSA.sparse_attention_forward_wrapper` (SM100).
+
+    query `[N, H, D]`, kv `[M, D]`, indices `[N, K]`, sink `[H]` → out `[N, H, D]` (query dtype), lse
+    `[N, H]` float32. Heads are padded to 64/128 with zero queries and −inf sinks (the kernel adds the
+    sink to the output's normaliser only: a −inf sink changes nothing); ids become int32 with −1 at
+    every invalid slot, padded with −1 to the 64-slot tile; the scale goes in plain (the kernel applies
+    log2(e) itself). The kernel's LSE is natural-log and sink-free, as ours; rows without a valid id
+    come back with out 0 and lse +inf, which becomes −inf.
+    """
+    heads = query.shape[1]
+    width = padded_heads(heads)
+    result = _dsa().sparse_attention_forward_wrapper(
+        pad_heads(query, width),
+        kv,
+        kernel_ids(indices, kv.shape[0], FORWARD_TOPK_TILE),
+        attn_sink=pad_heads(sink.float(), width, float("-inf")),
+        softmax_scale=float(scale),
+    )
+    empty = empty_rows(indices, kv.shape[0]).unsqueeze(1)
+    lse = torch.where(empty, float("-inf"), result["lse"][:, :heads])
+    return result["out"][:, :heads].contiguous(), lse
+
+
+def _sparse_forward_problem(call: Mapping[str, Any]) -> Optional[str]:
+    """Why the SM100 sparse forward cannot take `call` (None: it can; its self-test passed where the
+    call names its class). The kernel has no top-k limit (its wrapper takes any number of slots)."""
+    capability = probes.cuda_capability(call.get("device"))
+    return probes.first_problem(
+        f"cuDNN's sparse forward is built for SM100 only (this GPU is SM{capability[0]}{capability[1]})"
+        if capability is not None and capability[0] != 10 else None,
+        # The same dtypes, D = 512 (its D = 576 mode uses 512 dims as V), 64/128 heads and int32 ids as
+        # the backward (whose lse-gradient clause a forward call never sets).
+        _sparse_backward_problem(call),
+    ) or _self_test_problem(call)
+
+
+def _self_test_problem(call: Mapping[str, Any]) -> Optional[str]:
+    device, dtype, heads, head_dim = (call.get(key) for key in ("device", "dtype", "heads", "head_dim"))
+    if device is None or dtype is None or heads is None or head_dim is None:
+        return None  # no call yet (layer construction, `info`): nothing to test with
+    if capturing(device):  # the comparison reads values on the host
+        return ("cuDNN's sparse forward cannot run its one-time self-test while a CUDA graph is captured "
+                "(run one step before capturing)")
+    return _sparse_forward_self_test(torch.device(device), dtype, heads, head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _sparse_forward_self_test(device: torch.device, dtype: torch.dtype, heads: int,
+                              head_dim: int) -> Optional[str]:
+    """None when `sparse_attention_forward` agrees with the reference on a tiny problem of this call
+    class, else why not (never raises; the verdict is kept per class).
+
+    Why: this adapter was written from the kernel's source and has only run against a CPU fake of it;
+    no SM100 GPU was at hand to run it on. Its lse goes to the backward as is (cuDNN's and Triton's
+    take the natural-log, sink-free lse), so the lse is checked as tightly as float32 allows, and the
+    row without keys must give out exactly 0 (the cuDNN backward relies on it). Tolerances: above.
+    """
+    try:
+        query, kv, indices, sink = _self_test_inputs(device, dtype, heads, head_dim)
+        out, lse = sparse_attention_forward(query, kv, indices, sink, SELF_TEST_SCALE)
+        out_ref, lse_ref = reference_sparse_forward(query.float(), kv.float(), indices, sink, SELF_TEST_SCALE)
+        out_error, lse_error = _max_difference(out.float(), out_ref), _max_difference(lse, lse_ref)
+        empty_out = float(out[SELF_TEST_EMPTY_ROW].abs().max())
+    except Exception as error:  # noqa: BLE001 - the probe must decline, never raise
+        return f"cuDNN's sparse forward failed its self-test ({type(error).__name__}: {error}); please report"
+    if out_error <= SELF_TEST_OUT_TOLERANCE and lse_error <= SELF_TEST_LSE_TOLERANCE and empty_out == 0.0:
+        return None
+    return (f"cuDNN's sparse forward failed its self-test against the reference (max |Δout| {out_error:.3g}, "
+            f"|Δlse| {lse_error:.3g}, |out| of the row without keys {empty_out:.3g}; tolerances "
+            f"{SELF_TEST_OUT_TOLERANCE:.3g}, {SELF_TEST_LSE_TOLERANCE:.3g}, 0); please report")
+
+
+def _self_test_inputs(device: torch.device, dtype: torch.dtype, heads: int,
+                      head_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """4 query rows over 8 kv rows in `[−1, 1]`, 6 slots (not a whole tile): repeated ids, −1, ids ≥ M
+    and below −1, and row `SELF_TEST_EMPTY_ROW` without a valid id; sinks from 1.5 down to −1.5."""
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(4, heads, head_dim, generator=gen).to(device, dtype)
+    kv = (torch.rand(8, head_dim, generator=gen) * 2 - 1).to(device, dtype)
+    indices = torch.tensor([[3, 3, 5, -1, 8, 0],
+                            [-1, 8, -2, -1, 11, -1],
+                            [7, 6, 5, 4, 3, 2],
+                            [1, -1, 1, -1, 1, 0]], device=device)
+    sink = torch.linspace(1.5, -1.5, heads, device=device)
+    return query, kv, indices, sink
+
+
+def _max_difference(got: Tensor, expected: Tensor) -> float:
+    """max |got − expected|; equal infinities count as 0, any other non-finite difference as inf."""
+    difference = torch.where(got == expected, 0.0, (got - expected).abs())
+    return float(difference.nan_to_num(nan=math.inf, posinf=math.inf).max())
 
 
 # ---------------------------------------------------------------- indexer scores (dense, ratio-causal)
@@ -465,6 +581,8 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
                or probes.gpu_problem(call, (9, 10), "cuDNN DSA"))
     if problem is not None:
         return problem
+    if op is OpFamily.SPARSE_ATTENTION_FWD:
+        return _sparse_forward_problem(call)
     if op is OpFamily.SPARSE_ATTENTION_BWD:
         return _sparse_backward_problem(call)
     if op is OpFamily.INDEXER_KL_BWD:
@@ -479,7 +597,8 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
 CUDNN = Backend(
     name="cudnn",
     priority=20,  # dense attention: after flash_attn (faster on H200), before torch_sdpa
-    ops={OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward, OpFamily.TOPK: topk,
+    ops={OpFamily.SPARSE_ATTENTION_FWD: sparse_attention_forward,
+         OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward, OpFamily.TOPK: topk,
          OpFamily.INDEXER_SCORES: indexer_scores, OpFamily.INDEXER_KL_BWD: indexer_kl_backward,
          OpFamily.INDEXER_LOSS: indexer_loss,
          OpFamily.DENSE_ATTENTION: batched_dense_attention(_cudnn_sdpa)},
@@ -488,6 +607,9 @@ CUDNN = Backend(
     # The teacher measured slower than Triton's on an H200 (S = 4096, 64 heads, 512 slots: 0.42 against
     # 0.35 ms in the C layer; benchmarks/indexer_loss.py 0.68 against 0.59 ms): after triton (15), before
     # the reference.
+    # The sparse forward keeps the backend's 20, unmeasured: on SM100, its only GPU, FlashMLA (30; that
+    # adapter has run on GPUs, Hopper ones, this one only against a fake) stays first where installed (bf16
+    # only), and this tcgen05 kernel (also fp16) goes before Triton (15), whose fast kernels are Hopper-only.
     op_priority={OpFamily.INDEXER_LOSS: 12},
 )
 

@@ -8,7 +8,11 @@ padding rows inside a segment are ordinary causal rows there, in both paths. Tai
 where the tail runs the last segment past `max_seqlen`, the reference looks back at most `max_seqlen`
 rows while FlashAttention-4 looks back to the segment start (both finite; the layer zeroes these rows),
 and real rows never see tail keys. Passing `T` as the bound instead changed no FA4 output on an H200
-and cost it ~5% on 8 packed sequences of 2048 rows, so the given `max_seqlen` stays.
+and cost it ~5% on 8 packed sequences of 2048 rows, so the given `max_seqlen` stays for FA4.
+FlashAttention-2 launches row blocks only up to `max_seqlen` per segment and leaves rows past it
+unwritten (`torch.empty`: possibly NaN, also in dk/dv); the host cannot know whether a tail exists
+without reading the device, so FA2 and FA3 (whose grids we could not inspect on a GPU) get `T` for
+every non-uniform layout (`cover_tail`; a uniform layout has no tail).
 """
 
 from __future__ import annotations
@@ -19,11 +23,16 @@ from torch import Tensor
 from megatron_dsa.ops.layout import TokenLayout
 
 
-def varlen_boundaries(layout: TokenLayout) -> tuple[Tensor, int]:
-    """`(cu_seqlens [B+1] int32 ending at T, max_seqlen)` for FlashAttention-style varlen kernels."""
+def varlen_boundaries(layout: TokenLayout, cover_tail: bool = False) -> tuple[Tensor, int]:
+    """`(cu_seqlens [B+1] int32 ending at T, max_seqlen)` for FlashAttention-style varlen kernels.
+
+    `cover_tail`: the bound also covers a capacity tail joined to the last segment (`T` unless the
+    layout is uniform), for kernels that skip rows past `max_seqlen`.
+    """
     cu = layout.cu_seqlens.to(torch.int32).clone()
     cu[-1] = layout.num_rows
-    return cu, max(layout.max_seqlen, 1)
+    longest = layout.num_rows if cover_tail and layout.uniform_shape is None else layout.max_seqlen
+    return cu, max(longest, 1)
 
 
 def rows_first_lse(lse: Tensor, rows: int, heads: int) -> Tensor:
