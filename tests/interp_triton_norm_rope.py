@@ -1,5 +1,6 @@
 """Triton RMSNorm + partial RoPE in the CPU interpreter vs the unfused composition
-(`megatron_dsa.ops.rope.norm_rope` = `rope(rms_norm(x, None, eps), positions, inv_freq)`).
+(`megatron_dsa.ops.rope.norm_rope` = `rope(rms_norm(x, weight, eps), positions, inv_freq)`), weightless
+(the query path) and weighted (the compressor's entries, whose weight takes a gradient).
 
 Run by `test_triton_norm_rope.py::test_interpreted_kernels` in a child process with
 `TRITON_INTERPRET=1` (see `triton_support.py`). The kernel repeats the reference's rounding steps;
@@ -33,25 +34,59 @@ def _case(shape, rotary_dim, dtype, seed=0):
     return x, positions, plain_inv_freq(rotary_dim, base=10000.0)
 
 
-def _forward_and_grad(fn, x, positions, inv_freq, upstream):
-    out = fn(x, positions, inv_freq, EPS)
-    grad, = torch.autograd.grad(out, x, upstream)
-    return out, grad
+def _weight(width, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (1.0 + 0.5 * torch.randn(width, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
 
 
+def _forward_and_grad(fn, x, positions, inv_freq, upstream, weight=None):
+    """`(out, dx)`, and the weight gradient after them when a weight is given."""
+    out = fn(x, positions, inv_freq, EPS, weight)
+    grads = torch.autograd.grad(out, (x,) if weight is None else (x, weight), upstream)
+    return (out, *grads)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape,rotary_dim", SHAPES)
-def test_forward_and_grad_match_reference(dtype, shape, rotary_dim):
+def test_forward_and_grad_match_reference(dtype, shape, rotary_dim, weighted):
     x, positions, inv_freq = _case(shape, rotary_dim, dtype)
+    weight = _weight(shape[-1], dtype) if weighted else None
     before = x.detach().clone()
     upstream = torch.randn(shape, dtype=dtype)
-    got, grad_got = _forward_and_grad(triton_norm_rope.norm_rope, x, positions, inv_freq, upstream)
-    expected, grad_expected = _forward_and_grad(reference_norm_rope, x, positions, inv_freq, upstream)
-    assert got.shape == x.shape and got.dtype == dtype
-    assert got.data_ptr() != x.data_ptr()
-    torch.testing.assert_close(got, expected, **TOL[dtype])
-    torch.testing.assert_close(grad_got, grad_expected, **TOL[dtype])
+    got = _forward_and_grad(triton_norm_rope.norm_rope, x, positions, inv_freq, upstream, weight)
+    expected = _forward_and_grad(reference_norm_rope, x, positions, inv_freq, upstream, weight)
+    assert got[0].shape == x.shape and got[0].dtype == dtype
+    assert got[0].data_ptr() != x.data_ptr()
+    for a, b in zip(got, expected):  # out, dx (, dw)
+        torch.testing.assert_close(a, b, **TOL[dtype])
     assert torch.equal(x.detach(), before)
+
+
+def test_weight_gradient_sums_over_more_row_blocks_than_programs(monkeypatch):
+    """Past `DWEIGHT_PROGRAMS` row blocks each backward program loops over several blocks and the partial
+    weight gradients are summed: 2 programs over 9 blocks of 8 rows give the reference's dx and dw."""
+    monkeypatch.setattr(triton_norm_rope, "DWEIGHT_PROGRAMS", 2)
+    x, positions, inv_freq = _case((70, 40), 16, torch.float64)
+    weight = _weight(40, torch.float64)
+    upstream = torch.randn(70, 40, dtype=torch.float64)
+    got = _forward_and_grad(triton_norm_rope.norm_rope, x, positions, inv_freq, upstream, weight)
+    expected = _forward_and_grad(reference_norm_rope, x, positions, inv_freq, upstream, weight)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
+def test_frozen_weight_gets_no_gradient_and_weight_rules_raise():
+    x, positions, inv_freq = _case((5, 40), 16, torch.float32)
+    frozen = _weight(40, torch.float32).detach()
+    out = triton_norm_rope.norm_rope(x, positions, inv_freq, EPS, frozen)
+    torch.testing.assert_close(out, reference_norm_rope(x, positions, inv_freq, EPS, frozen), **TOL[torch.float32])
+    out.sum().backward()
+    assert frozen.grad is None and x.grad is not None
+    with pytest.raises(ValueError, match="norm_rope weight must be \\[D\\] with D = 40"):
+        triton_norm_rope.norm_rope(x, positions, inv_freq, EPS, frozen[:8])
+    with pytest.raises(TypeError, match="triton norm_rope needs weight of dtype among"):
+        triton_norm_rope.norm_rope(x, positions, inv_freq, EPS, frozen.to(torch.int32))
 
 
 def test_bfloat16_path_runs_close_to_the_reference():
@@ -60,10 +95,11 @@ def test_bfloat16_path_runs_close_to_the_reference():
     sums) may lose up to one ulp more than the reference's; bound: 4 ulps (2^-7 relative) of the
     largest value, in the output and in the input grad. Rounding fidelity is the GPU test's job."""
     x, positions, inv_freq = _case((8, 4, 64), 16, torch.bfloat16)
+    weight = _weight(64, torch.bfloat16)
     upstream = torch.randn(x.shape, dtype=torch.bfloat16)
-    got = _forward_and_grad(triton_norm_rope.norm_rope, x, positions, inv_freq, upstream)
-    expected = _forward_and_grad(reference_norm_rope, x, positions, inv_freq, upstream)
-    for what, a, b in zip(("out", "grad"), got, expected):
+    got = _forward_and_grad(triton_norm_rope.norm_rope, x, positions, inv_freq, upstream, weight)
+    expected = _forward_and_grad(reference_norm_rope, x, positions, inv_freq, upstream, weight)
+    for what, a, b in zip(("out", "grad", "weight grad"), got, expected):
         bound = 4 * 2.0 ** -7 * b.abs().max().float()
         assert (a - b).abs().float().max() <= bound, f"{what}: more than 4 ulps of the largest value"
 

@@ -2,7 +2,7 @@
 
 CPU: the kernels run in the Triton interpreter in a child process (`interp_triton_norm_rope.py`; see
 `triton_support.py` for why). GPU: dsv4 query dims (T=4096, H=64, Dh=512, P=64), float32 and
-bfloat16; a small float64 case; CUDA-graph capture.
+bfloat16; the weighted compressor dims; a small float64 case; CUDA-graph capture.
 """
 
 import pytest
@@ -73,6 +73,29 @@ def test_dsv4_query_dims_on_gpu(dtype):
     reference32 = reference_norm_rope(x.detach().float(), positions, inv_freq, EPS)
     cos = torch.nn.functional.cosine_similarity(got[0].float().flatten(), reference32.flatten(), dim=0)
     assert cos > 0.9999, f"vs float32: cosine {cos}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [512, 128])  # the attention's and the indexer's compressed entries
+def test_weighted_compressor_dims_on_gpu(width):
+    """The compressor's use: a bf16 weight on 1024 entries (dsv4-flash C at S = 4096), P = 64. out and dx
+    as in the query test (8 ulps of the largest value); the weight gradient sums 1024 float32 products
+    in another order than torch and is rounded once to bf16, like the reference: the same 8-ulp bound."""
+    pytest.importorskip("triton")
+    torch.manual_seed(3)
+    x = torch.randn(1024, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (1 + 0.3 * torch.randn(width, device="cuda")).bfloat16().requires_grad_()
+    positions = torch.arange(1024, device="cuda") * 4
+    inv_freq = yarn_inv_freq(64, base=160000.0, scaling_factor=16.0, original_max_position=65536).cuda()
+    upstream = torch.randn_like(x)
+    results = []
+    for fn in (triton_norm_rope.norm_rope, reference_norm_rope):
+        out = fn(x, positions, inv_freq, EPS, weight)
+        results.append((out, *torch.autograd.grad(out, (x, weight), upstream)))
+    for what, a, b in zip(("out", "dx", "dweight"), *results):
+        worst = ((a - b).abs().float().max() / (2.0 ** -7 * b.abs().max().float())).item()
+        print(f"width {width} {what}: max difference {worst:.2f} ulps of the largest value")
+        assert worst <= BOUND_ULPS[torch.bfloat16], f"{what}: {worst:.2f} ulps of the largest value"
 
 
 @pytest.mark.gpu

@@ -42,7 +42,7 @@ class OpFamily(str, Enum):
     INDEXER_KL_BWD = "indexer_kl_bwd"  # (q, k, weights, candidates, target, student, grad_rows, scale) -> grads
     COMPRESSOR = "compressor"
     ROPE = "rope"
-    NORM_ROPE = "norm_rope"  # (x, positions, inv_freq, eps) -> rope(rms_norm(x, None, eps), ...)
+    NORM_ROPE = "norm_rope"  # (x, positions, inv_freq, eps, weight=None) -> rope(rms_norm(x, weight, eps), ...)
     RMS_NORM = "rms_norm"  # (x [..., D], weight [D] or None, eps) -> y, as ops.norms.rms_norm
     DENSE_ATTENTION = "dense_attention"  # causal attention of the `M` kind
 

@@ -8,16 +8,15 @@ The pooling weights are an independent softmax per channel over the slots.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.layout import CompressedLayout
-from megatron_dsa.ops.norms import rms_norm
 from megatron_dsa.ops.precision import compute_dtype
-from megatron_dsa.ops.rope import rope
+from megatron_dsa.ops.rope import norm_rope
 
 OVERLAP_RATIO = 4
 
@@ -68,15 +67,14 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
 def compress(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
              layout: CompressedLayout, inv_freq: Tensor, rotate: bool,
              pool: Callable[[Tensor, Tensor, Tensor, CompressedLayout], Tensor] = gated_pool,
-             norm: Callable[[Tensor, Optional[Tensor], float], Tensor] = rms_norm,
-             rotary: Callable[[Tensor, Tensor, Tensor], Tensor] = rope) -> Tensor:
+             normalise_and_rotate: Callable[..., Tensor] = norm_rope) -> Tensor:
     """The whole compressor: projections → gated pool → RMSNorm → RoPE at `j·r` → (Hadamard).
 
     x: `[T, d]` token rows (raw layer input). wkv, wgate: `[coff·Dc, d]`. ape: `[r, coff·Dc]`.
-    norm_weight: `[Dc]`. Returns `[capacity, Dc]`. `pool` is the gated pooling, `norm` the RMSNorm and
-    `rotary` the RoPE `(x, positions, inv_freq)` (fused kernels may replace the reference `gated_pool`,
-    `rms_norm` and `rope`; the rest of the composition stays the same).
+    norm_weight: `[Dc]`. Returns `[capacity, Dc]`. `pool` is the gated pooling and `normalise_and_rotate`
+    the weighted RMSNorm then RoPE `(x, positions, inv_freq, eps, weight)` (fused kernels may replace the
+    reference `gated_pool` and `ops.rope.norm_rope`; the rest of the composition stays the same).
     """
     pooled = pool(x @ wkv.t(), x @ wgate.t(), ape, layout)
-    out = rotary(norm(pooled, norm_weight, eps), layout.positions, inv_freq)
+    out = normalise_and_rotate(pooled, layout.positions, inv_freq, eps, norm_weight)
     return hadamard_transform(out) if rotate else out

@@ -11,6 +11,7 @@ tensor autograd saved is never changed (the inverse-RoPE-on-saved-output bug).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -100,13 +101,14 @@ def rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
     return apply_partial_rope(x, cos, sin, inverse=inverse)
 
 
-def norm_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
-    """Weightless RMSNorm over the last dim, then RoPE: `rope(rms_norm(x, None, eps), positions, inv_freq)`.
+def norm_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, eps: float, weight: Optional[Tensor] = None) -> Tensor:
+    """RMSNorm over the last dim, then RoPE: `rope(rms_norm(x, weight, eps), positions, inv_freq)`.
 
-    `x [T, Dh]` or `[T, H, Dh]`, `positions [T]`, `inv_freq [P/2]` → a new tensor shaped like x (the
-    per-head query path of the W/C/H kinds; fused kernels implement exactly this composition).
+    `x [T, Dh]` or `[T, H, Dh]`, `positions [T]`, `inv_freq [P/2]`, `weight [Dh]` or None (weightless)
+    → a new tensor shaped like x (the per-head query path of the W/C/H kinds, weightless, and the
+    compressor's entries, weighted; fused kernels implement exactly this composition).
     """
-    return rope(rms_norm(x, None, eps), positions, inv_freq)
+    return rope(rms_norm(x, weight, eps), positions, inv_freq)
 
 
 def _check_rotary_dim(rotary_dim: int) -> None:

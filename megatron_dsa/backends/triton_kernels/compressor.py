@@ -1,6 +1,6 @@
 """The compressor's gated pooling as a Triton kernel: a drop-in for `megatron_dsa.ops.compressor.gated_pool`,
-and `compress`, the whole compressor with that pooling and the Triton RMSNorm and RoPE (projections and
-Hadamard stay the ops').
+and `compress`, the whole compressor with that pooling and the fused Triton RMSNorm + RoPE (projections
+and Hadamard stay the ops').
 
 Entry `e` pools the token rows of its own group (`own[e] … own[e] + r − 1`) and, for the overlapping
 ratio-4 compressor (`coff = 2`), those of the previous group (`prev[e] = own[e] − r`) through the first
@@ -26,8 +26,7 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
-from megatron_dsa.backends.triton_kernels.rms_norm import rms_norm
-from megatron_dsa.backends.triton_kernels.rope import rope
+from megatron_dsa.backends.triton_kernels.norm_rope import norm_rope
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.compressor import compress as reference_compress
@@ -123,9 +122,9 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
 
 def compress(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
              layout: CompressedLayout, inv_freq: Tensor, rotate: bool) -> Tensor:
-    """`ops.compressor.compress` with the Triton pooling, RMSNorm and RoPE (shapes there)."""
+    """`ops.compressor.compress` with the Triton pooling and the fused RMSNorm + RoPE (shapes there)."""
     return reference_compress(x, wkv, wgate, ape, norm_weight, eps, layout, inv_freq, rotate, pool=gated_pool,
-                              norm=rms_norm, rotary=rope)
+                              normalise_and_rotate=norm_rope)
 
 
 def _check_inputs(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) -> None:

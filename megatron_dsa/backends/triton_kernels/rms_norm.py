@@ -116,11 +116,17 @@ def _check_inputs(x: Tensor, weight: Optional[Tensor]) -> None:
         raise ValueError(f"rms_norm expects x [..., D] with D >= 1, got {tuple(x.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"triton rms_norm needs x of dtype among {SUPPORTED_DTYPES}, got {x.dtype}")
-    if weight is not None:
-        if weight.shape != (x.shape[-1],):
-            raise ValueError(f"rms_norm weight must be [D] with D = {x.shape[-1]}, got {tuple(weight.shape)}")
-        if weight.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"triton rms_norm needs weight of dtype among {SUPPORTED_DTYPES}, got {weight.dtype}")
-        if weight.device != x.device:
-            raise ValueError(f"rms_norm weight on {weight.device} but x on {x.device}")
+    check_weight(x, weight)
     require_triton(x.device, "rms_norm", "x's device")
+
+
+def check_weight(x: Tensor, weight: Optional[Tensor], op: str = "rms_norm") -> None:
+    """Raise `ValueError`/`TypeError` naming the norm `weight` (`[D]` for `x [..., D]`) `op` cannot take."""
+    if weight is None:
+        return
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"{op} weight must be [D] with D = {x.shape[-1]}, got {tuple(weight.shape)}")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"triton {op} needs weight of dtype among {SUPPORTED_DTYPES}, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"{op} weight on {weight.device} but x on {x.device}")
