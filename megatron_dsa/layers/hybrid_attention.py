@@ -7,14 +7,14 @@ attention module, so checkpoints load with `strict=True`.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from megatron_dsa.backends import OpFamily, check_backend_choice, dispatch
 from megatron_dsa.config import HybridAttentionConfig, LayerKind, yarn_mscale
-from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std
+from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear, make_norm, output_init_std
 from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
 from megatron_dsa.layers.context_parallel import ContextParallelRows, context_halo, ring_attention
 from megatron_dsa.ops.layout import TokenLayout
@@ -201,10 +201,19 @@ class HybridAttention(HighPrecisionModule):
         qr = self.q_layernorm(self.linear_q_down_proj(x))  # [T, Rq], also the indexer's input
         q = self.linear_q_up_proj(qr).view(-1, self.local_heads, c.v_head_dim)
         q = norm_rope(q, positions, inv_freq, c.layernorm_epsilon)  # weightless per-head RMSNorm, then RoPE
-        kv = rope(self.kv_layernorm(self.linear_kv_proj(x)), positions, inv_freq)  # K = V, [T, D]
+        kv = self._kv_rows(self.linear_kv_proj(x), positions, inv_freq, rope, norm_rope)  # K = V, [T, D]
         o = self.core_attention(q, kv, x, qr, layout, inv_freq, cp)
         o = rope(o, positions, inv_freq, inverse=True)  # relative positions in V; new storage
         return grouped_output_projection(o.flatten(1), self.linear_o_group_proj, self.local_groups)
+
+    def _kv_rows(self, latent: Tensor, positions: Tensor, inv_freq: Tensor, rope: Callable[..., Tensor],
+                 norm_rope: Callable[..., Tensor]) -> Tensor:
+        """`latent [T, D]` → K = V rows: `kv_layernorm` (its weight and eps) then RoPE, as one `norm_rope`
+        call when the norm is on (one fused kernel instead of two), else RoPE alone."""
+        norm = self.kv_layernorm
+        if isinstance(norm, RMSNorm):
+            return norm_rope(latent, positions, inv_freq, norm.eps, norm.weight)
+        return rope(norm(latent), positions, inv_freq)
 
     def _angle_freq(self, dtype: torch.dtype) -> Tensor:
         """The RoPE frequencies in the angle dtype of `dtype` rows, converted once per forward (each RoPE
