@@ -31,7 +31,6 @@ the first call of each kernel shape.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -240,7 +239,7 @@ def _sparse_forward_self_test(device: torch.device, dtype: torch.dtype, heads: i
         query, kv, indices, sink = _self_test_inputs(device, dtype, heads, head_dim)
         out, lse = sparse_attention_forward(query, kv, indices, sink, SELF_TEST_SCALE)
         out_ref, lse_ref = reference_sparse_forward(query.float(), kv.float(), indices, sink, SELF_TEST_SCALE)
-        out_error, lse_error = _max_difference(out.float(), out_ref), _max_difference(lse, lse_ref)
+        out_error, lse_error = probes.max_difference(out, out_ref), probes.max_difference(lse, lse_ref)
         empty_out = float(out[SELF_TEST_EMPTY_ROW].abs().max())
     except Exception as error:  # noqa: BLE001 - the probe must decline, never raise
         return f"cuDNN's sparse forward failed its self-test ({type(error).__name__}: {error}); please report"
@@ -264,12 +263,6 @@ def _self_test_inputs(device: torch.device, dtype: torch.dtype, heads: int,
                             [1, -1, 1, -1, 1, 0]], device=device)
     sink = torch.linspace(1.5, -1.5, heads, device=device)
     return query, kv, indices, sink
-
-
-def _max_difference(got: Tensor, expected: Tensor) -> float:
-    """max |got − expected|; equal infinities count as 0, any other non-finite difference as inf."""
-    difference = torch.where(got == expected, 0.0, (got - expected).abs())
-    return float(difference.nan_to_num(nan=math.inf, posinf=math.inf).max())
 
 
 # ---------------------------------------------------------------- indexer scores (dense, ratio-causal)

@@ -321,7 +321,7 @@ def _self_test_errors(generation: Generation, shape: ShapeClass) -> dict[str, fl
         references = [t.detach().float().requires_grad_() for t in (q, k, v)]
         out_ref, lse_ref = causal_attention(*references, layout, scale)
         grads_ref = torch.autograd.grad(out_ref, references, grad_out)
-    errors = {"max |Δout|/max |out|": _relative_error(out, out_ref), "|Δlse|": _max_error(lse, lse_ref)}
+    errors = {"max |Δout|/max |out|": _relative_error(out, out_ref), "|Δlse|": probes.max_difference(lse, lse_ref)}
     for name, grad, grad_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
         errors[f"max |Δ{name}|/max |{name}|"] = _relative_error(grad, grad_ref)
     return errors
@@ -345,13 +345,8 @@ def _self_test_inputs(shape: ShapeClass) -> tuple[Tensor, Tensor, Tensor, Tensor
     return q.to(shape.dtype), k.to(shape.dtype), v.to(shape.dtype), grad_out, layout
 
 
-def _max_error(got: Tensor, expected: Tensor) -> float:
-    """max |got − expected| in float32; NaN counts as infinite."""
-    return float((got.detach().float() - expected.detach().float()).abs().nan_to_num(nan=float("inf")).max())
-
-
 def _relative_error(got: Tensor, expected: Tensor) -> float:
-    return _max_error(got, expected) / max(float(expected.detach().abs().max()), 1e-30)
+    return probes.max_difference(got, expected) / max(float(expected.detach().abs().max()), 1e-30)
 
 
 # ---------------------------------------------------------------- the backend
