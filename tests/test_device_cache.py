@@ -1,10 +1,12 @@
-"""The shared cache of device-built values: kept per key, bounded, never kept while a CUDA graph is being
-captured (the capture itself is exercised by the CUDA-graph GPU test of the layer)."""
+"""The shared cache of device-built values and the layouts' kept values: kept per key or object, bounded,
+never kept from a CUDA-graph capture by anything that outlives it (the capture itself is exercised by
+the CUDA-graph GPU tests of the layer)."""
 
 import torch
 
 from megatron_dsa.ops import device_cache
 from megatron_dsa.ops.device_cache import DeviceCache
+from megatron_dsa.ops.indices import visible_compressed_entries
 from megatron_dsa.ops.layout import TokenLayout
 
 CPU = torch.device("cpu")
@@ -42,3 +44,21 @@ def test_nothing_built_during_a_capture_is_kept(monkeypatch):
 
 def test_capturing_is_false_off_cuda():
     assert not device_cache.capturing(CPU)
+
+
+def test_a_layout_built_outside_a_capture_keeps_nothing_first_built_inside_it(monkeypatch):
+    """A shared layout (built eagerly) whose properties, derived values and kept id rows are first needed
+    inside a capture returns them there but does not keep them (their storage would hold values only in
+    the graph's replays); after the capture it builds and keeps them as usual. A layout built inside the
+    capture keeps its own values: it never leaves the capture."""
+    shared = TokenLayout.uniform(2, 16, CPU)
+    monkeypatch.setattr(device_cache, "capturing_now", lambda: True)
+    assert shared.segment_starts is not shared.segment_starts  # built on every use, kept by nobody
+    assert shared.compressed(4) is not shared.compressed(4)
+    entries = visible_compressed_entries(shared.compressed(4))  # built in the capture: keeps its own
+    assert entries.rows() is entries.rows()
+    inside = TokenLayout.packed(torch.tensor([0, 5, 16]), 16, CPU, max_seqlen=11)
+    assert inside.segment_starts is inside.segment_starts and inside.compressed(4) is inside.compressed(4)
+    monkeypatch.setattr(device_cache, "capturing_now", lambda: False)
+    assert shared.segment_starts is shared.segment_starts and shared.compressed(4) is shared.compressed(4)
+    assert torch.equal(shared.segment_starts, torch.arange(32) // 16 * 16)

@@ -1,14 +1,17 @@
-"""A small per-process cache for values built on a device (index tensors, constant matrices, scalars).
+"""Keeping values built on a device (index tensors, constant matrices, scalars) for reuse.
 
-Such values are pure functions of their key (shape, dtype, device), so every layer and step can share
-one. The one exception is a value built while a CUDA graph is being captured: its storage belongs to the
-graph's private memory pool and holds its values only in that graph's replays, so it is returned but
-never kept.
+`DeviceCache` is a small per-process cache: such values are pure functions of their key (shape, dtype,
+device), so every layer and step can share one. `KeepsDeviceValues` and `device_cached_property` do the
+same per object, for layouts that every layer and step of a shape share. The one exception is a value
+built while a CUDA graph is being captured: its storage belongs to the graph's private memory pool and
+holds its values only in that graph's replays, so it is returned but not kept by anything that outlives
+the capture.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Hashable, Optional, TypeVar
+from functools import cached_property
+from typing import Any, Callable, Generic, Hashable, Optional, TypeVar
 
 import torch
 
@@ -18,6 +21,45 @@ Value = TypeVar("Value")
 def capturing(device: torch.device) -> bool:
     """True while the current CUDA stream is capturing a graph and `device` is a CUDA device."""
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def capturing_now() -> bool:
+    """True while the current CUDA stream is capturing a graph (on any CUDA device)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_BUILT_CAPTURING = "_built_while_capturing"
+
+
+class KeepsDeviceValues:
+    """Base of (frozen) dataclasses that keep values built on a device from their fields, in
+    `device_cached_property`s or by hand: it records whether the object itself was built during a capture."""
+
+    def __post_init__(self) -> None:
+        self.__dict__[_BUILT_CAPTURING] = capturing_now()
+
+    def may_keep_values_built_now(self) -> bool:
+        """No capture is running, or this object was built inside it (then it lives and dies with the
+        capture, and so do its values)."""
+        return self.__dict__.get(_BUILT_CAPTURING, False) or not capturing_now()
+
+
+class device_cached_property(cached_property):  # noqa: N801 - used like functools.cached_property
+    """`functools.cached_property` for a `KeepsDeviceValues` object: a value first built while a CUDA graph
+    is captured is returned but not kept, unless the object was built in that capture too. (Otherwise an
+    object shared with eager steps, a uniform layout, would keep a tensor whose values exist only in the
+    graph's replays.)"""
+
+    def __get__(self, instance: Optional[KeepsDeviceValues], owner: Optional[type] = None) -> Any:
+        if instance is None:
+            return self
+        cache = instance.__dict__
+        if self.attrname in cache:
+            return cache[self.attrname]
+        value = self.func(instance)
+        if instance.may_keep_values_built_now():
+            cache[self.attrname] = value
+        return value
 
 
 class DeviceCache(Generic[Value]):

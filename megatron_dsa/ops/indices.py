@@ -7,12 +7,12 @@ window entry is a token row id and compressed entry `c` is row `T + c`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
+from megatron_dsa.ops.device_cache import KeepsDeviceValues, device_cached_property
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 
 INVALID = -1
@@ -42,7 +42,7 @@ class UniformVisibleRows:
 
 
 @dataclass(frozen=True, eq=False)
-class VisibleEntries:
+class VisibleEntries(KeepsDeviceValues):
     """The compressed entries each query row may see, without a `[T, C]` matrix.
 
     Column `j` of row `t` is entry `j` of row `t`'s sequence, kept at row `table[group[t], j]` of the
@@ -76,7 +76,7 @@ class VisibleEntries:
             return self._all_rows
         return self._rows(chunk)
 
-    @cached_property
+    @device_cached_property
     def _all_rows(self) -> Tensor:
         return self._rows(slice(None))
 

@@ -16,13 +16,13 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.ops.device_cache import DeviceCache
+from megatron_dsa.ops.device_cache import DeviceCache, KeepsDeviceValues, device_cached_property
 
 MAX_SHARED_LAYOUTS = 16  # uniform shapes kept (a training run uses one or two)
 
 
 @dataclass(frozen=True, eq=False)
-class TokenLayout:
+class TokenLayout(KeepsDeviceValues):
     """`T` token rows in contiguous segments.
 
     cu_seqlens: `[nseg + 1]` int64, segment `b` owns rows `cu_seqlens[b] : cu_seqlens[b+1]`.
@@ -74,21 +74,21 @@ class TokenLayout:
     def num_segments(self) -> int:
         return self.cu_seqlens.numel() - 1
 
-    @cached_property
+    @device_cached_property
     def real_seqlens(self) -> Tensor:
         """`[nseg]` real (unpadded) length of each segment."""
         if self.seqlens is not None:
             return self.seqlens
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
 
-    @cached_property
+    @device_cached_property
     def row_valid(self) -> Tensor:
         """`[T]` bool: the row is a real token (not per-segment padding, not the capacity tail)."""
         rows = torch.arange(self.num_rows, device=self.device)
         real = rows - self.segment_starts < self.real_seqlens[self.segment_ids]
         return real & (rows < self.cu_seqlens[-1])
 
-    @cached_property
+    @device_cached_property
     def query_valid(self) -> Tensor:
         """`[T]` bool: a real token whose output is wanted (not padding, not a context-parallel halo)."""
         if self.halo_lengths is None:
@@ -113,19 +113,19 @@ class TokenLayout:
         """Host-known: padding or halo rows may exist (no device read)."""
         return self.seqlens is not None or self.halo_lengths is not None
 
-    @cached_property
+    @device_cached_property
     def segment_ids(self) -> Tensor:
         """`[T]` segment of each row."""
         rows = torch.arange(self.num_rows, device=self.device)
         seg = torch.searchsorted(self.cu_seqlens, rows, right=True) - 1
         return seg.clamp_(0, self.num_segments - 1)
 
-    @cached_property
+    @device_cached_property
     def segment_starts(self) -> Tensor:
         """`[T]` first row of each row's segment."""
         return self.cu_seqlens[self.segment_ids]
 
-    @cached_property
+    @device_cached_property
     def positions(self) -> Tensor:
         """`[T]` position of each row in its sequence (RoPE restarts at 0 per segment; a segment
         that is a later piece of a sequence starts at its `position_offsets` entry)."""
@@ -139,10 +139,14 @@ class TokenLayout:
 
     def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """`build()`, computed once per layout and `key`: for values that depend on the layout only
-        (compressed layouts, index rows), so that layers sharing a layout share them."""
-        if key not in self._derived:
-            self._derived[key] = build()
-        return self._derived[key]
+        (compressed layouts, index rows), so that layers sharing a layout share them (not kept when
+        first built during a CUDA-graph capture of a layout built outside it; see `KeepsDeviceValues`)."""
+        if key in self._derived:
+            return self._derived[key]
+        value = build()
+        if self.may_keep_values_built_now():
+            self._derived[key] = value
+        return value
 
     @cached_property
     def _derived(self) -> dict[Hashable, Any]:
@@ -150,7 +154,7 @@ class TokenLayout:
 
 
 @dataclass(frozen=True, eq=False)
-class CompressedLayout:
+class CompressedLayout(KeepsDeviceValues):
     """Compressed entries of a `TokenLayout` at ratio `r` (spec §3.1–3.2).
 
     Segment `b` of length `L_b` has `C_b = floor(L_b / r)` entries; entry `j` summarises tokens
@@ -190,19 +194,19 @@ class CompressedLayout:
         return cls(tokens=tokens, ratio=ratio, cu_compressed=cu, capacity=capacity,
                    max_entries=0, first_entry=first_entry)
 
-    @cached_property
+    @device_cached_property
     def segment_ids(self) -> Tensor:
         """`[capacity]` segment of each compressed row (clamped for unused rows)."""
         rows = torch.arange(self.capacity, device=self.tokens.device)
         seg = torch.searchsorted(self.cu_compressed, rows, right=True) - 1
         return seg.clamp_(0, self.tokens.num_segments - 1)
 
-    @cached_property
+    @device_cached_property
     def valid(self) -> Tensor:
         """`[capacity]` bool: the row is a real compressed entry."""
         return torch.arange(self.capacity, device=self.tokens.device) < self.cu_compressed[-1]
 
-    @cached_property
+    @device_cached_property
     def entry_index(self) -> Tensor:
         """`[capacity]` index `j` of each compressed row within its segment (0 for unused rows)."""
         rows = torch.arange(self.capacity, device=self.tokens.device)
@@ -211,12 +215,12 @@ class CompressedLayout:
             local = local + self.first_entry[self.segment_ids]
         return torch.where(self.valid, local, 0)
 
-    @cached_property
+    @device_cached_property
     def positions(self) -> Tensor:
         """`[capacity]` RoPE position `j·r` of each compressed row."""
         return self.entry_index * self.ratio
 
-    @cached_property
+    @device_cached_property
     def group_first_rows(self) -> Tensor:
         """`[capacity]` token row of the first token of each entry's own group (0 for unused)."""
         first = self.tokens.cu_seqlens[self.segment_ids] + self.entry_index * self.ratio
@@ -224,7 +228,7 @@ class CompressedLayout:
             first = first - self.tokens.position_offsets[self.segment_ids]
         return torch.where(self.valid, first, 0)
 
-    @cached_property
+    @device_cached_property
     def pooled_group_starts(self) -> tuple[Tensor, Tensor]:
         """`(own, previous)`, `[capacity]` int64: the first token row of each entry's own group and of the
         group before it (which the overlapping ratio-4 compressor pools too); −1 for unused capacity
