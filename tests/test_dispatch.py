@@ -72,7 +72,8 @@ def test_a_per_op_priority_ranks_a_backend_below_another_for_that_op_only(clean_
 def test_a_choice_is_remembered_per_call_description_until_forgotten(clean_registry: None,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The probes run once per (op, requested, description); a description holding a non-plain value (a
-    layout object) is asked every time; `forget_choices` and a new registration ask again."""
+    layout object) is asked every time; `forget_choices` and a new registration ask again; nothing is
+    remembered during a CUDA-graph capture (a self-test declines there only)."""
     asked = []
 
     def counting_probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
@@ -99,6 +100,12 @@ def test_a_choice_is_remembered_per_call_description_until_forgotten(clean_regis
     for rows in (1, 2, 3):
         resolve(OP, head_dim=64, kv_rows=rows)
     assert len(registry._CHOICES) <= 2
+    assert len(asked) == 10
+    registry.forget_choices()
+    monkeypatch.setattr(registry, "capturing_now", lambda: True)  # a capture: asked every time
+    for _ in range(2):
+        resolve(OP, head_dim=64, dtype=torch.bfloat16)
+    assert len(asked) == 12 and not registry._CHOICES
 
 
 def test_auto_falls_back_and_logs_the_choice_once(fake_backend: Backend,

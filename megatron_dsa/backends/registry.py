@@ -15,7 +15,8 @@ Choices are remembered per (op, requested name, call description) when the descr
 plain values (device, dtype, integers, strings; at most `MAX_REMEMBERED_CHOICES`): the probes answer from the call and from what is
 installed, which a process does not change, and asking every backend again costs tens of
 microseconds per call, a few hundred per layer step. Code that changes what is installed (tests that
-fake packages or GPUs) calls `forget_choices()`.
+fake packages or GPUs) calls `forget_choices()`. Choices made while a CUDA graph is being captured are
+not remembered: a probe that must run its kernel once (a self-test) declines during a capture only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from enum import Enum
 from typing import Any, Callable, Hashable, Mapping, Optional, Protocol, Union
 
 import torch
+
+from megatron_dsa.ops.device_cache import capturing_now
 
 logger = logging.getLogger("megatron_dsa.backends")
 
@@ -152,7 +155,8 @@ def resolve(op: OpFamily, requested: Requested = AUTO, **call: Any) -> tuple[str
     chosen = _CHOICES.get(key) if key is not None else None
     if chosen is None:
         chosen = _choose(op, name, call)
-        if key is not None:
+        # A probe may decline only for the capture (a self-test reads values back): not remembered.
+        if key is not None and not capturing_now():
             if len(_CHOICES) >= MAX_REMEMBERED_CHOICES:
                 forget_choices()
             _CHOICES[key] = chosen
