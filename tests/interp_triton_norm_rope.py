@@ -14,6 +14,7 @@ import torch
 
 from megatron_dsa.backends import OpFamily, resolve
 from megatron_dsa.backends.triton_kernels import norm_rope as triton_norm_rope
+from megatron_dsa.backends.triton_kernels.rope import row_block
 from megatron_dsa.ops.rope import norm_rope as reference_norm_rope, plain_inv_freq
 from saved_tensors import SavedTensorGuard
 from triton_support import interpreter  # noqa: F401  (fixture)
@@ -61,6 +62,20 @@ def test_forward_and_grad_match_reference(dtype, shape, rotary_dim, weighted):
     for a, b in zip(got, expected):  # out, dx (, dw)
         torch.testing.assert_close(a, b, **TOL[dtype])
     assert torch.equal(x.detach(), before)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_heads_of_one_token_share_their_angles(weighted):
+    """Row blocks that hold heads of one token compute its angles once (`ONE_TOKEN`); 16 heads over
+    blocks of 8 rows take that path, and each token still turns by its own position."""
+    x, positions, inv_freq = _case((5, 16, 40), 16, torch.float64)
+    assert 16 % row_block(40)[1] == 0  # the case runs the shared-angle path
+    weight = _weight(40, torch.float64) if weighted else None
+    upstream = torch.randn(x.shape, dtype=torch.float64)
+    got = _forward_and_grad(triton_norm_rope.norm_rope, x, positions, inv_freq, upstream, weight)
+    expected = _forward_and_grad(reference_norm_rope, x, positions, inv_freq, upstream, weight)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
 
 
 def test_weight_gradient_sums_over_more_row_blocks_than_programs(monkeypatch):

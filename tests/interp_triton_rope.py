@@ -47,6 +47,19 @@ def test_forward_and_grad_match_reference(dtype, shape, rotary_dim, inverse, amp
     assert torch.equal(got[..., :nope], before[..., :nope])  # pass-through dims copied exactly
 
 
+def test_heads_of_one_token_share_their_angles():
+    """Row blocks that hold heads of one token compute its angles once (`ONE_TOKEN`); 16 heads over
+    blocks of 8 rows take that path, and each token still turns by its own position."""
+    x, positions, inv_freq = _case((5, 16, 40), 16, torch.float64)
+    assert 16 % triton_rope.row_block(40)[1] == 0  # the case runs the shared-angle path
+    got = triton_rope.rope(x, positions, inv_freq, inverse=True, amplitude=0.8)
+    expected = reference_rope(x, positions, inv_freq, inverse=True, amplitude=0.8)
+    torch.testing.assert_close(got, expected, **TOL[torch.float64])
+    upstream = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, x, upstream)[0],
+                               torch.autograd.grad(expected, x, upstream)[0], **TOL[torch.float64])
+
+
 def test_inverse_undoes_forward():
     x, positions, inv_freq = _case((6, 4, 40), 16, torch.float64)
     there = triton_rope.rope(x, positions, inv_freq)

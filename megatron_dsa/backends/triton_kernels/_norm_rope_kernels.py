@@ -19,7 +19,7 @@ from megatron_dsa.backends.triton_kernels._rope_kernels import pair_layout, rota
 @triton.jit
 def load_head_rows(x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, NOPE: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   COMPUTE: tl.constexpr):
+                   ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr):
     """Row block `block` (`BLOCK_R` rows) of x with their statistics and RoPE layout: `(x, rstd, offsets,
     nope_mask, even_offsets, pair_mask, angles)` (see `load_rows` and `pair_layout`)."""
     WIDTH: tl.constexpr = NOPE + 2 * HALF
@@ -28,7 +28,7 @@ def load_head_rows(x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, NOPE: tl.cons
     x, rstd, offsets, dims = load_rows(x_ptr, eps_ptr, rows, row_ok, WIDTH, BLOCK_D, COMPUTE)
     nope_mask = row_ok[:, None] & (dims[None, :] < NOPE)
     even_offsets, pair_mask, angles = pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
-                                                  BLOCK_HALF, COMPUTE)
+                                                  BLOCK_HALF, ONE_TOKEN, COMPUTE)
     return x, rstd, offsets, nope_mask, even_offsets, pair_mask, angles
 
 
@@ -49,13 +49,13 @@ def load_weights(w_ptr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.cons
 def norm_rope_forward_kernel(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, R, H,
                              NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                             COMPUTE: tl.constexpr):
+                             ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr):
     """out = rope(rms_norm(x, w)): n = (x·rstd)·w rounded to x's dtype (as `rms_norm` rounds once); the
     first NOPE dims of n are stored, the pairs after them rotated (rounded as `rotate_pairs` says)."""
     dtype = out_ptr.dtype.element_ty
     x, rstd, offsets, nope_mask, even_offsets, mask, angles = load_head_rows(
         x_ptr, pos_ptr, freq_ptr, eps_ptr, tl.program_id(0), R, H, NOPE, HALF, BLOCK_R, BLOCK_D, BLOCK_HALF,
-        COMPUTE)
+        ONE_TOKEN, COMPUTE)
     even = tl.load(x_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE) * rstd[:, None]
     odd = tl.load(x_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE) * rstd[:, None]
     n = x * rstd[:, None]
@@ -73,7 +73,7 @@ def norm_rope_forward_kernel(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, 
 def norm_rope_backward_kernel(x_ptr, w_ptr, grad_ptr, dx_ptr, dw_ptr, pos_ptr, freq_ptr, eps_ptr, R, H,
                               NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                              WEIGHT_GRAD: tl.constexpr, COMPUTE: tl.constexpr):
+                              WEIGHT_GRAD: tl.constexpr, ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr):
     """dx (and this program's partial dw) from the saved x and grad = ∂L/∂out, one pass over both.
 
     Program p takes row blocks p, p + programs, ...; per row: gn = ∂L/∂n is grad on the first NOPE dims
@@ -90,7 +90,8 @@ def norm_rope_backward_kernel(x_ptr, w_ptr, grad_ptr, dx_ptr, dw_ptr, pos_ptr, f
     dw_odd = tl.zeros([BLOCK_HALF], dtype=COMPUTE)
     for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), tl.num_programs(0)):
         x, rstd, offsets, nope_mask, even_offsets, mask, angles = load_head_rows(
-            x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, NOPE, HALF, BLOCK_R, BLOCK_D, BLOCK_HALF, COMPUTE)
+            x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, NOPE, HALF, BLOCK_R, BLOCK_D, BLOCK_HALF, ONE_TOKEN,
+            COMPUTE)
         grad_nope = tl.load(grad_ptr + offsets, mask=nope_mask, other=0.0).to(COMPUTE)
         grad_even = tl.load(grad_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE)
         grad_odd = tl.load(grad_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE)

@@ -30,20 +30,28 @@ def rotate_pairs(even, odd, angles, amplitude, INVERSE: tl.constexpr, dtype: tl.
 
 @triton.jit
 def pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE: tl.constexpr, HALF: tl.constexpr,
-                WIDTH: tl.constexpr, BLOCK_HALF: tl.constexpr, COMPUTE: tl.constexpr):
-    """`(even_offsets, mask, angles)` `[BLOCK_R, BLOCK_HALF]` of the rotated pairs: pair i of row r
-    sits at dims NOPE + 2i, NOPE + 2i + 1 and turns by positions[r // H]·freq[i] (in COMPUTE)."""
+                WIDTH: tl.constexpr, BLOCK_HALF: tl.constexpr, ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr):
+    """`(even_offsets, mask, angles)` of the rotated pairs, `[BLOCK_R, BLOCK_HALF]`: pair i of row r
+    sits at dims NOPE + 2i, NOPE + 2i + 1 and turns by positions[r // H]·freq[i] (in COMPUTE).
+
+    `ONE_TOKEN`: the rows of the block are heads of one token (BLOCK_R divides H), so the angles are
+    `[1, BLOCK_HALF]`, and the cos/sin made of them are computed once for all the block's heads (with
+    64 heads of 128 dims, the per-row trigonometry made RoPE compute-bound at twice a copy's time)."""
     pairs = tl.arange(0, BLOCK_HALF)
     mask = row_ok[:, None] & (pairs[None, :] < HALF)
-    positions = tl.load(pos_ptr + rows // H, mask=row_ok, other=0).to(COMPUTE)
     freq = tl.load(freq_ptr + pairs, mask=pairs < HALF, other=0.0)
-    angles = positions[:, None] * freq[None, :]
+    if ONE_TOKEN:
+        angles = (tl.load(pos_ptr + tl.min(rows, axis=0) // H).to(COMPUTE) * freq)[None, :]
+    else:
+        positions = tl.load(pos_ptr + rows // H, mask=row_ok, other=0).to(COMPUTE)
+        angles = positions[:, None] * freq[None, :]
     return rows[:, None] * WIDTH + NOPE + 2 * pairs[None, :], mask, angles
 
 
 def rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, amp_ptr, R, H,
                 NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, INVERSE: tl.constexpr, COMPUTE: tl.constexpr):
+                BLOCK_HALF: tl.constexpr, ONE_TOKEN: tl.constexpr, INVERSE: tl.constexpr,
+                COMPUTE: tl.constexpr):
     """out[:, :NOPE] = x[:, :NOPE]; pairs (x[NOPE+2i], x[NOPE+2i+1]) rotated by pos·freq[i]
     (rounded as `rotate_pairs` says). `BLOCK_D ≥ WIDTH`: whole rows are read at once (coalesced);
     the rotated dims are read a second time as interleaved pairs, from the cache."""
@@ -57,7 +65,7 @@ def rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, amp_ptr, R, H,
     tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=nope_mask), mask=nope_mask)
 
     even_offsets, mask, angles = pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
-                                             BLOCK_HALF, COMPUTE)
+                                             BLOCK_HALF, ONE_TOKEN, COMPUTE)
     even = tl.load(x_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE)
     odd = tl.load(x_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE)
     new_even, new_odd = rotate_pairs(even, odd, angles, tl.load(amp_ptr), INVERSE, dtype, COMPUTE)

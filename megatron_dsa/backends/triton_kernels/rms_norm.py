@@ -22,7 +22,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.constants import device_scalar
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
-from megatron_dsa.backends.triton_kernels.rope import NUM_WARPS, row_block
+from megatron_dsa.backends.triton_kernels.rope import row_block
 from megatron_dsa.backends.triton_kernels.tiles import cdiv
 from megatron_dsa.ops.precision import compute_dtype
 
@@ -46,9 +46,9 @@ def eps_tensor(eps: float, op: str, compute: torch.dtype, device: torch.device) 
 def _launch_args(x: Tensor, weight: Optional[Tensor]) -> dict:
     import triton.language as tl
 
-    block_d, block_r = row_block(x.shape[1])
+    block_d, block_r, warps = row_block(x.shape[1])
     return dict(D=x.shape[1], BLOCK_R=block_r, BLOCK_D=block_d, HAS_WEIGHT=weight is not None,
-                COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=NUM_WARPS)
+                COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=warps)
 
 
 def _forward(x: Tensor, weight: Optional[Tensor], eps: Tensor) -> Tensor:

@@ -21,19 +21,22 @@ from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
 from megatron_dsa.ops.precision import compute_dtype
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# Elements of one row block held in registers (per tensor): 8 rows of Dh = 512 per program. Whole
-# rows per program keep the loads coalesced. At most 8 rows: on an H200 the indexer's [4096·64, 128]
-# rows ran 4x slower with 32 rows per program (277 vs 66 us) for no reason we pinned down, while
-# [4096·64, 512] with 8 rows runs at the bandwidth of a plain copy (137 vs 130 us).
-BLOCK_ELEMENTS = 4096
+# A program holds BLOCK_R whole rows (coalesced loads) of about ROW_BLOCK_ELEMENTS elements, one warp per
+# ROW_BLOCK_ELEMENTS. Measured on an H200 in bf16: the fused RMSNorm + RoPE backward of the query rows
+# [4096·64, 512] took 215 µs with one warp over 2 rows against 329 µs with 8 warps over 8 rows (the row
+# sums then cross warps; a copy of that traffic takes 193 µs), its forward 132 against 147 µs; RoPE runs
+# at a copy's speed either way. More than 8 rows per program ran 2–4x slower on [4096·64, 128] rows
+# (142 against 68 µs with 16 rows, not pinned down), hence the cap.
+ROW_BLOCK_ELEMENTS = 1024
 MAX_BLOCK_ROWS = 8
-NUM_WARPS = 8
 
 
-def row_block(width: int) -> tuple[int, int]:
-    """`(BLOCK_D, BLOCK_R)`: a power-of-two block covering one row of `width`, and the rows per program."""
+def row_block(width: int) -> tuple[int, int, int]:
+    """`(BLOCK_D, BLOCK_R, num_warps)`: a power-of-two block covering one row of `width`, the rows per
+    program and the warps that run them."""
     block_d = pow2(width)
-    return block_d, max(1, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // block_d))
+    block_r = max(1, min(MAX_BLOCK_ROWS, ROW_BLOCK_ELEMENTS // block_d))
+    return block_d, block_r, max(1, block_r * block_d // ROW_BLOCK_ELEMENTS)
 
 
 def _launch(x: Tensor, positions: Tensor, freq: Tensor, amplitude: Tensor, inverse: bool) -> Tensor:
@@ -45,12 +48,13 @@ def _launch(x: Tensor, positions: Tensor, freq: Tensor, amplitude: Tensor, inver
     rows, half = x.shape[0], freq.shape[0]
     if out.numel() == 0:
         return out
-    block_d, block_r = row_block(x.shape[1])
+    block_d, block_r, warps = row_block(x.shape[1])
+    heads = rows // positions.shape[0]
     jitted(kernels.rope_kernel)[(cdiv(rows, block_r),)](
-        x, out, positions, freq, amplitude, rows, rows // positions.shape[0],
+        x, out, positions, freq, amplitude, rows, heads,
         NOPE=x.shape[1] - 2 * half, HALF=half, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_HALF=pow2(half),
-        INVERSE=inverse, COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32,
-        num_warps=NUM_WARPS)
+        ONE_TOKEN=heads % block_r == 0, INVERSE=inverse,
+        COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=warps)
     return out
 
 
