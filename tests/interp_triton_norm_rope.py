@@ -23,7 +23,9 @@ pytestmark = pytest.mark.usefixtures("interpreter")
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 EPS = 1e-6
-SHAPES = [((9, 8), 8), ((9, 40), 16), ((7, 3, 40), 8), ((5, 2, 64), 16), ((6, 64), 8), ((4, 3, 8), 8)]
+# (6, 2, 21) with 12 rotary dims: an odd pass-through width and pairs that do not fill their block.
+SHAPES = [((9, 8), 8), ((9, 40), 16), ((7, 3, 40), 8), ((5, 2, 64), 16), ((6, 64), 8), ((4, 3, 8), 8),
+          ((6, 2, 21), 12)]
 
 
 def _case(shape, rotary_dim, dtype, seed=0):

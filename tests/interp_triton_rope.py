@@ -28,7 +28,9 @@ def _case(shape, rotary_dim, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape,rotary_dim", [((9, 8), 8), ((9, 40), 16), ((7, 3, 40), 8), ((11, 2, 8), 8)])
+# (6, 2, 21) with 12 rotary dims: an odd pass-through width and pairs that do not fill their block.
+@pytest.mark.parametrize("shape,rotary_dim", [((9, 8), 8), ((9, 40), 16), ((7, 3, 40), 8), ((11, 2, 8), 8),
+                                              ((6, 2, 21), 12)])
 @pytest.mark.parametrize("inverse,amplitude", [(False, 1.0), (True, 1.0), (False, 0.7), (True, 1.3)])
 def test_forward_and_grad_match_reference(dtype, shape, rotary_dim, inverse, amplitude):
     x, positions, inv_freq = _case(shape, rotary_dim, dtype)

@@ -6,14 +6,14 @@ Plain functions: `lazy_jit.jitted` decorates the kernels on first launch (the he
 x, out, grad and dx are contiguous `[R, WIDTH]` rows (R = T·H, WIDTH = NOPE + 2·HALF); row r belongs to
 token r // H; the weight is `[WIDTH]`. One program handles `BLOCK_R` whole rows at a time: `BLOCK_D ≥
 WIDTH` covers a row at once, so each row is read once from memory; the rotated dims are loaded a second
-time as interleaved pairs, from the cache.
+time, from the cache, as contiguous rows split into pairs in registers (`load_pairs`).
 """
 
 import triton
 import triton.language as tl
 
 from megatron_dsa.backends.triton_kernels._rms_norm_kernels import load_rows
-from megatron_dsa.backends.triton_kernels._rope_kernels import pair_layout, rotate_pairs
+from megatron_dsa.backends.triton_kernels._rope_kernels import load_pairs, pair_layout, rotate_pairs, store_pairs
 
 
 @triton.jit
@@ -21,15 +21,15 @@ def load_head_rows(x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, NOPE: tl.cons
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr):
     """Row block `block` (`BLOCK_R` rows) of x with their statistics and RoPE layout: `(x, rstd, offsets,
-    nope_mask, even_offsets, pair_mask, angles)` (see `load_rows` and `pair_layout`)."""
+    nope_mask, pair_offsets, pair_mask, angles)` (see `load_rows` and `pair_layout`)."""
     WIDTH: tl.constexpr = NOPE + 2 * HALF
     rows = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # block·BLOCK_R < R fits int32
     row_ok = rows < R
     x, rstd, offsets, dims = load_rows(x_ptr, eps_ptr, rows, row_ok, WIDTH, BLOCK_D, COMPUTE)
     nope_mask = row_ok[:, None] & (dims[None, :] < NOPE)
-    even_offsets, pair_mask, angles = pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
+    pair_offsets, pair_mask, angles = pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
                                                   BLOCK_HALF, ONE_TOKEN, COMPUTE)
-    return x, rstd, offsets, nope_mask, even_offsets, pair_mask, angles
+    return x, rstd, offsets, nope_mask, pair_offsets, pair_mask, angles
 
 
 @triton.jit
@@ -53,11 +53,11 @@ def norm_rope_forward_kernel(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, 
     """out = rope(rms_norm(x, w)): n = (x·rstd)·w rounded to x's dtype (as `rms_norm` rounds once); the
     first NOPE dims of n are stored, the pairs after them rotated (rounded as `rotate_pairs` says)."""
     dtype = out_ptr.dtype.element_ty
-    x, rstd, offsets, nope_mask, even_offsets, mask, angles = load_head_rows(
+    x, rstd, offsets, nope_mask, pair_offsets, pair_mask, angles = load_head_rows(
         x_ptr, pos_ptr, freq_ptr, eps_ptr, tl.program_id(0), R, H, NOPE, HALF, BLOCK_R, BLOCK_D, BLOCK_HALF,
         ONE_TOKEN, COMPUTE)
-    even = tl.load(x_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE) * rstd[:, None]
-    odd = tl.load(x_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE) * rstd[:, None]
+    even, odd = load_pairs(x_ptr, pair_offsets, pair_mask, BLOCK_R, BLOCK_HALF, COMPUTE)
+    even, odd = even * rstd[:, None], odd * rstd[:, None]
     n = x * rstd[:, None]
     if HAS_WEIGHT:
         w, w_even, w_odd = load_weights(w_ptr, NOPE, HALF, BLOCK_D, BLOCK_HALF, COMPUTE)
@@ -66,8 +66,7 @@ def norm_rope_forward_kernel(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, 
     # The normalised values the reference rotates: rounded to x's dtype first.
     new_even, new_odd = rotate_pairs(even.to(dtype).to(COMPUTE), odd.to(dtype).to(COMPUTE), angles, 1.0, False,
                                      dtype, COMPUTE)
-    tl.store(out_ptr + even_offsets, new_even.to(dtype), mask=mask)
-    tl.store(out_ptr + even_offsets + 1, new_odd.to(dtype), mask=mask)
+    store_pairs(out_ptr, pair_offsets, pair_mask, new_even, new_odd, BLOCK_R, BLOCK_HALF)
 
 
 def norm_rope_backward_kernel(x_ptr, w_ptr, grad_ptr, dx_ptr, dw_ptr, pos_ptr, freq_ptr, eps_ptr, R, H,
@@ -89,15 +88,13 @@ def norm_rope_backward_kernel(x_ptr, w_ptr, grad_ptr, dx_ptr, dw_ptr, pos_ptr, f
     dw_even = tl.zeros([BLOCK_HALF], dtype=COMPUTE)
     dw_odd = tl.zeros([BLOCK_HALF], dtype=COMPUTE)
     for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), tl.num_programs(0)):
-        x, rstd, offsets, nope_mask, even_offsets, mask, angles = load_head_rows(
+        x, rstd, offsets, nope_mask, pair_offsets, pair_mask, angles = load_head_rows(
             x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, NOPE, HALF, BLOCK_R, BLOCK_D, BLOCK_HALF, ONE_TOKEN,
             COMPUTE)
         grad_nope = tl.load(grad_ptr + offsets, mask=nope_mask, other=0.0).to(COMPUTE)
-        grad_even = tl.load(grad_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE)
-        grad_odd = tl.load(grad_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE)
+        grad_even, grad_odd = load_pairs(grad_ptr, pair_offsets, pair_mask, BLOCK_R, BLOCK_HALF, COMPUTE)
         grad_even, grad_odd = rotate_pairs(grad_even, grad_odd, angles, 1.0, True, dtype, COMPUTE)
-        x_even = tl.load(x_ptr + even_offsets, mask=mask, other=0.0).to(COMPUTE)
-        x_odd = tl.load(x_ptr + even_offsets + 1, mask=mask, other=0.0).to(COMPUTE)
+        x_even, x_odd = load_pairs(x_ptr, pair_offsets, pair_mask, BLOCK_R, BLOCK_HALF, COMPUTE)
         if WEIGHT_GRAD:
             dw += tl.sum(grad_nope * (x * rstd[:, None]), axis=0)
             dw_even += tl.sum(grad_even * (x_even * rstd[:, None]), axis=0)
@@ -108,8 +105,8 @@ def norm_rope_backward_kernel(x_ptr, w_ptr, grad_ptr, dx_ptr, dw_ptr, pos_ptr, f
         dot = tl.sum(grad_nope * x, axis=1) + tl.sum(grad_even * x_even + grad_odd * x_odd, axis=1)
         coef = (rstd * rstd * rstd * dot / WIDTH)[:, None]
         tl.store(dx_ptr + offsets, (rstd[:, None] * grad_nope - x * coef).to(dtype), mask=nope_mask)
-        tl.store(dx_ptr + even_offsets, (rstd[:, None] * grad_even - x_even * coef).to(dtype), mask=mask)
-        tl.store(dx_ptr + even_offsets + 1, (rstd[:, None] * grad_odd - x_odd * coef).to(dtype), mask=mask)
+        store_pairs(dx_ptr, pair_offsets, pair_mask, rstd[:, None] * grad_even - x_even * coef,
+                    rstd[:, None] * grad_odd - x_odd * coef, BLOCK_R, BLOCK_HALF)
     if WEIGHT_GRAD:
         row = dw_ptr + tl.program_id(0).to(tl.int64) * WIDTH
         dims = tl.arange(0, BLOCK_D)
