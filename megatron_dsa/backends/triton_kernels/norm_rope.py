@@ -24,19 +24,9 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.rms_norm import DWEIGHT_PROGRAMS, check_weight, eps_tensor
-from megatron_dsa.backends.triton_kernels.rope import check_inputs, row_block
-from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
+from megatron_dsa.backends.triton_kernels.rope import check_inputs, rotary_row_args
+from megatron_dsa.backends.triton_kernels.tiles import cdiv
 from megatron_dsa.ops.precision import compute_dtype
-
-
-def _launch_args(x: Tensor, weight: Optional[Tensor], freq: Tensor, heads: int) -> dict:
-    import triton.language as tl
-
-    width, half = x.shape[1], freq.shape[0]
-    block_d, block_r, warps = row_block(width)
-    return dict(NOPE=width - 2 * half, HALF=half, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_HALF=pow2(half),
-                HAS_WEIGHT=weight is not None, ONE_TOKEN=heads % block_r == 0,
-                COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=warps)
 
 
 def _forward(x: Tensor, weight: Optional[Tensor], positions: Tensor, freq: Tensor, eps: Tensor) -> Tensor:
@@ -47,11 +37,9 @@ def _forward(x: Tensor, weight: Optional[Tensor], positions: Tensor, freq: Tenso
     out = torch.empty_like(x)
     if out.numel() == 0:
         return out
-    rows = x.shape[0]
-    heads = rows // positions.shape[0]
-    args = _launch_args(x, weight, freq, heads)
-    jitted(kernels.norm_rope_forward_kernel)[(cdiv(rows, args["BLOCK_R"]),)](
-        x, weight, out, positions, freq, eps, rows, heads, **args)
+    args = rotary_row_args(x, positions, freq)
+    jitted(kernels.norm_rope_forward_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
+        x, weight, out, positions, freq, eps, x.shape[0], HAS_WEIGHT=weight is not None, **args)
     return out
 
 
@@ -63,15 +51,14 @@ def _backward(x: Tensor, weight: Optional[Tensor], positions: Tensor, freq: Tens
     grad_x = torch.empty_like(x)
     if grad_x.numel() == 0:
         return grad_x, torch.zeros_like(weight) if weight_grad else None
-    rows = x.shape[0]
-    heads = rows // positions.shape[0]
-    args = _launch_args(x, weight, freq, heads)
-    blocks = cdiv(rows, args["BLOCK_R"])
+    args = rotary_row_args(x, positions, freq)
+    blocks = cdiv(x.shape[0], args["BLOCK_R"])
     programs = min(blocks, DWEIGHT_PROGRAMS) if weight_grad else blocks
     partial = (torch.empty((programs, x.shape[1]), dtype=compute_dtype(x.dtype), device=x.device)
                if weight_grad else None)  # every program writes its whole row
     jitted(kernels.norm_rope_backward_kernel)[(programs,)](
-        x, weight, grad, grad_x, partial, positions, freq, eps, rows, heads, WEIGHT_GRAD=weight_grad, **args)
+        x, weight, grad, grad_x, partial, positions, freq, eps, x.shape[0], HAS_WEIGHT=weight is not None,
+        WEIGHT_GRAD=weight_grad, **args)
     return grad_x, partial.sum(0).to(weight.dtype) if weight_grad else None
 
 

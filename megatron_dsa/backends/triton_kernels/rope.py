@@ -24,9 +24,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # A program holds BLOCK_R whole rows (coalesced loads) of about ROW_BLOCK_ELEMENTS elements, one warp per
 # ROW_BLOCK_ELEMENTS. Measured on an H200 in bf16: the fused RMSNorm + RoPE backward of the query rows
 # [4096·64, 512] took 215 µs with one warp over 2 rows against 329 µs with 8 warps over 8 rows (the row
-# sums then cross warps; a copy of that traffic takes 193 µs), its forward 132 against 147 µs; RoPE runs
-# at a copy's speed either way. More than 8 rows per program ran 2–4x slower on [4096·64, 128] rows
-# (142 against 68 µs with 16 rows, not pinned down), hence the cap.
+# sums then cross warps; a copy of that traffic takes 193 µs), its forward 132 against 147 µs; RoPE of
+# 512-wide rows runs at a copy's speed either way. More than 8 rows per program ran 2–4x slower on
+# [4096·64, 128] rows (142 against 68 µs with 16 rows, before the pairs were read as contiguous rows;
+# not pinned down), hence the cap.
 ROW_BLOCK_ELEMENTS = 1024
 MAX_BLOCK_ROWS = 8
 
@@ -39,22 +40,30 @@ def row_block(width: int) -> tuple[int, int, int]:
     return block_d, block_r, max(1, block_r * block_d // ROW_BLOCK_ELEMENTS)
 
 
+def rotary_row_args(x: Tensor, positions: Tensor, freq: Tensor) -> dict:
+    """Launch arguments shared by the kernels over rotary rows `x [R, Dh]` (RoPE, fused RMSNorm + RoPE):
+    `H` (heads per token; row r is token r // H), the pair layout, tiles, warps, and `ONE_TOKEN` when
+    every row block lies within one token's heads."""
+    import triton.language as tl
+
+    width, half = x.shape[1], freq.shape[0]
+    block_d, block_r, warps = row_block(width)
+    heads = x.shape[0] // positions.shape[0]
+    return dict(H=heads, NOPE=width - 2 * half, HALF=half, BLOCK_R=block_r, BLOCK_D=block_d,
+                BLOCK_HALF=pow2(half), ONE_TOKEN=heads % block_r == 0,
+                COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=warps)
+
+
 def _launch(x: Tensor, positions: Tensor, freq: Tensor, amplitude: Tensor, inverse: bool) -> Tensor:
     """`x [R, Dh]` contiguous → rotated copy; `positions [R / heads]`; freq, amplitude in the angle dtype."""
     from megatron_dsa.backends.triton_kernels import _rope_kernels as kernels
-    import triton.language as tl
 
     out = torch.empty_like(x)
-    rows, half = x.shape[0], freq.shape[0]
     if out.numel() == 0:
         return out
-    block_d, block_r, warps = row_block(x.shape[1])
-    heads = rows // positions.shape[0]
-    jitted(kernels.rope_kernel)[(cdiv(rows, block_r),)](
-        x, out, positions, freq, amplitude, rows, heads,
-        NOPE=x.shape[1] - 2 * half, HALF=half, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_HALF=pow2(half),
-        ONE_TOKEN=heads % block_r == 0, INVERSE=inverse,
-        COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=warps)
+    args = rotary_row_args(x, positions, freq)
+    jitted(kernels.rope_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
+        x, out, positions, freq, amplitude, x.shape[0], INVERSE=inverse, **args)
     return out
 
 
