@@ -51,7 +51,8 @@ def test_a_layout_built_outside_a_capture_keeps_nothing_first_built_inside_it(mo
     inside a capture returns them there but does not keep them (their storage would hold values only in
     the graph's replays); after the capture it builds and keeps them as usual. A layout built inside the
     capture keeps its own values: it never leaves the capture."""
-    shared = TokenLayout.uniform(2, 16, CPU)
+    # Built here, not taken from the shared uniform layouts: another test may have filled those.
+    shared = TokenLayout.packed(torch.tensor([0, 16, 32]), 32, CPU, max_seqlen=16)
     monkeypatch.setattr(device_cache, "capturing_now", lambda: True)
     assert shared.segment_starts is not shared.segment_starts  # built on every use, kept by nobody
     assert shared.compressed(4) is not shared.compressed(4)

@@ -18,14 +18,14 @@ import torch
 Value = TypeVar("Value")
 
 
-def capturing(device: torch.device) -> bool:
-    """True while the current CUDA stream is capturing a graph and `device` is a CUDA device."""
-    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def capturing_now() -> bool:
     """True while the current CUDA stream is capturing a graph (on any CUDA device)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capturing(device: torch.device) -> bool:
+    """True while the current CUDA stream is capturing a graph and `device` is a CUDA device."""
+    return torch.device(device).type == "cuda" and capturing_now()
 
 
 _BUILT_CAPTURING = "_built_while_capturing"
@@ -43,6 +43,16 @@ class KeepsDeviceValues:
         capture, and so do its values)."""
         return self.__dict__.get(_BUILT_CAPTURING, False) or not capturing_now()
 
+    def kept(self, store: dict, key: Hashable, build: Callable[[], Any]) -> Any:
+        """`store[key]`, else `build()`, kept in `store` (a dict of this object's) when
+        `may_keep_values_built_now()`."""
+        if key in store:
+            return store[key]
+        value = build()
+        if self.may_keep_values_built_now():
+            store[key] = value
+        return value
+
 
 class device_cached_property(cached_property):  # noqa: N801 - used like functools.cached_property
     """`functools.cached_property` for a `KeepsDeviceValues` object: a value first built while a CUDA graph
@@ -53,13 +63,7 @@ class device_cached_property(cached_property):  # noqa: N801 - used like functoo
     def __get__(self, instance: Optional[KeepsDeviceValues], owner: Optional[type] = None) -> Any:
         if instance is None:
             return self
-        cache = instance.__dict__
-        if self.attrname in cache:
-            return cache[self.attrname]
-        value = self.func(instance)
-        if instance.may_keep_values_built_now():
-            cache[self.attrname] = value
-        return value
+        return instance.kept(instance.__dict__, self.attrname, lambda: self.func(instance))
 
 
 class DeviceCache(Generic[Value]):

@@ -141,12 +141,7 @@ class TokenLayout(KeepsDeviceValues):
         """`build()`, computed once per layout and `key`: for values that depend on the layout only
         (compressed layouts, index rows), so that layers sharing a layout share them (not kept when
         first built during a CUDA-graph capture of a layout built outside it; see `KeepsDeviceValues`)."""
-        if key in self._derived:
-            return self._derived[key]
-        value = build()
-        if self.may_keep_values_built_now():
-            self._derived[key] = value
-        return value
+        return self.kept(self._derived, key, build)
 
     @cached_property
     def _derived(self) -> dict[Hashable, Any]:
