@@ -50,12 +50,14 @@ EXACT = dict(rtol=1e-10, atol=1e-10)
 
 
 def clear_probe_caches() -> None:
+    """Forget what the probes found and the choices made from it (after installing or faking a package)."""
+    registry.forget_choices()
     probes.import_problem.cache_clear()
     cudnn_backend.package_problem.cache_clear()
     cudnn_backend.wrapper_problem.cache_clear()
     flashmla_backend.package_problem.cache_clear()
     flashmla_backend._lse_is_base2.cache_clear()
-    flash_attn_backend._self_test_verdict.cache_clear()
+    probes.forget_self_tests()
     triton_availability._package_problem.cache_clear()
 
 

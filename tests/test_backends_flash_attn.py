@@ -18,7 +18,7 @@ import torch
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.__main__ import main
-from megatron_dsa.backends import BackendUnavailableError, OpFamily, resolve
+from megatron_dsa.backends import BackendUnavailableError, OpFamily, probes, resolve
 from megatron_dsa.backends.flash_attn import (
     FLASH_ATTENTION_2,
     FLASH_ATTENTION_3,
@@ -225,6 +225,22 @@ def test_the_self_test_runs_once_per_call_class_and_keeps_the_random_state(vendo
     gqa, mha, fp16, dims = calls
     assert gqa["cu"].tolist() == [0, 5, 16] and gqa["q"].shape[1] == 4 and gqa["k"].shape[1] == 2
     assert mha["k"].shape[1] == 4 and fp16["q"].dtype == torch.float16 and dims["q"].shape[-1] == 24
+
+
+def test_a_verdict_kept_before_a_capture_serves_inside_it(vendors) -> None:
+    """The M layer's call description holds its layout, so the dispatcher asks the probe again during a
+    CUDA-graph capture: the warm-up step's verdict must answer there (a decline would switch kernels,
+    or fail an explicit `flash_attn`), and a class first seen inside the capture declines unkept."""
+    calls: list = []
+    installed(vendors, fake_flash_attn_3(calls))
+    on_gpu_generation(vendors, (9, 0))
+    call = dense_call(bf16_problem([3, 5], [4, 6], tail=2)[0])
+    assert resolve(DENSE, "flash_attn", **call)[0] == "flash_attn"
+    vendors.setattr(probes, "capturing", lambda device: True)
+    assert resolve(DENSE, "flash_attn", **call)[0] == "flash_attn"
+    with pytest.raises(BackendUnavailableError, match="while a CUDA graph is captured"):
+        resolve(DENSE, "flash_attn", **{**call, "dtype": torch.float16})
+    assert len(calls) == 1
 
 
 # ---------------------------------------------------------------- the layer and the ranking

@@ -19,7 +19,7 @@ import torch
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.backends import (BackendUnavailableError, OpFamily, call_counts, dispatch, probes,
                                    reset_call_counts, resolve)
-from megatron_dsa.backends.flash_attn import FLASH_ATTENTION_3
+from megatron_dsa.backends.flash_attn import FLASH_ATTENTION_3, ShapeClass
 from megatron_dsa.backends.sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
@@ -270,7 +270,7 @@ def test_dense_backends_match_unfused(backend, module, why, packed, groups) -> N
         layout = TokenLayout.uniform(batch, seqlen, CUDA)
     call = dict(device=CUDA, dtype=torch.bfloat16, head_dim=192, v_head_dim=128, heads=heads, groups=groups,
                 layout=layout, lse_grad=False)
-    fa4_only = probes.import_problem(FLASH_ATTENTION_3.module, "") is not None  # FA3 would serve GQA 192/128
+    fa4_only = FLASH_ATTENTION_3.problem(ShapeClass.of_call(call)) is not None  # FA3 would serve GQA 192/128
     if backend == "flash_attn" and groups < heads and torch.cuda.get_device_capability()[0] == 9 and fa4_only:
         with pytest.raises(BackendUnavailableError, match="SM90 backward needs qk head dim == v head dim"):
             resolve(OpFamily.DENSE_ATTENTION, backend, **call)

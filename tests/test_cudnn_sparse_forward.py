@@ -19,7 +19,7 @@ import torch
 
 import megatron_dsa.backends.cudnn as cudnn_backend
 from megatron_dsa import HybridAttention, HybridAttentionConfig
-from megatron_dsa.backends import BackendUnavailableError, OpFamily, registry, resolve
+from megatron_dsa.backends import BackendUnavailableError, OpFamily, probes, registry, resolve
 from megatron_dsa.ops.sparse_attention import sparse_attention_forward
 from test_backends_adapters import (  # noqa: F401 - `vendors` is a fixture
     LOGGER,
@@ -34,16 +34,16 @@ from vendor_fakes import FakeFlashMLA, fake_sparse_inputs, install
 FWD = OpFamily.SPARSE_ATTENTION_FWD
 CPU = torch.device("cpu")
 CALL = dict(device=CPU, dtype=torch.bfloat16, heads=64, head_dim=512, topk=512, kv_rows=4096)
-SM90_REASON = "cuDNN's sparse forward is built for SM100 only (this GPU is SM90)"
+SM90_REASON = "cuDNN's sparse forward (built for SM100 only) needs SM10x, this GPU is SM90"
 
 
 @pytest.fixture
 def sm100(vendors: pytest.MonkeyPatch):
     """`vendors` on a (faked) SM100 GPU, with no self-test verdict kept from another test."""
     on_gpu_generation(vendors, (10, 0))
-    cudnn_backend._sparse_forward_self_test.cache_clear()
+    probes.forget_self_tests()
     yield vendors
-    cudnn_backend._sparse_forward_self_test.cache_clear()
+    probes.forget_self_tests()
 
 
 def forward_calls(dsa) -> list[dict]:
@@ -177,11 +177,22 @@ def test_a_forward_that_raises_is_declined_by_the_probe_not_raised(sm100) -> Non
 
 def test_no_self_test_while_a_cuda_graph_is_captured(sm100) -> None:
     dsa = with_cudnn(sm100, alignment=64)
-    sm100.setattr(cudnn_backend, "capturing", lambda device: True)
+    sm100.setattr(probes, "capturing", lambda device: True)
     assert "while a CUDA graph is captured" in cudnn_backend.CUDNN.decline_reason(FWD, CALL)
     assert not forward_calls(dsa)
-    sm100.setattr(cudnn_backend, "capturing", lambda device: False)
+    sm100.setattr(probes, "capturing", lambda device: False)
     assert cudnn_backend.CUDNN.decline_reason(FWD, CALL) is None  # that decline was not kept
+    assert len(forward_calls(dsa)) == 1
+
+
+def test_a_verdict_kept_before_a_capture_answers_inside_it(sm100) -> None:
+    """The warm-up step's self-test serves the capture (a layout in the call description keeps the
+    dispatcher from remembering its choice, so the probe is asked again while capturing)."""
+    dsa = with_cudnn(sm100, alignment=64)
+    assert cudnn_backend.CUDNN.decline_reason(FWD, CALL) is None
+    sm100.setattr(probes, "capturing", lambda device: True)
+    assert cudnn_backend.CUDNN.decline_reason(FWD, CALL) is None
+    assert len(forward_calls(dsa)) == 1  # the self-test ran once, before the capture
 
 
 # ---------------------------------------------------------------- autograd composition

@@ -55,7 +55,7 @@ from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as trit
 from megatron_dsa.backends.triton_kernels.kl_slots import kl_slots as triton_kl_slots
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
 from megatron_dsa.ops.indexer_loss import KLFn, indexer_kl, kl_per_row
-from megatron_dsa.ops.device_cache import DeviceCache, capturing
+from megatron_dsa.ops.device_cache import DeviceCache
 from megatron_dsa.ops.indices import UniformVisibleRows
 from megatron_dsa.ops.sparse_attention import sparse_attention_forward as reference_sparse_forward
 from megatron_dsa.parallel.state import group_size
@@ -204,10 +204,8 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
 def _sparse_forward_problem(call: Mapping[str, Any]) -> Optional[str]:
     """Why the SM100 sparse forward cannot take `call` (None: it can; its self-test passed where the
     call names its class). The kernel has no top-k limit (its wrapper takes any number of slots)."""
-    capability = probes.cuda_capability(call.get("device"))
     return probes.first_problem(
-        f"cuDNN's sparse forward is built for SM100 only (this GPU is SM{capability[0]}{capability[1]})"
-        if capability is not None and capability[0] != 10 else None,
+        probes.gpu_problem(call, (10,), "cuDNN's sparse forward (built for SM100 only)"),
         # The same dtypes, D = 512 (its D = 576 mode uses 512 dims as V), 64/128 heads and int32 ids as
         # the backward (whose lse-gradient clause a forward call never sets).
         _sparse_backward_problem(call),
@@ -218,31 +216,29 @@ def _self_test_problem(call: Mapping[str, Any]) -> Optional[str]:
     device, dtype, heads, head_dim = (call.get(key) for key in ("device", "dtype", "heads", "head_dim"))
     if device is None or dtype is None or heads is None or head_dim is None:
         return None  # no call yet (layer construction, `info`): nothing to test with
-    if capturing(device):  # the comparison reads values on the host
-        return ("cuDNN's sparse forward cannot run its one-time self-test while a CUDA graph is captured "
-                "(run one step before capturing)")
-    return _sparse_forward_self_test(torch.device(device), dtype, heads, head_dim)
+    device = probes.canonical_device(device)
+    return probes.kept_self_test("cuDNN's sparse forward", ("cudnn sparse_attention_forward", device, dtype, heads,
+                                                             head_dim),
+                                 device, lambda: _sparse_forward_self_test(device, dtype, heads, head_dim),
+                                 f"{device}, {dtype}, {heads} heads, head dim {head_dim}")
 
 
-@functools.lru_cache(maxsize=None)
 def _sparse_forward_self_test(device: torch.device, dtype: torch.dtype, heads: int,
                               head_dim: int) -> Optional[str]:
     """None when `sparse_attention_forward` agrees with the reference on a tiny problem of this call
-    class, else why not (never raises; the verdict is kept per class).
+    class, else why not (kept per class by `probes.kept_self_test`, which also turns an exception into
+    the verdict).
 
     Why: this adapter was written from the kernel's source and has only run against a CPU fake of it;
     no SM100 GPU was at hand to run it on. Its lse goes to the backward as is (cuDNN's and Triton's
     take the natural-log, sink-free lse), so the lse is checked as tightly as float32 allows, and the
     row without keys must give out exactly 0 (the cuDNN backward relies on it). Tolerances: above.
     """
-    try:
-        query, kv, indices, sink = _self_test_inputs(device, dtype, heads, head_dim)
-        out, lse = sparse_attention_forward(query, kv, indices, sink, SELF_TEST_SCALE)
-        out_ref, lse_ref = reference_sparse_forward(query.float(), kv.float(), indices, sink, SELF_TEST_SCALE)
-        out_error, lse_error = probes.max_difference(out, out_ref), probes.max_difference(lse, lse_ref)
-        empty_out = float(out[SELF_TEST_EMPTY_ROW].abs().max())
-    except Exception as error:  # noqa: BLE001 - the probe must decline, never raise
-        return f"cuDNN's sparse forward failed its self-test ({type(error).__name__}: {error}); please report"
+    query, kv, indices, sink = _self_test_inputs(device, dtype, heads, head_dim)
+    out, lse = sparse_attention_forward(query, kv, indices, sink, SELF_TEST_SCALE)
+    out_ref, lse_ref = reference_sparse_forward(query.float(), kv.float(), indices, sink, SELF_TEST_SCALE)
+    out_error, lse_error = probes.max_difference(out, out_ref), probes.max_difference(lse, lse_ref)
+    empty_out = float(out[SELF_TEST_EMPTY_ROW].abs().max())
     if out_error <= SELF_TEST_OUT_TOLERANCE and lse_error <= SELF_TEST_LSE_TOLERANCE and empty_out == 0.0:
         return None
     return (f"cuDNN's sparse forward failed its self-test against the reference (max |Δout| {out_error:.3g}, "

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -46,10 +45,8 @@ from megatron_dsa.backends.registry import (
     registered_backends,
 )
 from megatron_dsa.ops.dense_attention import causal_attention
-from megatron_dsa.ops.device_cache import capturing
 from megatron_dsa.ops.layout import TokenLayout
 
-logger = logging.getLogger(__name__)
 
 MAX_HEAD_DIM = 256
 HEAD_DIM_ALIGNMENT = 8  # 16 bytes of bf16/fp16
@@ -74,12 +71,12 @@ class ShapeClass:
     @classmethod
     def of_call(cls, call: Mapping[str, Any]) -> "ShapeClass":
         heads, groups = call.get("heads"), call.get("groups")
-        return cls(_canonical(call.get("device")), call.get("dtype"), call.get("head_dim"),
+        return cls(probes.canonical_device(call.get("device")), call.get("dtype"), call.get("head_dim"),
                    call.get("v_head_dim"), heads is not None and groups is not None and heads != groups)
 
     @classmethod
     def of_tensors(cls, q: Tensor, k: Tensor, v: Tensor) -> "ShapeClass":
-        return cls(_canonical(q.device), q.dtype, q.shape[-1], v.shape[-1], q.shape[1] != k.shape[1])
+        return cls(probes.canonical_device(q.device), q.dtype, q.shape[-1], v.shape[-1], q.shape[1] != k.shape[1])
 
     @property
     def testable(self) -> bool:
@@ -89,16 +86,6 @@ class ShapeClass:
     @property
     def description(self) -> dict[str, Any]:
         return {"device": self.device, "dtype": self.dtype}
-
-
-def _canonical(device: Optional[torch.device]) -> Optional[torch.device]:
-    """`cuda` as `cuda:<current>`, so a call description and its tensors name one class."""
-    if device is None:
-        return None
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 @dataclass(frozen=True, eq=False)
@@ -277,33 +264,21 @@ SELF_TEST_LSE_TOLERANCE = 1e-3
 
 def self_test_problem(generation: Generation, shape: ShapeClass) -> Optional[str]:
     """None when `generation` passed its self-test for `shape` (run once per class), else why not."""
-    if capturing(shape.device):  # the comparison reads values on the host
-        return (f"{generation.name} cannot run its one-time self-test while a CUDA graph is captured "
-                f"(run one step before capturing)")
-    return _self_test_verdict(generation, shape)
+    what = f"{generation.name} ({generation.versions()})"
+    context = (f"{shape.device}, {shape.dtype}, head dims {shape.head_dim}/{shape.v_head_dim}"
+               f"{', GQA' if shape.gqa else ''}")
+    return probes.kept_self_test(what, (generation, shape), shape.device,
+                                 lambda: _self_test_verdict(what, generation, shape), context)
 
 
-@functools.lru_cache(maxsize=None)
-def _self_test_verdict(generation: Generation, shape: ShapeClass) -> Optional[str]:
-    """Never raises: an exception is a decline with its reason. Logged once per class when it declines."""
-    try:
-        errors = _self_test_errors(generation, shape)
-    except Exception as error:  # noqa: BLE001 - the probe must decline, never raise
-        lines = str(error).strip().splitlines()
-        what = type(error).__name__ + (f": {lines[0]}" if lines else "")  # the first line: vendor errors run long
-        verdict = f"{generation.name} ({generation.versions()}) failed its self-test ({what}); please report"
-    else:
-        tolerance = SELF_TEST_TOLERANCE[shape.dtype]
-        failed = [f"{name} {error:.2g}" for name, error in errors.items()
-                  if error > (SELF_TEST_LSE_TOLERANCE if name == "|Δlse|" else tolerance)]
-        if not failed:
-            return None
-        verdict = (f"{generation.name} ({generation.versions()}) failed its self-test against the reference "
-                   f"({', '.join(failed)}; tolerances {tolerance:g} relative, {SELF_TEST_LSE_TOLERANCE:g} "
-                   f"for the lse); please report")
-    logger.warning("megatron_dsa: %s (%s, %s, head dims %s/%s%s)", verdict, shape.device, shape.dtype,
-                   shape.head_dim, shape.v_head_dim, ", GQA" if shape.gqa else "")
-    return verdict
+def _self_test_verdict(what: str, generation: Generation, shape: ShapeClass) -> Optional[str]:
+    tolerance = SELF_TEST_TOLERANCE[shape.dtype]
+    failed = [f"{name} {error:.2g}" for name, error in _self_test_errors(generation, shape).items()
+              if error > (SELF_TEST_LSE_TOLERANCE if name == "|Δlse|" else tolerance)]
+    if not failed:
+        return None
+    return (f"{what} failed its self-test against the reference ({', '.join(failed)}; tolerances "
+            f"{tolerance:g} relative, {SELF_TEST_LSE_TOLERANCE:g} for the lse); please report")
 
 
 def _self_test_errors(generation: Generation, shape: ShapeClass) -> dict[str, float]:

@@ -1,15 +1,22 @@
 """Shared capability checks of the vendor-kernel backends: optional packages (imported lazily, once),
-package versions, the GPU generation, dtypes. Every check returns None ("fine") or a reason string."""
+package versions, the GPU generation, dtypes, one-time self-tests. Every check returns None ("fine") or
+a reason string."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 import importlib.metadata
+import logging
 from types import ModuleType
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Hashable, Iterable, Mapping, Optional
 
 import torch
+
+from megatron_dsa.ops.device_cache import capturing
+
+logger = logging.getLogger(__name__)
+_SELF_TEST_VERDICTS: dict[Hashable, Optional[str]] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,6 +66,16 @@ def cuda_capability(device: Optional[torch.device]) -> Optional[tuple[int, int]]
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
+def canonical_device(device: Optional[torch.device]) -> Optional[torch.device]:
+    """`cuda` as `cuda:<current>`, so a call description and its tensors name one call class."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def gpu_problem(call: Mapping[str, Any], majors: Iterable[int], what: str) -> Optional[str]:
     """None when the call's device is a CUDA GPU of one of the `majors` generations (9 = SM90)."""
     capability = cuda_capability(call.get("device"))
@@ -96,3 +113,31 @@ def max_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
     difference = torch.where(got == expected, 0.0, (got - expected).abs())
     return float(difference.nan_to_num(nan=float("inf"), posinf=float("inf")).max())
 
+
+
+def kept_self_test(what: str, key: Hashable, device: torch.device, run: Callable[[], Optional[str]],
+                   context: str = "") -> Optional[str]:
+    """The verdict of `what`'s self-test for the call class `key`: None (passed) or why it failed.
+
+    `run` runs once per key and its verdict is kept. A verdict kept before a CUDA-graph capture answers
+    inside it; without one, a call during a capture declines (the test reads values back on the host)
+    and nothing is kept. An exception from `run` is a failing verdict naming its first line (vendor
+    errors run long). A failing verdict is logged once as a warning, with `context` (the call class)."""
+    if key in _SELF_TEST_VERDICTS:
+        return _SELF_TEST_VERDICTS[key]
+    if capturing(device):
+        return f"{what} cannot run its one-time self-test while a CUDA graph is captured (run one step before capturing)"
+    try:
+        verdict = run()
+    except Exception as error:  # noqa: BLE001 - a self-test must decline, never raise
+        lines = str(error).strip().splitlines()
+        verdict = f"{what} failed its self-test ({type(error).__name__}{': ' + lines[0] if lines else ''}); please report"
+    if verdict is not None:
+        logger.warning("megatron_dsa: %s%s", verdict, f" ({context})" if context else "")
+    _SELF_TEST_VERDICTS[key] = verdict
+    return verdict
+
+
+def forget_self_tests() -> None:
+    """Drop the kept self-test verdicts (tests that fake packages or GPUs)."""
+    _SELF_TEST_VERDICTS.clear()
