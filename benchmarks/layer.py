@@ -26,7 +26,8 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from megatron_dsa import HybridAttention, HybridAttentionConfig, LayerKind  # noqa: E402
+from megatron_dsa import (GraphedLayer, HybridAttention, HybridAttentionConfig, LayerKind,  # noqa: E402
+                          make_graphed_layers)
 from megatron_dsa.backends import (AUTO, Backend, OpFamily, call_counts, register_backend,  # noqa: E402
                                    reset_call_counts, resolve)
 from megatron_dsa.config import PRESETS  # noqa: E402
@@ -152,7 +153,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> None:
+def train_step(layer: HybridAttention | GraphedLayer, x: Tensor, grad_out: Tensor) -> None:
     layer.zero_grad(set_to_none=True)
     x.grad = None
     out, _ = layer(x)
@@ -173,28 +174,6 @@ def timed(step: Callable[[], None], device: torch.device) -> tuple[float, Option
     return elapsed_ms, peak
 
 
-def captured_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> Callable[[], None]:
-    """The training step captured as one CUDA graph (static x and grad_out; warmed up on a side stream,
-    as the PyTorch CUDA-graph docs describe): the returned callable replays it. Replays cost no host
-    time per kernel, so the replayed step shows what the GPU work alone takes."""
-    params = [p for p in layer.parameters() if p.requires_grad]
-
-    def step() -> None:
-        out, _ = layer(x)
-        torch.autograd.grad(out, [x, *params], grad_out, allow_unused=True)
-
-    side = torch.cuda.Stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream(x.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def back_to_back(step: Callable[[], None], steps: int) -> Callable[[], None]:
     """`steps` calls of `step` issued without a sync in between (a training loop's steps)."""
     def steps_in_a_row() -> None:
@@ -207,16 +186,18 @@ def back_to_back(step: Callable[[], None], steps: int) -> Callable[[], None]:
 def measure(layer: HybridAttention, x: Tensor, grad_out: Tensor, repeats: int, warmup: int,
             cuda_graph: bool = False, steps: int = 1) -> Measurement:
     """Median time per step and peak memory of the layer's training step (eager, or replays of its CUDA
-    graph), each timing covering `steps` steps in a row; `OUT_OF_MEMORY` if it does not fit."""
+    graphs made by `make_graphed_layers`), each timing covering `steps` steps in a row; `OUT_OF_MEMORY` if
+    it does not fit."""
     try:
-        step = captured_step(layer, x, grad_out) if cuda_graph else partial(train_step, layer, x, grad_out)
+        stepped = make_graphed_layers([layer], [x])[0] if cuda_graph else layer
+        step = partial(train_step, stepped, x, grad_out)
         runs = [timed(back_to_back(step, steps), x.device) for _ in range(warmup + repeats)][warmup:]
     except torch.OutOfMemoryError:
         layer.zero_grad(set_to_none=True)
         x.grad = None
         torch.cuda.empty_cache()
         return OUT_OF_MEMORY
-    # A replay allocates nothing (the graph's pool was reserved at capture): no peak to report.
+    # Replays allocate only the gradients they hand over (the graphs' pool was reserved at capture).
     peaks = None if cuda_graph or runs[0][1] is None else max(peak for _, peak in runs)
     return Measurement(statistics.median(ms for ms, _ in runs) / steps, peaks)
 
@@ -326,8 +307,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--baseline", default=BASELINE_BACKEND,
                         help=f"the baseline layer's attention_backend ('{BASELINE_BACKEND}': dense-masked attention)")
     parser.add_argument("--cuda-graph", action="store_true",
-                        help="time replays of the measured layer's step captured as one CUDA graph "
-                             "(no per-kernel host time; the baseline stays eager)")
+                        help="time the measured layer's steps as CUDA-graph replays (megatron_dsa.make_graphed_layers: "
+                             "no per-kernel host time; the baseline stays eager)")
     parser.add_argument("--back-to-back", type=int, default=1,
                         help="steps per timing, issued without a sync in between (a training loop's steps: the "
                              "host issues a step while the GPU still runs the previous one); 1 times each step "

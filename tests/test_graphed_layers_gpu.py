@@ -1,0 +1,151 @@
+"""`make_graphed_layers` on a GPU: graphed training steps equal eager steps of a twin layer (outputs,
+input and parameter gradients, indexer loss), over several steps with new inputs, accumulated
+micro-batches, two layers in a chain and packed input with changed boundaries.
+
+Skipped without a GPU (the `gpu` marker, see conftest.py).
+
+Tolerances. bf16 (dsv4-flash dims): the replays run the kernels an eager step runs, on the same values;
+only gradients accumulated with float32 atomics (dkv, the indexer keys) change with the summation order,
+so the bf16 bounds of the fused-vs-unfused layer tests (`test_backends_gpu.assert_close_bf16`) hold with
+a wide margin, and the indexer parameters (trained by the KL loss only, through a top-k whose near ties
+a different rounding may flip) use cosine ≥ 0.99 like the whole-step capture test. The forward has no
+atomics: the indexer loss is compared at rtol 1e-3. float32 (packed, tiny dims): the bounds of the
+packed capture test (`test_packed_gpu.assert_close_f32`). A replay reading a stale input, stale
+boundaries or a gradient buffer overwritten by the next replay is off by O(1).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatron_dsa import HybridAttention, HybridAttentionConfig, make_graphed_layers
+from megatron_dsa.backends import call_counts, reset_call_counts
+from test_backends_gpu import assert_close_bf16, cosine
+from test_packed_gpu import (GRAPH_LAYOUTS, GRAPH_MAX_SEQLEN, assert_close_f32, cuda_layer, cuda_pack,  # noqa: F401
+                             no_tf32)
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def flash_layer(kind: str) -> HybridAttention:
+    torch.manual_seed(0)
+    config = HybridAttentionConfig.from_preset("dsv4-flash", num_layers=1, layer_pattern=kind)
+    return HybridAttention(config, kind=kind).to(CUDA, torch.bfloat16).train()
+
+
+def hidden(layer: HybridAttention, rows: int = 1024) -> torch.Tensor:
+    return torch.randn(rows, 1, layer.config.hidden_size, device=CUDA).bfloat16().requires_grad_()
+
+
+def grads_of(layer: HybridAttention) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
+
+
+def assert_grads_match(graphed: dict, eager: dict, what: str) -> None:
+    assert graphed.keys() == eager.keys(), f"{what}: {sorted(graphed.keys() ^ eager.keys())}"
+    for name, expected in eager.items():
+        if "indexer" in name:
+            assert cosine(graphed[name], expected) >= 0.99, f"{what}: {name}"
+        else:
+            assert_close_bf16(f"{what}: {name}", graphed[name], expected, grad=True)
+
+
+def assert_losses_match(graphed, eager) -> None:
+    assert (graphed is None) == (eager is None)
+    if eager is not None:
+        torch.testing.assert_close(graphed.float(), eager.float(), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["W", "C", "H", "M"])
+def test_graphed_steps_match_eager_steps(kind) -> None:
+    """Three steps on new inputs: output, input grad, every parameter grad and the indexer loss equal
+    those of an eager twin; the first two steps accumulate (no zeroing in between), as micro-batches
+    do. A replay issues no dispatch (the layer's Python does not run), and capture used fused kernels."""
+    layer = flash_layer(kind)
+    twin = copy.deepcopy(layer)
+    reset_call_counts()
+    (graphed,) = make_graphed_layers([layer], [hidden(layer)])
+    if kind != "M":  # M: no fused dense kernel takes head dim 512, its attention is the unfused one
+        assert any(backend != "unfused" for backend, _ in call_counts()), call_counts()
+    for step, zero_first in enumerate([True, False, True]):
+        if zero_first:
+            layer.zero_grad(set_to_none=True)
+            twin.zero_grad(set_to_none=True)
+        x, grad = hidden(layer), torch.randn(1024, 1, layer.config.hidden_size, device=CUDA).bfloat16()
+        x_twin = x.detach().clone().requires_grad_()
+        reset_call_counts()
+        out, bias = graphed(x)
+        out.backward(grad)
+        assert bias is None and call_counts() == {}, call_counts()
+        expected, _ = twin(x_twin)
+        expected.backward(grad)
+        assert_close_bf16(f"step {step}: output", out, expected, grad=False)
+        assert_close_bf16(f"step {step}: input grad", x.grad, x_twin.grad, grad=True)
+        assert_grads_match(grads_of(layer), grads_of(twin), f"step {step}")
+        assert_losses_match(graphed.last_indexer_loss, twin.last_indexer_loss)
+
+
+def test_two_graphed_layers_in_a_chain_match_eager() -> None:
+    """C then H sharing one memory pool: forwards in order, backwards in reverse; the gradient that
+    leaves the H layer's graph feeds the C layer's graph."""
+    layers = [flash_layer("C"), flash_layer("H")]
+    twins = copy.deepcopy(layers)
+    graphed = make_graphed_layers(layers, [hidden(layers[0]), hidden(layers[1])])
+
+    def step(modules, x):
+        middle, _ = modules[0](x)
+        out, _ = modules[1](middle * 0.5 + x)
+        return out
+
+    for _ in range(2):
+        for module in layers + twins:
+            module.zero_grad(set_to_none=True)
+        x = hidden(layers[0])
+        x_twin = x.detach().clone().requires_grad_()
+        grad = torch.randn_like(x)
+        out = step(graphed, x)
+        out.backward(grad)
+        expected = step(twins, x_twin)
+        expected.backward(grad)
+        assert_close_bf16("output", out, expected, grad=False)
+        assert_close_bf16("input grad", x.grad, x_twin.grad, grad=True)
+        for layer, twin, name in zip(layers, twins, "CH"):
+            assert_grads_match(grads_of(layer), grads_of(twin), name)
+            assert_losses_match(layer.last_indexer_loss, twin.last_indexer_loss)
+
+
+@pytest.mark.parametrize("variant", ["C-sparse-mean", "C-dense-per_token", "H"])
+def test_graphed_packed_layer_with_changed_boundaries_matches_eager(variant, no_tf32) -> None:
+    """Captured on one packing, replayed on another of the same capacity and segment count (new
+    PackedSeqParams objects each step, as a data loader makes them): equal to the eager twin."""
+    layer = cuda_layer(variant)
+    twin = copy.deepcopy(layer)
+    width = layer.config.hidden_size
+    batches = {key: cuda_pack(**spec, width=width, max_seqlen=GRAPH_MAX_SEQLEN) for key, spec in GRAPH_LAYOUTS.items()}
+    sample, _ = batches["first"]
+    (graphed,) = make_graphed_layers([layer], [sample.hidden.detach().requires_grad_()], sample.params)
+    for key in ("second", "first", "second"):
+        packed, grads = batches[key]
+        grad_out = packed.like(grads).unsqueeze(1)
+        layer.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        x = packed.hidden.detach().clone().requires_grad_()
+        x_twin = packed.hidden.detach().clone().requires_grad_()
+        out, _ = graphed(x, packed_seq_params=packed.params)
+        out.backward(grad_out)
+        expected, _ = twin(x_twin, packed_seq_params=packed.params)
+        expected.backward(grad_out)
+        assert_close_f32(out.detach(), expected.detach(), f"{key}: output")
+        assert_close_f32(x.grad, x_twin.grad, f"{key}: input grad")
+        eager = grads_of(twin)
+        for name, got in grads_of(layer).items():
+            assert_close_f32(got, eager[name], f"{key}: grad of {name}")
+        assert_losses_match(graphed.last_indexer_loss, twin.last_indexer_loss)
+    too_long = copy.copy(sample.params)
+    too_long.max_seqlen_q = GRAPH_MAX_SEQLEN + 1
+    with pytest.raises(ValueError, match=f"at most the captured bound {GRAPH_MAX_SEQLEN}"):
+        graphed(sample.hidden.detach().requires_grad_(), packed_seq_params=too_long)
