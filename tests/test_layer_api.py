@@ -338,3 +338,24 @@ def test_forward_rejects_non_tensors(small_layer, value):
 def test_forward_returns_output_and_no_bias(small_layer):
     out, bias = small_layer(torch.randn(8, 2, 128))
     assert out.shape == (8, 2, 128) and out.dtype == torch.float32 and bias is None
+
+
+@pytest.mark.parametrize("hook", ["module", "global"])
+def test_kv_layernorm_hooks_run(hook):
+    """The K = V rows take kv_layernorm's weight into one fused norm + RoPE op; a forward hook on the
+    norm (its own or a global one) must still see the call, and the result must not change."""
+    torch.manual_seed(0)
+    layer = HybridAttention(tiny(), kind="C").double()
+    randomize_parameters_(layer, seed=0)
+    x = torch.randn(16, 2, layer.config.hidden_size, dtype=torch.float64)
+    expected = layer(x)[0]
+    seen = []
+    record = lambda module, args, out: seen.append(module) if module is layer.kv_layernorm else None  # noqa: E731
+    handle = (layer.kv_layernorm.register_forward_hook(record) if hook == "module"
+              else nn.modules.module.register_module_forward_hook(record))
+    try:
+        out = layer(x)[0]
+    finally:
+        handle.remove()
+    assert seen == [layer.kv_layernorm]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)

@@ -52,6 +52,16 @@ class RMSNorm(nn.Module):
         return norm(x, self.weight, self.eps)
 
 
+def has_call_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would run forward or backward hooks (its own or global ones), which a
+    fused op that reads the module's parameters instead of calling it would skip."""
+    from torch.nn.modules import module as hooks
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
 def make_norm(dim: int, eps: float, enabled: bool, backend: Requested) -> nn.Module:
     """`RMSNorm` when `enabled` (`qk_layernorm=True`), else `Identity` (no parameter), as Megatron."""
     return RMSNorm(dim, eps, backend) if enabled else nn.Identity()

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from megatron_dsa.backends import OpFamily, check_backend_choice, dispatch
 from megatron_dsa.config import HybridAttentionConfig, LayerKind, yarn_mscale
-from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear, make_norm, output_init_std
+from megatron_dsa.layers.common import (HighPrecisionModule, RMSNorm, has_call_hooks, linear, make_norm,
+                                       output_init_std)
 from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
 from megatron_dsa.layers.context_parallel import ContextParallelRows, context_halo, ring_attention
 from megatron_dsa.ops.layout import TokenLayout
@@ -209,9 +210,10 @@ class HybridAttention(HighPrecisionModule):
     def _kv_rows(self, latent: Tensor, positions: Tensor, inv_freq: Tensor, rope: Callable[..., Tensor],
                  norm_rope: Callable[..., Tensor]) -> Tensor:
         """`latent [T, D]` → K = V rows: `kv_layernorm` (its weight and eps) then RoPE, as one `norm_rope`
-        call when the norm is on (one fused kernel instead of two), else RoPE alone."""
+        call when the norm is on (one fused kernel instead of two), else RoPE alone. A norm with hooks
+        is called as a module, so its hooks run."""
         norm = self.kv_layernorm
-        if isinstance(norm, RMSNorm):
+        if isinstance(norm, RMSNorm) and not has_call_hooks(norm):
             return norm_rope(latent, positions, inv_freq, norm.eps, norm.weight)
         return rope(norm(latent), positions, inv_freq)
 
