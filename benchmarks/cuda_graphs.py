@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -24,18 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig, make_graphed_layers  # noqa: E402
 from megatron_dsa.config import PRESETS  # noqa: E402
+from layer import train_step  # noqa: E402
 from timing import DTYPES, cuda_available, kernel_parser  # noqa: E402
 
 Step = Callable[[], None]
-
-
-def eager_step(layer: torch.nn.Module, x: Tensor, grad_out: Tensor) -> Step:
-    def step() -> None:
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        layer(x)[0].backward(grad_out)
-
-    return step
 
 
 def one_graph_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> Step:
@@ -86,10 +79,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     x = torch.randn(args.seq_len, 1, config.hidden_size, device="cuda", dtype=DTYPES[args.dtype],
                     requires_grad=True)
     grad_out = torch.randn_like(x)
-    eager = eager_step(layer, x, grad_out)
+    eager = partial(train_step, layer, x, grad_out)
     for _ in range(3):  # lazy initialisation and kernel compilation before any capture
         eager()
-    steps = {"eager": eager, "`make_graphed_layers`": eager_step(make_graphed_layers([layer], [x])[0], x, grad_out),
+    graphed = make_graphed_layers([layer], [x])[0]
+    steps = {"eager": eager, "`make_graphed_layers`": partial(train_step, graphed, x, grad_out),
              "one graph, gradients left in graph memory": one_graph_step(layer, x, grad_out)}
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for _ in range(args.samples):
