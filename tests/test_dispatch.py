@@ -150,8 +150,8 @@ def test_call_counters_count_per_backend_and_op_and_reset(fake_backend: Backend)
 # ---------------------------------------------------------------- a whole layer
 EXPECTED_OPS = {
     "W": {"rms_norm", "rope", "norm_rope", "sparse_attention_fwd"},
-    "C": {"rms_norm", "rope", "norm_rope", "compressor", "indexer_scores", "topk", "sparse_attention_fwd",
-          "indexer_loss"},
+    "C": {"rms_norm", "rope", "norm_rope", "compressor", "indexer_scores", "topk", "selection_rows",
+          "sparse_attention_fwd", "indexer_loss"},
     "H": {"rms_norm", "rope", "norm_rope", "compressor", "sparse_attention_fwd"},
     "M": {"rms_norm", "rope", "dense_attention"},
 }

@@ -51,6 +51,21 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(triton_interpreter, "_patch_lang_tensor", patch_lang_tensor)
 
+    # triton 3.9's interpreter can carry a 1-bit mask as int32 data (a vector mask `&` a scalar comparison),
+    # which its own load and store then reject ("mask has unsupported dtype"). Hand them booleans.
+    builder = triton_interpreter.InterpreterBuilder
+    masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):
+        if mask.data.dtype == bool:
+            return mask
+        return triton_interpreter.TensorHandle(mask.data.astype(bool), mask.dtype)
+
+    monkeypatch.setattr(builder, "create_masked_load", lambda self, ptrs, mask, *rest: masked_load(
+        self, ptrs, as_bool(mask), *rest))
+    monkeypatch.setattr(builder, "create_masked_store", lambda self, ptrs, value, mask, *rest: masked_store(
+        self, ptrs, value, as_bool(mask), *rest))
+
 
 @pytest.fixture
 def without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

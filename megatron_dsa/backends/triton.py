@@ -11,15 +11,17 @@ import torch
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.backends.triton_kernels import (compressor, indexer, indexer_loss, norm_rope, rms_norm, rope,
-                                                  sparse_attention)
+                                                  selection, sparse_attention)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl, indexer_kl_backward
 
 # The kernels accumulate in float32; float64 stays on the unfused reference path.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# RoPE, RMSNorm (+ RoPE) and the compressor's pooling also run float64 (elementwise / row reductions).
+# RoPE, RMSNorm (+ RoPE), the compressor's pooling and the selection rows also run float64 (elementwise,
+# row reductions, copies).
 DTYPES = {op: KERNEL_DTYPES + (torch.float64,)
-          for op in (OpFamily.ROPE, OpFamily.NORM_ROPE, OpFamily.RMS_NORM, OpFamily.COMPRESSOR)}
+          for op in (OpFamily.ROPE, OpFamily.NORM_ROPE, OpFamily.RMS_NORM, OpFamily.COMPRESSOR,
+                     OpFamily.SELECTION_ROWS)}
 
 
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
@@ -36,6 +38,7 @@ TRITON = Backend(
         OpFamily.SPARSE_ATTENTION_FWD: sparse_attention.sparse_attention_forward,
         OpFamily.SPARSE_ATTENTION_BWD: sparse_attention.sparse_attention_backward,
         OpFamily.INDEXER_SCORES: indexer.indexer_scores,
+        OpFamily.SELECTION_ROWS: selection.selection_rows,
         OpFamily.INDEXER_LOSS: partial(indexer_kl, mass=indexer_loss.attention_mass, kl=indexer_loss.kl_per_row),
         OpFamily.INDEXER_KL_BWD: partial(indexer_kl_backward, scores_backward=indexer.indexer_scores_backward),
         OpFamily.COMPRESSOR: compressor.compress,

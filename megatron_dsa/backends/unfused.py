@@ -9,7 +9,7 @@ from megatron_dsa.ops.compressor import compress
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores
 from megatron_dsa.ops.indexer_loss import indexer_kl, indexer_kl_backward
-from megatron_dsa.ops.indices import topk_columns
+from megatron_dsa.ops.indices import selection_rows, topk_columns
 from megatron_dsa.ops.norms import rms_norm
 from megatron_dsa.ops.rope import norm_rope, rope
 from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
@@ -22,6 +22,7 @@ UNFUSED = Backend(
         OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward,
         OpFamily.INDEXER_SCORES: indexer_scores,
         OpFamily.TOPK: topk_columns,
+        OpFamily.SELECTION_ROWS: selection_rows,
         OpFamily.INDEXER_LOSS: indexer_kl,
         OpFamily.INDEXER_KL_BWD: indexer_kl_backward,
         OpFamily.COMPRESSOR: compress,

@@ -20,8 +20,8 @@ from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indexer_loss import reduce_indexer_loss
-from megatron_dsa.ops.indices import (UniformVisibleRows, VisibleEntries, offset_valid, visible_compressed_entries,
-                                      window_indices)
+from megatron_dsa.ops.indices import (SelectionRows, UniformVisibleRows, VisibleEntries, offset_valid,
+                                      visible_compressed_entries, window_indices)
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.sparse_attention import full_normaliser
@@ -96,29 +96,35 @@ class LightningIndexer(nn.Module):
                       ratio=None if visible is None else visible.ratio)
         return op(q, k, weights, candidates, self.scale, visible)
 
-    def select(self, features: tuple[Tensor, Tensor, Tensor], entries: VisibleEntries,
-               topk: int) -> tuple[Tensor, Tensor]:
-        """`[T, min(topk, C)]` entry numbers of each row's top-k visible entries (−1 = none), and their
-        scores (float32/64, −inf at −1): the sparse indexer loss reuses them as its student scores.
+    def select(self, features: tuple[Tensor, Tensor, Tensor], entries: VisibleEntries, topk: int,
+               window: Tensor, kv_offset: int) -> "IndexSelection":
+        """Each row's top-k visible entries (`[T, min(topk, C)]` entry numbers, −1 = none) with their scores
+        (the sparse indexer loss reuses them as its student scores) and rows: the selection the attention
+        reads, `window [T, W]` in front and compressed rows starting at `kv_offset` in kv_full.
 
         Scored in row chunks without autograd, so the `[T, C]` scores never exist at once."""
         q, k, weights = features
-        columns, picked_scores = [], []
+        parts = []
         with torch.no_grad():
             for rows in entries.row_chunks(SELECTION_CHUNK_ELEMENTS):
                 candidates, visible = entries.rows(rows), entries.uniform_rows(rows)
                 scores = self.scores((q[rows], k, weights[rows]), candidates, visible)
                 pick = dispatch(OpFamily.TOPK, self.config, device=q.device, dtype=scores.dtype, topk=topk)
-                chosen = pick(scores, candidates >= 0, topk, visible)
-                columns.append(chosen)
-                picked_scores.append(torch.where(chosen >= 0, scores.gather(1, chosen.clamp_min(0)),
-                                                 float("-inf")))
-        if not columns:
-            empty = torch.empty(0, min(topk, entries.width), device=q.device)
-            return empty.long(), empty
-        if len(columns) == 1:  # one chunk (the usual case): no concatenation copy
-            return columns[0], picked_scores[0]
-        return torch.cat(columns), torch.cat(picked_scores)
+                columns = pick(scores, candidates >= 0, topk, visible)
+                parts.append((columns, *self._rows(columns, scores, entries, rows, window[rows], kv_offset)))
+            if not parts:  # no query rows
+                columns = torch.empty(0, min(topk, entries.width), dtype=torch.long, device=q.device)
+                parts.append((columns, *self._rows(columns, columns.float(), entries, slice(0, 0), window,
+                                                   kv_offset)))
+        # One chunk is the usual case: no concatenation copies.
+        columns, entry_scores, entry_rows, compressed, combined = (
+            parts[0] if len(parts) == 1 else [torch.cat(field) for field in zip(*parts)])
+        return IndexSelection(window, compressed, columns, entry_rows, entry_scores, combined)
+
+    def _rows(self, columns: Tensor, scores: Tensor, entries: VisibleEntries, rows: slice, window: Tensor,
+              kv_offset: int) -> SelectionRows:
+        build = dispatch(OpFamily.SELECTION_ROWS, self.config, device=columns.device, dtype=scores.dtype)
+        return build(columns, scores, entries, rows, window, kv_offset)
 
 
 class IndexerLossAutoScaler(torch.autograd.Function):
@@ -147,15 +153,19 @@ class IndexSelection:
     entries: Optional[Tensor] = None  # [T, K] indexer picks as entry numbers j of the sequence (−1 none)
     entry_rows: Optional[Tensor] = None  # [T, K] the picks' rows of the compressed buffer (−1 none)
     entry_scores: Optional[Tensor] = None  # [T, K] the picks' indexer scores (−inf at −1), no autograd
+    combined: Optional[Tensor] = None  # [T, W + K] window then compressed, when built together
 
     def all(self) -> Tensor:
+        """`[T, W + K]` every KV row each query attends: the window's, then the compressed ones."""
+        if self.combined is not None:
+            return self.combined
         return self.window if self.compressed is None else torch.cat((self.window, self.compressed), 1)
 
     def rows(self, pick: Callable[[Tensor], Tensor]) -> "IndexSelection":
         """The same selection restricted to some query rows (`pick` selects rows of each tensor)."""
         keep = lambda t: None if t is None else pick(t)  # noqa: E731
         return IndexSelection(pick(self.window), keep(self.compressed), keep(self.entries),
-                              keep(self.entry_rows), keep(self.entry_scores))
+                              keep(self.entry_rows), keep(self.entry_scores), keep(self.combined))
 
 
 class CompressedSparseAttention(HighPrecisionModule):
@@ -204,10 +214,8 @@ class CompressedSparseAttention(HighPrecisionModule):
                                        offset_valid(entries.rows(), layout.num_rows))
         else:
             features = self.indexer.features(x.detach(), qr.detach(), compressed_layout, inv_freq, gather)
-            columns, scores = self.indexer.select(features, entries, c.dsa_indexer_topk)
             # Column j is entry j of the query's sequence, in every layout (CP included).
-            picked = entries.pick(columns)
-            selection = IndexSelection(window, offset_valid(picked, layout.num_rows), columns, picked, scores)
+            selection = self.indexer.select(features, entries, c.dsa_indexer_topk, window, layout.num_rows)
         # Compressed rows follow the token rows in kv_full. The shared KV rows feed this rank's heads
         # only: their gradient is summed over TP.
         kv_full = kv if compressed is None else torch.cat((kv, compressed()))

@@ -7,7 +7,7 @@ window entry is a token row id and compressed entry `c` is row `T + c`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -85,11 +85,12 @@ class VisibleEntries(KeepsDeviceValues):
         visible = torch.arange(self.width, device=ids.device) < self.count[chunk].unsqueeze(1)
         return torch.where(visible & (ids >= 0), ids, INVALID)
 
-    def pick(self, columns: Tensor) -> Tensor:
-        """Buffer rows of the chosen `columns [T, K]` (entry numbers, −1 = none), −1 kept."""
+    def pick(self, columns: Tensor, rows: slice = slice(None)) -> Tensor:
+        """Buffer rows of the chosen `columns [n, K]` (entry numbers, −1 = none) of the query rows `rows`,
+        −1 kept."""
         if self.width == 0:
             return torch.full_like(columns, INVALID)
-        ids = self.table[self.group.unsqueeze(1), columns.clamp_min(0)]
+        ids = self.table[self.group[rows].unsqueeze(1), columns.clamp_min(0)]
         return torch.where(columns >= 0, ids, INVALID)
 
     def uniform_rows(self, chunk: slice) -> Optional[UniformVisibleRows]:
@@ -133,6 +134,30 @@ def topk_columns(scores: Tensor, valid: Tensor, k: int, visible: Optional[Unifor
     ranked = torch.where(valid, scores.detach(), float("-inf"))
     order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :width]
     return torch.where(torch.gather(valid, 1, order), order, INVALID)
+
+
+class SelectionRows(NamedTuple):
+    """What the attention and the indexer loss read of a top-k selection, for its query rows `[n, ·]`."""
+
+    entry_scores: Tensor  # [n, K] the picks' indexer scores, −inf at −1
+    entry_rows: Tensor  # [n, K] the picks' rows of the compressed buffer, −1 kept
+    compressed: Tensor  # [n, K] the same rows in kv_full (entry row + kv_offset), −1 kept
+    combined: Tensor  # [n, W + K] the attention's index rows: the window's token rows, then `compressed`
+
+
+def selection_rows(columns: Tensor, scores: Tensor, entries: VisibleEntries, rows: slice, window: Tensor,
+                   kv_offset: int) -> SelectionRows:
+    """The rows a top-k selection names (the `selection_rows` op family; fused kernels replace this).
+
+    columns: `[n, K]` chosen entry numbers of the query rows `rows` (a step-1 slice of `entries`' rows),
+    −1 = none. scores: `[n, C]` their indexer scores (the top-k's input). window: `[n, W]` token rows of
+    their windows (−1 padded). kv_offset: where compressed rows start in kv_full (the token row count).
+    """
+    picked = columns >= 0
+    entry_scores = torch.where(picked, scores.gather(1, columns.clamp_min(0)), float("-inf"))
+    entry_rows = entries.pick(columns, rows)
+    compressed = offset_valid(entry_rows, kv_offset)
+    return SelectionRows(entry_scores, entry_rows, compressed, torch.cat((window, compressed), 1))
 
 
 def offset_valid(indices: Tensor, offset: int) -> Tensor:
