@@ -25,6 +25,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+# Gluon names that triton 3.9 changed (same operations): the CTA-wide barrier (`thread_barrier()` until
+# 3.6, `barrier()` from 3.9 on) and the asynchronous global-to-shared copy (`async_copy_global_to_shared`,
+# now `async_load`, same arguments).
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+async_copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 LOG2E = gl.constexpr(1.4426950408889634)
 # Floor of the running maximum, so that a sink of -inf (no sink) never yields inf - inf.
 MAX_FLOOR = gl.constexpr(-1.0e30)
@@ -42,7 +47,7 @@ def _gather_kv(smem, kv_ptr, idx_ptr, row, start, K, M, D: gl.constexpr, layout:
     valid, ids = _valid_ids(idx_ptr, row, start, K, M, gl.SliceLayout(1, layout))
     rows = gl.where(valid, ids, 0).to(gl.int64)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    async_copy.async_copy_global_to_shared(smem, kv_ptr + rows[:, None] * D + cols[None, :], mask=valid[:, None])
+    async_copy_to_shared(smem, kv_ptr + rows[:, None] * D + cols[None, :], mask=valid[:, None])
 
 
 @gluon.jit
@@ -103,7 +108,7 @@ def sparse_attention_bwd_hopper_kernel(
     stacked_rows = gl.arange(0, 2 * BLOCK_H, layout=gl.SliceLayout(1, copy_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, copy_layout))
     offsets = (row * H + first_head + stacked_rows % BLOCK_H)[:, None] * D + cols[None, :]
-    async_copy.async_copy_global_to_shared(
+    async_copy_to_shared(
         stacked, gl.where((stacked_rows < BLOCK_H)[:, None], dout_ptr + offsets, q_ptr + offsets))
     _gather_kv(kv_block, kv_ptr, idx_ptr, row, 0, K, M, D, copy_layout)
     async_copy.commit_group()
@@ -138,7 +143,7 @@ def sparse_attention_bwd_hopper_kernel(
         weights = weights_tiles.index(zero)
         weights_op = weights.permute((1, 0))  # [BLOCK_K, 2 BLOCK_H] = [p^T | scale dS^T]
         async_copy.wait_group(0)
-        gl.thread_barrier()
+        cta_barrier()
         fence_async_shared()
         kv_t = kv_block.permute((1, 0))
         s = warpgroup_mma(stacked.slice(BLOCK_H, BLOCK_H, dim=0), kv_t, no_scores, use_acc=False, is_async=True)
@@ -153,12 +158,12 @@ def sparse_attention_bwd_hopper_kernel(
         weights.slice(0, BLOCK_H, dim=0).store(p.to(dtype))
         weights.slice(BLOCK_H, BLOCK_H, dim=0).store((ds * scale).to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_operand), kv_block, dq, is_async=True)
         pending = warpgroup_mma(weights_op, stacked.slice(0, BLOCK_DC, dim=1), no_chunk, use_acc=False,
                                 is_async=True)
         dq = warpgroup_mma_wait(1, deps=(dq,))
-        gl.thread_barrier()  # every warpgroup's dq MMA has read this kv block: the next gather may land
+        cta_barrier()  # every warpgroup's dq MMA has read this kv block: the next gather may land
         _gather_kv(kv_block, kv_ptr, idx_ptr, row, start + BLOCK_K, K, M, D, copy_layout)
         async_copy.commit_group()
 
@@ -174,7 +179,7 @@ def sparse_attention_bwd_hopper_kernel(
                 chunk = warpgroup_mma_wait(0, deps=(pending,))
             gl.atomic_add(targets + c * BLOCK_DC, gl.convert_layout(chunk, atomic_layout), mask=kv_valid[:, None],
                           sem="relaxed")
-        gl.thread_barrier()  # every warp is done with `weights` before the next block rewrites it
+        cta_barrier()  # every warp is done with `weights` before the next block rewrites it
     async_copy.wait_group(0)
 
     dq_heads = first_head + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, dq_layout))

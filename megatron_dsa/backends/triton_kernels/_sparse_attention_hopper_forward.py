@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from megatron_dsa.backends.triton_kernels._sparse_attention_hopper import BLOCK_H, BLOCK_K, LOG2E, MAX_FLOOR, \
-    _opaque_zero, _valid_ids
+    _opaque_zero, _valid_ids, async_copy_to_shared, cta_barrier
 
 LN2 = gl.constexpr(0.6931471805599453)
 HALF_D = gl.constexpr(256)  # columns per kv / output half
@@ -73,7 +73,7 @@ def _fill_half(kv_smem, bars, kv_ptr, rows, buffer: gl.constexpr, half: gl.const
     slot: gl.constexpr = 2 * buffer + half
     mbarrier.wait(bars.index(KV_FREE + slot), phase)
     pointers = kv_ptr + offsets[:, None] + (half * HALF_D + cols)[None, :]
-    async_copy.async_copy_global_to_shared(kv_smem.index(slot), pointers, mask=valid[:, None],
+    async_copy_to_shared(kv_smem.index(slot), pointers, mask=valid[:, None],
                                            eviction_policy="evict_last")
     async_copy.mbarrier_arrive(bars.index(KV_READY + slot), increment_count=False)
 
@@ -89,7 +89,7 @@ def _producer(q_smem, kv_smem, bars, q_ptr, kv_ptr, idx_ptr, row, first_head, M,
     q_rows = (row * H + first_head + rows).to(gl.int64) * D
     for half in gl.static_range(2):
         pointers = q_ptr + q_rows[:, None] + (half * HALF_D + cols)[None, :]
-        async_copy.async_copy_global_to_shared(q_smem.index(half), pointers)
+        async_copy_to_shared(q_smem.index(half), pointers)
     async_copy.mbarrier_arrive(bars.index(Q_READY), increment_count=False)
 
     for pair in range(gl.cdiv(K, 2 * BLOCK_K)):
@@ -107,7 +107,7 @@ def _producer(q_smem, kv_smem, bars, q_ptr, kv_ptr, idx_ptr, row, first_head, M,
 @gluon.jit
 def _signal(bars, which: gl.constexpr):
     """Arrive once for the whole warpgroup, after every thread's shared-memory work before it."""
-    gl.thread_barrier()
+    cta_barrier()
     mbarrier.arrive(bars.index(which))
 
 
@@ -229,7 +229,7 @@ def _consumer(which: gl.constexpr, args):
     if which == 1:
         lse = gl.where(total > 0, (m + gl.log2(gl.where(total > 0, total, 1.0))) * LN2, float("-inf"))
         gl.store(lse_ptr + row * H + heads, lse)
-    gl.thread_barrier()
+    cta_barrier()
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rows = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, store_layout))
     cols = which * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, store_layout))
