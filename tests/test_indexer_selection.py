@@ -48,3 +48,30 @@ def test_visible_entries_rows_and_pick_match_brute_force():
     assert torch.equal(picked[valid], entries.table[entries.group.unsqueeze(1).expand(-1, 4)[valid],
                                                     columns[valid]])
     assert (picked[~valid] == INVALID).all()
+
+
+def test_hca_index_rows_are_kept_with_a_shared_layout_while_small(monkeypatch):
+    """H layers attend the window and every visible entry, which depend on the layout only: layers and
+    steps sharing a uniform layout reuse one index matrix; above the size bound each forward builds its own,
+    with the same rows and the same outputs and gradients."""
+    config = make_config()
+    first, second = make_layer(config, "H"), make_layer(config, "H", seed=1)
+    x, upstream = inputs(config)
+    kept = run_layer(first, x, upstream)
+    rows = first.core_attention.last_selection.all()
+    run_layer(second, x, upstream)
+    assert second.core_attention.last_selection.all() is rows
+    window = first.core_attention.last_selection.window
+    compressed = first.core_attention.last_selection.compressed
+    assert torch.equal(rows, torch.cat((window, compressed), 1))
+    # Over the bound (the shared layout of the first shape keeps its rows: a fresh shape shows the rule).
+    monkeypatch.setattr(compressed_attention, "KEPT_ROWS_ELEMENTS", 0)
+    fresh_x, fresh_upstream = inputs(config, seqlen=x.shape[0] - 4)
+    run_layer(first, fresh_x, fresh_upstream)
+    built = first.core_attention.last_selection.all()
+    run_layer(first, fresh_x, fresh_upstream)
+    assert first.core_attention.last_selection.all() is not built
+    assert torch.equal(first.core_attention.last_selection.all(), built)
+    again = run_layer(first, x, upstream)  # the kept rows of the first shape serve as before
+    for got, expected in zip(again[:2], kept[:2]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -20,8 +20,8 @@ from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indexer_loss import reduce_indexer_loss
-from megatron_dsa.ops.indices import (SelectionRows, UniformVisibleRows, VisibleEntries, offset_valid,
-                                      visible_compressed_entries, window_indices)
+from megatron_dsa.ops.indices import (KEPT_ROWS_ELEMENTS, SelectionRows, UniformVisibleRows, VisibleEntries,
+                                      offset_valid, visible_compressed_entries, window_indices)
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.sparse_attention import full_normaliser
@@ -210,8 +210,7 @@ class CompressedSparseAttention(HighPrecisionModule):
 
         features = None
         if self.indexer is None:
-            selection = IndexSelection(window, None if entries is None else
-                                       offset_valid(entries.rows(), layout.num_rows))
+            selection = self._every_visible_entry(layout, window, entries, cp is None)
         else:
             features = self.indexer.features(x.detach(), qr.detach(), compressed_layout, inv_freq, gather)
             # Column j is entry j of the query's sequence, in every layout (CP included).
@@ -232,6 +231,22 @@ class CompressedSparseAttention(HighPrecisionModule):
             self.last_indexer_loss = loss.detach()
             out = IndexerLossAutoScaler.apply(out, loss, c.indexer_loss_backward_scale)
         return out
+
+    def _every_visible_entry(self, layout: TokenLayout, window: Tensor, entries: Optional[VisibleEntries],
+                             keep: bool) -> IndexSelection:
+        """W layers: the window alone. H layers: the window and every visible compressed entry, which depend
+        on the layout only: with `keep` (single device) they are kept with it while small (as
+        `VisibleEntries.rows` keeps its rows), so the layers and steps sharing a layout build them once."""
+        if entries is None:
+            return IndexSelection(window, None)
+
+        def build() -> IndexSelection:
+            compressed = offset_valid(entries.rows(), layout.num_rows)
+            return IndexSelection(window, compressed, combined=torch.cat((window, compressed), 1))
+
+        if keep and layout.num_rows * (window.shape[1] + entries.width) <= KEPT_ROWS_ELEMENTS:
+            return layout.derived(("every_visible_entry", self.ratio, window.shape[1]), build)
+        return build()
 
     def _indexer_loss(self, query: Tensor, kv_full: Tensor, layout: TokenLayout,
                       selection: IndexSelection, entries: VisibleEntries,
