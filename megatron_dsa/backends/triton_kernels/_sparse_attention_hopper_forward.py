@@ -73,8 +73,7 @@ def _fill_half(kv_smem, bars, kv_ptr, rows, buffer: gl.constexpr, half: gl.const
     slot: gl.constexpr = 2 * buffer + half
     mbarrier.wait(bars.index(KV_FREE + slot), phase)
     pointers = kv_ptr + offsets[:, None] + (half * HALF_D + cols)[None, :]
-    async_copy_to_shared(kv_smem.index(slot), pointers, mask=valid[:, None],
-                                           eviction_policy="evict_last")
+    async_copy_to_shared(kv_smem.index(slot), pointers, mask=valid[:, None], eviction_policy="evict_last")
     async_copy.mbarrier_arrive(bars.index(KV_READY + slot), increment_count=False)
 
 
