@@ -8,6 +8,7 @@ from torch import Tensor
 from megatron_dsa.ops.device_cache import DeviceCache
 
 _MATRICES: DeviceCache[Tensor] = DeviceCache()  # one per (n, dtype, device); a few KiB each
+_IGNORED_INPUTS: DeviceCache[Tensor] = DeviceCache()  # addmm's unread input, one scalar per (dtype, device)
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -40,6 +41,8 @@ def hadamard_transform(x: Tensor) -> Tensor:
     if n <= 0 or n & (n - 1):
         raise ValueError(f"Hadamard transform needs a power-of-two last dim, got {n}")
     rows = x.reshape(-1, n)
-    # beta = 0: the (broadcast) input term is ignored, only alpha·(rows @ H) is written.
-    y = torch.addmm(rows.new_zeros(()), rows, hadamard_matrix(n, x.dtype, x.device), beta=0, alpha=n ** -0.5)
+    # beta = 0: the (broadcast) input term is ignored, only alpha·(rows @ H) is written; the scalar is kept,
+    # so no fill kernel is launched for it per call.
+    ignored = _IGNORED_INPUTS.get((x.dtype, x.device), x.device, lambda: rows.new_zeros(()))
+    y = torch.addmm(ignored, rows, hadamard_matrix(n, x.dtype, x.device), beta=0, alpha=n ** -0.5)
     return y.view(x.shape)
