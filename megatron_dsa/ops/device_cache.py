@@ -85,3 +85,17 @@ class DeviceCache(Generic[Value]):
                 self._entries.pop(next(iter(self._entries)))
             self._entries[key] = value
         return value
+
+
+_SCALARS: DeviceCache[Tensor] = DeviceCache()
+
+
+def device_scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """`[1]` tensor holding `value` in `dtype` on `device`, made once per value by a fill kernel (no
+    host-to-device copy: no sync, CUDA-graph capturable) and kept, except while a CUDA graph is being
+    captured; so a layer step does not launch one fill per op. Readers never write into it.
+
+    Kernels read scalars through such a pointer where a kernel argument would lose precision (Triton passes
+    float scalars as fp32: a float64 RMSNorm eps, the RoPE amplitude)."""
+    return _SCALARS.get((float(value), dtype, torch.device(device)), device,
+                        lambda: torch.full((1,), float(value), dtype=dtype, device=device))

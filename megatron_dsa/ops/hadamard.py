@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_dsa.ops.device_cache import DeviceCache
+from megatron_dsa.ops.device_cache import DeviceCache, device_scalar
 
 _MATRICES: DeviceCache[Tensor] = DeviceCache()  # one per (n, dtype, device); a few KiB each
-_IGNORED_INPUTS: DeviceCache[Tensor] = DeviceCache()  # addmm's unread input, one scalar per (dtype, device)
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -41,8 +40,8 @@ def hadamard_transform(x: Tensor) -> Tensor:
     if n <= 0 or n & (n - 1):
         raise ValueError(f"Hadamard transform needs a power-of-two last dim, got {n}")
     rows = x.reshape(-1, n)
-    # beta = 0: the (broadcast) input term is ignored, only alpha·(rows @ H) is written; the scalar is kept,
-    # so no fill kernel is launched for it per call.
-    ignored = _IGNORED_INPUTS.get((x.dtype, x.device), x.device, lambda: rows.new_zeros(()))
+    # beta = 0: the (broadcast) input term is ignored, only alpha·(rows @ H) is written; a kept zero serves
+    # as that input, so no fill kernel runs for it per call.
+    ignored = device_scalar(0.0, x.dtype, x.device)
     y = torch.addmm(ignored, rows, hadamard_matrix(n, x.dtype, x.device), beta=0, alpha=n ** -0.5)
     return y.view(x.shape)

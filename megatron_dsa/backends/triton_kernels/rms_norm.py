@@ -20,10 +20,10 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.constants import device_scalar
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.rope import row_block
 from megatron_dsa.backends.triton_kernels.tiles import cdiv
+from megatron_dsa.ops.device_cache import device_scalar
 from megatron_dsa.ops.precision import compute_dtype
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -35,7 +35,7 @@ DWEIGHT_PROGRAMS = 512
 def eps_tensor(eps: float, op: str, compute: torch.dtype, device: torch.device) -> Tensor:
     """`eps [1]` in the statistics dtype, after checking it (the message names `op`).
 
-    Made once per value (see `constants.device_scalar`); float64 eps stays exact."""
+    Made once per value (see `ops.device_cache.device_scalar`); float64 eps stays exact."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"{op} eps must be a float, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps < 0:

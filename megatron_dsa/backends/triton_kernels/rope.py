@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.constants import device_scalar
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
+from megatron_dsa.ops.device_cache import device_scalar
 from megatron_dsa.ops.precision import compute_dtype
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
