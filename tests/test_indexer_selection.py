@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_dsa.layers import compressed_attention
+from megatron_dsa.ops import indices
 from megatron_dsa.ops.indices import INVALID, visible_compressed_entries
 from megatron_dsa.ops.layout import TokenLayout
 from test_layer_parity import inputs, make_config, make_layer, run_layer
@@ -65,7 +66,7 @@ def test_hca_index_rows_are_kept_with_a_shared_layout_while_small(monkeypatch):
     compressed = first.core_attention.last_selection.compressed
     assert torch.equal(rows, torch.cat((window, compressed), 1))
     # Over the bound (the shared layout of the first shape keeps its rows: a fresh shape shows the rule).
-    monkeypatch.setattr(compressed_attention, "KEPT_ROWS_ELEMENTS", 0)
+    monkeypatch.setattr(indices, "KEPT_ROWS_ELEMENTS", 0)
     fresh_x, fresh_upstream = inputs(config, seqlen=x.shape[0] - 4)
     run_layer(first, fresh_x, fresh_upstream)
     built = first.core_attention.last_selection.all()

@@ -20,8 +20,8 @@ from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indexer_loss import reduce_indexer_loss
-from megatron_dsa.ops.indices import (KEPT_ROWS_ELEMENTS, SelectionRows, UniformVisibleRows, VisibleEntries,
-                                      offset_valid, visible_compressed_entries, window_indices)
+from megatron_dsa.ops.indices import (SelectionRows, UniformVisibleRows, VisibleEntries, offset_valid,
+                                      small_enough_to_keep, visible_compressed_entries, window_indices)
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.sparse_attention import full_normaliser
@@ -244,7 +244,7 @@ class CompressedSparseAttention(HighPrecisionModule):
             compressed = offset_valid(entries.rows(), layout.num_rows)
             return IndexSelection(window, compressed, combined=torch.cat((window, compressed), 1))
 
-        if keep and layout.num_rows * (window.shape[1] + entries.width) <= KEPT_ROWS_ELEMENTS:
+        if keep and small_enough_to_keep(layout.num_rows, window.shape[1] + entries.width):
             return layout.derived(("every_visible_entry", self.ratio, window.shape[1]), build)
         return build()
 

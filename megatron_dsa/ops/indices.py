@@ -19,6 +19,12 @@ INVALID = -1
 KEPT_ROWS_ELEMENTS = 1 << 23  # visible-entry id matrices kept for reuse up to 64 MiB of int64
 
 
+def small_enough_to_keep(rows: int, width: int) -> bool:
+    """Whether an id matrix `[rows, width]` built from a layout is kept with it for reuse: these grow as
+    `O(S²/r)`, so only while they hold at most `KEPT_ROWS_ELEMENTS` ids."""
+    return rows * width <= KEPT_ROWS_ELEMENTS
+
+
 def window_indices(layout: TokenLayout, window: int) -> Tensor:
     """`[T, W]` token rows `max(seg_start, t−W+1) … t`, then −1 padding (never a future row)."""
     t = torch.arange(layout.num_rows, device=layout.device)
@@ -71,8 +77,8 @@ class VisibleEntries(KeepsDeviceValues):
         shared by every layer and step then saves six small ops per C layer forward, which matter at
         short sequences, where the host's launch time is a large part of a step. Callers never write into
         the result."""
-        if chunk.indices(self.group.shape[0]) == (0, self.group.shape[0], 1) and (
-                self.group.shape[0] * self.width <= KEPT_ROWS_ELEMENTS):
+        if chunk.indices(self.group.shape[0]) == (0, self.group.shape[0], 1) and small_enough_to_keep(
+                self.group.shape[0], self.width):
             return self._all_rows
         return self._rows(chunk)
 
