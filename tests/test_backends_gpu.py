@@ -330,7 +330,8 @@ def test_layer_auto_matches_unfused_at_dsv4_flash_dims(kind, overrides) -> None:
     # Triton (W/C/H) and torch SDPA (M) are there on every CUDA machine this package supports, so a
     # layer that ran none of them lost its fused path.
     assert fused_ops & expected, f"no fused backend ran {sorted(expected)}: {fused_counts}"
-    if kind == "C":  # the selection's rows come from one Triton kernel wherever Triton runs
+    if kind == "C":  # the selection's top-k and rows come from Triton kernels wherever Triton runs
+        assert fused_counts.get(("triton", "topk")) == 1, fused_counts
         assert fused_counts.get(("triton", "selection_rows")) == 1, fused_counts
     assert_close_bf16("out", out, out_ref, grad=False)
     assert_close_bf16("d hidden", grad_x, grad_x_ref, grad=True)

@@ -1,14 +1,20 @@
-"""Triton ordering of top-k picks (`backends.triton_kernels.topk_order`), used by the cuDNN top-k adapter.
+"""Triton top-k and ordering of top-k picks (`backends.triton_kernels.topk_order`): the `topk` op family's
+Triton backend, and the ordering the cuDNN top-k adapter uses.
 
-CPU: the kernel runs in the Triton interpreter in a child process (`interp_triton_topk_order.py`).
-GPU: dsv4-flash shapes (4096 rows, 1024 columns, top-512) against the torch ordering, exactly.
+CPU: the kernel runs in the Triton interpreter in a child process (`interp_triton_topk_order.py`); the
+dispatcher's choice and the input checks run here.
+GPU: dsv4-flash shapes (4096 rows, 1024 columns, top-512; 4096 columns for S = 16k) against the torch
+forms, exactly.
 """
 
 import pytest
 import torch
 
+from megatron_dsa.backends import OpFamily, registered_backends
 from megatron_dsa.backends.cudnn import _in_reference_order
-from megatron_dsa.backends.triton_kernels.topk_order import order_picks
+from megatron_dsa.backends.triton import TRITON
+from megatron_dsa.backends.triton_kernels.topk_order import MAX_WIDTH, order_picks, topk
+from megatron_dsa.ops.indices import topk_columns
 from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 
@@ -26,9 +32,36 @@ def test_bad_inputs_name_the_rule():
         order_picks(torch.zeros(2, 5000, dtype=torch.long), ranked, valid)
 
 
+def test_topk_bad_inputs_name_the_rule():
+    scores, valid = torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(TypeError, match="float32/bfloat16/float16 scores"):
+        topk(scores.double(), valid, 2)
+    with pytest.raises(TypeError, match="bool valid"):
+        topk(scores, valid.int(), 2)
+    with pytest.raises(ValueError, match="valid mask of their shape"):
+        topk(scores, valid[:, :3], 2)
+    with pytest.raises(ValueError, match="non-negative int"):
+        topk(scores, valid, -1)
+    with pytest.raises(ValueError, match=f"at most {MAX_WIDTH} columns"):
+        topk(torch.zeros(1, MAX_WIDTH + 1), torch.ones(1, MAX_WIDTH + 1, dtype=torch.bool), 2)
+
+
 def test_cpu_without_interpreter_is_refused(without_interpreter):
     with pytest.raises(ValueError, match="cannot run on picked's device"):
         order_picks(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="top-k cannot run on scores' device"):
+        topk(torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool), 2)
+
+
+def test_auto_prefers_triton_topk_up_to_the_register_sort_width():
+    """The selection runs while the GPU waits for the host: Triton's one launch ranks before cuDNN's
+    frontend call; rows wider than one program sorts go to the next backend."""
+    pytest.importorskip("triton")
+    order = [backend.name for backend in registered_backends(OpFamily.TOPK)]
+    assert order.index("triton") < order.index("cudnn") < order.index("unfused")
+    call = dict(device=torch.device("cuda"), dtype=torch.float32, topk=512, explicit=False)
+    assert TRITON.decline_reason(OpFamily.TOPK, {**call, "columns": MAX_WIDTH}) is None
+    assert "exceed the register sort's 4096" in TRITON.decline_reason(OpFamily.TOPK, {**call, "columns": MAX_WIDTH + 1})
 
 
 @pytest.mark.gpu
@@ -41,3 +74,16 @@ def test_gpu_matches_torch_ordering_at_dsv4_shapes():
     picked = torch.rand(rows, cols, device="cuda", generator=gen).argsort(1)[:, :width].to(torch.int32)
     picked[:, ::37] = -1
     assert torch.equal(order_picks(picked, ranked, valid), _in_reference_order(picked.long(), ranked, valid))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [1024, MAX_WIDTH])  # S = 4096 and 16384 at ratio 4
+def test_gpu_topk_matches_topk_columns_at_dsv4_shapes(cols):
+    pytest.importorskip("triton")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = 4096
+    scores = torch.randn(rows, cols, device="cuda", generator=gen).round(decimals=1)  # many exact ties
+    valid = torch.arange(cols, device="cuda") < torch.randint(0, cols + 1, (rows, 1), device="cuda", generator=gen)
+    valid[7] = False
+    got = topk(scores, valid, 512)
+    assert torch.equal(got, topk_columns(scores, valid, 512))

@@ -11,7 +11,7 @@ import torch
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.backends.triton_kernels import (compressor, indexer, indexer_loss, norm_rope, rms_norm, rope,
-                                                  selection, sparse_attention)
+                                                  selection, sparse_attention, topk_order)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl, indexer_kl_backward
 
@@ -25,9 +25,12 @@ DTYPES = {op: KERNEL_DTYPES + (torch.float64,)
 
 
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
+    columns = call.get("columns")
     return probes.first_problem(
         triton_decline_reason(call.get("device"), bool(call.get("explicit"))),
         probes.dtype_problem(call, DTYPES.get(op, KERNEL_DTYPES)),
+        f"{columns} columns per row exceed the register sort's {topk_order.MAX_WIDTH}"
+        if op is OpFamily.TOPK and columns is not None and columns > topk_order.MAX_WIDTH else None,
     )
 
 
@@ -38,6 +41,7 @@ TRITON = Backend(
         OpFamily.SPARSE_ATTENTION_FWD: sparse_attention.sparse_attention_forward,
         OpFamily.SPARSE_ATTENTION_BWD: sparse_attention.sparse_attention_backward,
         OpFamily.INDEXER_SCORES: indexer.indexer_scores,
+        OpFamily.TOPK: topk_order.topk,
         OpFamily.SELECTION_ROWS: selection.selection_rows,
         OpFamily.INDEXER_LOSS: partial(indexer_kl, mass=indexer_loss.attention_mass, kl=indexer_loss.kl_per_row),
         OpFamily.INDEXER_KL_BWD: partial(indexer_kl_backward, scores_backward=indexer.indexer_scores_backward),
@@ -48,6 +52,9 @@ TRITON = Backend(
     },
     probe=probe,
     version=lambda: probes.versions_line("triton"),
+    # The selection runs before the sparse forward, while the GPU waits for the host: one launch here
+    # beats cuDNN's frontend call plus the ordering kernel (measured: docs/performance.md).
+    op_priority={OpFamily.TOPK: 25},
 )
 
 register_backend(TRITON)

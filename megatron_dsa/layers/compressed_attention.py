@@ -109,7 +109,8 @@ class LightningIndexer(nn.Module):
             for rows in entries.row_chunks(SELECTION_CHUNK_ELEMENTS):
                 candidates, visible = entries.rows(rows), entries.uniform_rows(rows)
                 scores = self.scores((q[rows], k, weights[rows]), candidates, visible)
-                pick = dispatch(OpFamily.TOPK, self.config, device=q.device, dtype=scores.dtype, topk=topk)
+                pick = dispatch(OpFamily.TOPK, self.config, device=q.device, dtype=scores.dtype, topk=topk,
+                                columns=scores.shape[1])
                 columns = pick(scores, candidates >= 0, topk, visible)
                 parts.append((columns, *self._rows(columns, scores, entries, rows, window[rows], kv_offset)))
             if not parts:  # no query rows

@@ -1,12 +1,18 @@
-"""Top-k picks of a kernel that promises no order, put in the `ops.indices.topk_columns` order with one
-Triton kernel: valid picks by score (highest first), ties to the lower column, −1 after them.
+"""The `ops.indices.topk_columns` order as one Triton kernel: valid columns by score (highest first), ties
+to the lower column, −1 after them. Each program sorts one row's int64 keys in registers.
 
-The torch equivalent (`backends.cudnn` uses it where Triton cannot run) takes about twenty small ops
-and a full radix sort of `[T, K]` int64 keys; here each row's keys are sorted in registers by one
-program.
+Two entry points share the kernel: `topk` ranks every column of a row (the `topk` op family: one
+launch, where the cuDNN top-k costs a frontend call plus this kernel), and `order_picks` puts the picks
+of a kernel that promises no order (cuDNN's top-k) in that order. The torch equivalent of the latter
+(`backends.cudnn` uses it where Triton cannot run) takes about twenty small ops and a full radix sort.
+
+Both sort at most `MAX_WIDTH` keys per row; the `topk` family declines wider rows (S > 16k at ratio
+4), which go to cuDNN's top-k or the unfused sort.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -14,8 +20,28 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.tiles import pow2
+from megatron_dsa.ops.indices import UniformVisibleRows
 
-MAX_WIDTH = 4096  # picks per row one program sorts in registers
+MAX_WIDTH = 4096  # keys per row one program sorts in registers
+SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32, where the keys are made
+
+
+def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None) -> Tensor:
+    """The `ops.indices.topk_columns` contract: scores `[T, C]` (float32/16-bit), valid `[T, C]` bool →
+    `[T, min(k, C)]` int64 columns, highest score first, ties to the lower column, −1 where fewer than
+    k are valid. `visible` (the family's uniform-rows hint) adds nothing `valid` does not say."""
+    _check_topk(scores, valid, k)
+    from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
+
+    rows, cols = scores.shape
+    width = min(k, cols)
+    out = torch.empty((rows, width), dtype=torch.long, device=scores.device)
+    if out.numel() == 0:
+        return out
+    jitted(kernels.rank_columns_kernel)[(rows,)](
+        None, scores.contiguous(), valid.contiguous(), out, cols, cols, cols, width, BLOCK_K=pow2(cols),
+        EVERY_COLUMN=True, num_warps=_warps(cols))
+    return out
 
 
 def order_picks(picked: Tensor, ranked: Tensor, valid: Tensor) -> Tensor:
@@ -30,10 +56,32 @@ def order_picks(picked: Tensor, ranked: Tensor, valid: Tensor) -> Tensor:
     out = torch.empty((rows, width), dtype=torch.long, device=picked.device)
     if out.numel() == 0:
         return out
-    jitted(kernels.order_picks_kernel)[(rows,)](
+    jitted(kernels.rank_columns_kernel)[(rows,)](
         picked.contiguous(), ranked.contiguous(), valid.contiguous(), out, width, valid.shape[1],
-        ranked.shape[1], BLOCK_K=pow2(width))
+        ranked.shape[1], width, BLOCK_K=pow2(width), EVERY_COLUMN=False, num_warps=_warps(width))
     return out
+
+
+def _warps(width: int) -> int:
+    """Warps per row sort: Triton's default 4 up to 1024 keys, more for wider rows, so that each thread
+    keeps at most 8 int64 keys in registers."""
+    return min(16, max(4, pow2(width) // 256))
+
+
+def _check_topk(scores: Tensor, valid: Tensor, k: int) -> None:
+    if scores.dim() != 2 or valid.shape != scores.shape:
+        raise ValueError(f"triton top-k needs 2-D scores and a valid mask of their shape, got "
+                         f"{tuple(scores.shape)} and {tuple(valid.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"top-k k must be a non-negative int, got {k!r}")
+    if scores.shape[1] > MAX_WIDTH:
+        raise ValueError(f"triton top-k sorts at most {MAX_WIDTH} columns per row, got {scores.shape[1]}")
+    if scores.dtype not in SCORE_DTYPES or valid.dtype != torch.bool:
+        raise TypeError(f"triton top-k needs float32/bfloat16/float16 scores and a bool valid mask, got "
+                        f"{scores.dtype} and {valid.dtype}")
+    if scores.device != valid.device:
+        raise ValueError(f"top-k scores and valid must share one device, got {scores.device}, {valid.device}")
+    require_triton(scores.device, "top-k", "scores' device")
 
 
 def _check(picked: Tensor, ranked: Tensor, valid: Tensor) -> None:
