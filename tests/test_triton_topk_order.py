@@ -13,7 +13,7 @@ import torch
 from megatron_dsa.backends import OpFamily, registered_backends
 from megatron_dsa.backends.cudnn import _in_reference_order
 from megatron_dsa.backends.triton import TRITON
-from megatron_dsa.backends.triton_kernels.topk_order import MAX_WIDTH, order_picks, topk
+from megatron_dsa.backends.triton_kernels.topk_order import AUTO_MAX_COLUMNS, MAX_WIDTH, order_picks, topk
 from megatron_dsa.ops.indices import topk_columns
 from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
@@ -53,15 +53,40 @@ def test_cpu_without_interpreter_is_refused(without_interpreter):
         topk(torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool), 2)
 
 
-def test_auto_prefers_triton_topk_up_to_the_register_sort_width():
+def test_auto_prefers_triton_topk_up_to_1024_columns():
     """The selection runs while the GPU waits for the host: Triton's one launch ranks before cuDNN's
-    frontend call; rows wider than one program sorts go to the next backend."""
+    frontend call. Wider rows (slower in registers) go to the next backend under `auto`; asked for by
+    name the kernel runs up to the sort's limit."""
     pytest.importorskip("triton")
     order = [backend.name for backend in registered_backends(OpFamily.TOPK)]
     assert order.index("triton") < order.index("cudnn") < order.index("unfused")
-    call = dict(device=torch.device("cuda"), dtype=torch.float32, topk=512, explicit=False)
-    assert TRITON.decline_reason(OpFamily.TOPK, {**call, "columns": MAX_WIDTH}) is None
-    assert "exceed the register sort's 4096" in TRITON.decline_reason(OpFamily.TOPK, {**call, "columns": MAX_WIDTH + 1})
+    call = dict(device=torch.device("cuda"), dtype=torch.float32, topk=512)
+    auto, named = {**call, "explicit": False}, {**call, "explicit": True}
+    assert TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": AUTO_MAX_COLUMNS}) is None
+    assert "slower" in TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": AUTO_MAX_COLUMNS + 1})
+    assert TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": MAX_WIDTH}) is None
+    assert "exceed the register sort's 4096" in TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": MAX_WIDTH + 1})
+
+
+def test_the_layer_tells_the_dispatcher_its_top_k_width(monkeypatch):
+    """The width rule needs the scores' column count in the call description: the C layer's selection
+    passes it (visible entries per row: S / ratio)."""
+    from megatron_dsa import HybridAttention, HybridAttentionConfig
+    from megatron_dsa.layers import compressed_attention
+
+    seen, original = [], compressed_attention.dispatch
+
+    def recording(op, requested, **call):
+        if op is OpFamily.TOPK:
+            seen.append(call)
+        return original(op, requested, **call)
+
+    monkeypatch.setattr(compressed_attention, "dispatch", recording)
+    config = HybridAttentionConfig.from_preset("tiny", num_layers=1, layer_pattern="C", dsa_indexer_topk=3)
+    layer = HybridAttention(config, kind="C")
+    layer(torch.randn(32, 1, config.hidden_size))
+    ratio = config.compress_ratio(layer.kind)
+    assert [call["columns"] for call in seen] == [32 // ratio]
 
 
 @pytest.mark.gpu

@@ -25,13 +25,23 @@ DTYPES = {op: KERNEL_DTYPES + (torch.float64,)
 
 
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
-    columns = call.get("columns")
+    explicit = bool(call.get("explicit"))
     return probes.first_problem(
-        triton_decline_reason(call.get("device"), bool(call.get("explicit"))),
+        triton_decline_reason(call.get("device"), explicit),
         probes.dtype_problem(call, DTYPES.get(op, KERNEL_DTYPES)),
-        f"{columns} columns per row exceed the register sort's {topk_order.MAX_WIDTH}"
-        if op is OpFamily.TOPK and columns is not None and columns > topk_order.MAX_WIDTH else None,
+        _topk_width_problem(call.get("columns"), explicit) if op is OpFamily.TOPK else None,
     )
+
+
+def _topk_width_problem(columns: Optional[int], explicit: bool) -> Optional[str]:
+    if columns is None:
+        return None
+    if columns > topk_order.MAX_WIDTH:
+        return f"{columns} columns per row exceed the register sort's {topk_order.MAX_WIDTH}"
+    if columns > topk_order.AUTO_MAX_COLUMNS and not explicit:
+        return (f"{columns} columns per row: above {topk_order.AUTO_MAX_COLUMNS} the register sort is slower "
+                "than cuDNN's top-k and torch's sort")
+    return None
 
 
 TRITON = Backend(
