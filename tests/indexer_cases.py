@@ -31,6 +31,18 @@ def causal_candidates(tokens, width, ratio=4):
     return torch.where(j < visible[:, None], j, -1)
 
 
+def packed_candidates(lengths, width, ratio=4):
+    """Sequences of `lengths` tokens packed back to back, their compressed entries too: a row of a
+    sequence with `e` entries before it sees `e + j` for `j < (position + 1) // ratio`, −1 after."""
+    rows = []
+    entries_before = 0
+    for length in lengths:
+        rows.append(torch.where(causal_candidates(length, width, ratio) >= 0,
+                                causal_candidates(length, width, ratio) + entries_before, -1))
+        entries_before += length // ratio
+    return torch.cat(rows)
+
+
 def run(fn, q, k, w, cand, upstream):
     """Scores and the grads of (q, k, weights) for `Σ upstream·scores` over the valid slots."""
     scores = fn(q, k, w, cand, SCALE)

@@ -11,7 +11,7 @@ import torch
 
 from megatron_dsa.backends.triton_kernels import indexer as triton_indexer
 from megatron_dsa.ops.indexer import indexer_scores as reference_scores
-from indexer_cases import SCALE, causal_candidates, inputs, random_candidates, run
+from indexer_cases import SCALE, causal_candidates, inputs, packed_candidates, random_candidates, run
 
 from triton_support import interpreter  # noqa: F401  (fixture)
 
@@ -43,9 +43,23 @@ def test_random_candidates_match_reference(tokens, heads, dim, width):
 @pytest.mark.parametrize("dk_rows", [64, 5])
 def test_causal_range_candidates_match_reference(monkeypatch, dk_rows):
     """Several forward row blocks; with 5 rows per dk program, runs of equal ids cross programs."""
+    monkeypatch.setattr(triton_indexer, "FORWARD_ROWS", 16)
     monkeypatch.setattr(triton_indexer, "BACKWARD_K_ROWS", dk_rows)
     q, k, w = inputs(24, 4, 16, entries=6)
     _assert_matches_reference(q, k, w, causal_candidates(24, 6).to(torch.int32))
+
+
+@pytest.mark.parametrize("lengths", [(10, 14), (4, 9, 11), (7, 3, 6, 8)])
+@pytest.mark.parametrize("forward_rows", [16, 64])
+def test_packed_sequences_match_reference(monkeypatch, lengths, forward_rows):
+    """Tiles touching one or two sequences score each run of `base + j` ids with shared keys; tiles
+    touching more (three or four short sequences in 64 rows) go row by row. Both agree with the
+    reference, and the runs of one tile do not mix their keys."""
+    monkeypatch.setattr(triton_indexer, "FORWARD_ROWS", forward_rows)
+    tokens = sum(lengths)
+    cand = packed_candidates(lengths, 6)
+    q, k, w = inputs(tokens, 4, 16, entries=int(cand.max()) + 2)
+    _assert_matches_reference(q, k, w, cand)
 
 
 def test_invalid_rows_give_neg_inf_and_zero_grads_even_with_nan_upstream():
@@ -92,3 +106,5 @@ def test_invalid_inputs_raise():
         fn(q.double(), k.double(), w, cand, SCALE)
     with pytest.raises(TypeError, match="candidates must be int32 or int64"):
         fn(q, k, w, cand.float(), SCALE)
+    with pytest.raises(ValueError, match="at most 2147483647 key rows"):
+        fn(q, k[:1].expand(2**31, -1), w, cand, SCALE)

@@ -4,12 +4,12 @@ Plain functions: `lazy_jit.jitted` decorates them on first launch (the `column_b
 and `row_query` helpers are decorated when this module is imported, which happens only then). All
 tensors are contiguous: q `[T, HI, DI]`, k `[Tc, DI]`, weights `[T, HI]`, candidates / scores / grad `[T, C]`.
 
-Tiles: a program owns `BLOCK_C` candidate columns; per query row it computes the per-head dots
-`[BLOCK_H, BLOCK_C] = q[t] [BLOCK_H, BLOCK_D] @ keys^T` with one `tl.dot`, so the `[T, HI, C]` dots
-never reach memory. Rows whose candidate block is entirely −1 (the causal future: about half of the
-blocks) skip the dot after loading the ids. Consecutive rows of a program usually select the same
-keys for the same columns (candidates are mostly `base + j`), so the gathered key tile is reused
-until the ids change.
+Forward tiles: a program owns `BLOCK_R` rows × `BLOCK_C` candidate columns. Where the tile's ids are
+`base + j` (the layer's candidates: entry j of the row's sequence) every row reads the same keys, so
+the scores are a loop over heads of `[BLOCK_R, DI] @ [DI, BLOCK_C]` dots accumulated in registers; other
+tiles go row by row with gathered keys (`[BLOCK_H, BLOCK_C] = q[t] @ keys^T`, summed over heads). The
+backward goes row by row like the latter. The `[T, HI, C]` dots never reach memory; rows or tiles
+whose candidates are all −1 (the causal future: about half of them) skip the dots.
 """
 
 import triton
@@ -46,15 +46,38 @@ def row_query(q_ptr, w_ptr, t, heads, dims, q_mask, HI, DI, scale):
     return q, w
 
 
-def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI, scale,
-                           ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
-    """scores[t, c] = Σ_h w[t,h]·scale·ReLU(<q[t,h], k[cand[t,c]]>), −inf where cand < 0.
+NO_BASE = tl.constexpr(2147483647)  # int32 max: the base of an invalid candidate (ids are < 2^31)
 
-    Grid: (cdiv(T, ROWS), cdiv(C, BLOCK_C)); a program walks its ROWS rows for one column block."""
-    first_row, cols, heads, dims, in_width, q_mask, cached, keys = column_block(  # `keys` holds ids `cached`
-        k_ptr, C, HI, DI, ROWS, BLOCK_H, BLOCK_D, BLOCK_C)
-    for r in range(ROWS):
+
+@triton.jit
+def shared_key_scores(q_ptr, k_ptr, w_ptr, rows, cols, dims, base, T, Tc, HI, DI, scale, BLOCK_R: tl.constexpr,
+                      BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """`[BLOCK_R, BLOCK_C]` scores of `rows` against the key rows `base + cols` (one tile of keys for every
+    row): a loop over heads, each a `[BLOCK_R, DI] @ [DI, BLOCK_C]` dot of that head's queries of all rows,
+    whose ReLU is weighted and accumulated in registers (no reduction across threads). Rows and keys past
+    the ends read 0; what an entry outside this run computes is never stored."""
+    key_rows = base + cols
+    keys = tl.load(k_ptr + key_rows[:, None] * DI + dims[None, :],
+                   mask=(key_rows[:, None] >= 0) & (key_rows[:, None] < Tc) & (dims[None, :] < DI), other=0.0)
+    q_mask = (rows[:, None] < T) & (dims[None, :] < DI)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for h in range(HI):
+        q = tl.load(q_ptr + rows[:, None] * HI * DI + h * DI + dims[None, :], mask=q_mask, other=0.0)
+        w = tl.load(w_ptr + rows * HI + h, mask=rows < T, other=0.0).to(tl.float32)
+        dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+        acc += tl.maximum(dots, 0.0) * w[:, None]
+    return acc * scale
+
+
+@triton.jit
+def gathered_rows(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI, scale, BLOCK_R: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """This program's tile row by row with each row's own gathered keys (any candidate ids): per row,
+    one `[HI, DI] @ [DI, BLOCK_C]` dot summed over heads. Consecutive rows with the same ids reuse the
+    gathered key tile. Writes the rows' scores itself."""
+    first_row, cols, heads, dims, in_width, q_mask, cached, keys = column_block(
+        k_ptr, C, HI, DI, BLOCK_R, BLOCK_H, BLOCK_D, BLOCK_C)  # `keys` holds ids `cached`
+    for r in range(BLOCK_R):
         t = first_row + r
         ids, valid = row_ids(cand_ptr, t, cols, in_width, T, C)
         if tl.max(valid.to(tl.int32), axis=0) > 0:
@@ -69,6 +92,38 @@ def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI,
         else:
             scores = tl.full([BLOCK_C], float("-inf"), tl.float32)
         tl.store(out_ptr + t * C + cols, scores, mask=in_width & (t < T))
+
+
+def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, Tc, C, HI, DI, scale,
+                           BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_C: tl.constexpr, MAX_RUNS: tl.constexpr, PRECISION: tl.constexpr):
+    """scores[t, c] = Σ_h w[t,h]·scale·ReLU(<q[t,h], k[cand[t,c]]>), −inf where cand < 0.
+
+    Grid: (cdiv(T, BLOCK_R), cdiv(C, BLOCK_C)). The layer's candidates are `base + c` (column c is entry c
+    of the row's sequence), so a tile's valid ids share one base `id − c` per sequence it touches.
+    Each such run of ids (up to MAX_RUNS, smallest base first) is scored with one shared tile of keys
+    (`shared_key_scores`); a tile with more runs (scattered ids, many short sequences) is scored row by
+    row with gathered keys instead. Tiles without a valid id (the causal future) only write −inf."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    dims = tl.arange(0, BLOCK_D)
+    tile = (rows[:, None] < T) & (cols[None, :] < C)
+    ids = tl.load(cand_ptr + rows[:, None] * C + cols[None, :], mask=tile, other=-1).to(tl.int32)
+    base_of = tl.where(ids >= 0, ids - cols[None, :], NO_BASE)
+    result = tl.full([BLOCK_R, BLOCK_C], float("-inf"), tl.float32)
+    for _ in range(MAX_RUNS):
+        base = tl.min(tl.min(base_of, axis=1), axis=0)
+        if base != NO_BASE:
+            now = base_of == base
+            scores = shared_key_scores(q_ptr, k_ptr, w_ptr, rows, cols, dims, base, T, Tc, HI, DI, scale, BLOCK_R,
+                                       BLOCK_C, PRECISION)
+            result = tl.where(now, scores, result)
+            base_of = tl.where(now, NO_BASE, base_of)
+    if tl.min(tl.min(base_of, axis=1), axis=0) != NO_BASE:
+        gathered_rows(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI, scale, BLOCK_R, BLOCK_H, BLOCK_D,
+                      BLOCK_C, PRECISION)
+    else:
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], result, mask=tile)
 
 
 def indexer_backward_q_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dq_ptr, dw_ptr, C, HI, DI, scale,
