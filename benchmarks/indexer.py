@@ -1,9 +1,11 @@
-"""Forward and backward time of the Triton lightning-indexer scores against the unfused reference op.
+"""Forward and backward time of the Triton lightning-indexer scores against the unfused reference op, and
+the forward against cuDNN's dense indexer forward where the cuDNN frontend is installed.
 
 Inputs have the dsv4 indexer dims (HI heads of DI dims) and causal-range candidates: row t of a
 sequence of T tokens sees compressed entries j < (t + 1) / 4 of C = T / 4 slots, −1 after. TFLOPS count
 the per-head dots alone, 2·HI·DI per valid candidate in forward; backward is reported against the
-same count (it recomputes those dots and does two more products of the same size).
+same count (it recomputes those dots and does two more products of the same size). `--packed` adds
+batches of several sequences packed back to back (cuDNN's forward takes uniform batches only).
 
 Run from the repository root: `python benchmarks/indexer.py --help`. Needs CUDA; exits cleanly without.
 """
@@ -19,25 +21,43 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from timing import DTYPES, cuda_available, forward_backward_ms, kernel_parser  # noqa: E402
+from timing import DTYPES, cuda_available, forward_backward_ms, kernel_parser, median_ms  # noqa: E402
+from megatron_dsa.backends import BackendUnavailableError, OpFamily, resolve  # noqa: E402
 from megatron_dsa.backends.triton_kernels.indexer import indexer_scores as triton_scores  # noqa: E402
 from megatron_dsa.ops.indexer import indexer_scores as unfused_scores  # noqa: E402
+from megatron_dsa.ops.indices import visible_compressed_entries  # noqa: E402
+from megatron_dsa.ops.layout import TokenLayout  # noqa: E402
 
 RATIO = 4
 
 
-def make_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype):
-    entries = tokens // RATIO
+def make_inputs(lengths: Sequence[int], heads: int, dim: int, dtype: torch.dtype):
+    """q, k, w and the candidates of sequences of `lengths` tokens packed back to back (entries too)."""
+    tokens = sum(lengths)
+    layout = TokenLayout.packed(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]), tokens,
+                                torch.device("cuda"))
+    candidates = visible_compressed_entries(layout.compressed(RATIO)).rows()
+    entries = int(candidates.max()) + 1
     q = torch.randn(tokens, heads, dim, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(entries, dim, device="cuda", dtype=dtype, requires_grad=True)
     w = (torch.randn(tokens, heads, device="cuda") * heads ** -0.5).to(dtype).requires_grad_()
-    j = torch.arange(entries, device="cuda")
-    candidates = torch.where(j < ((torch.arange(tokens, device="cuda") + 1) // RATIO)[:, None], j, -1)
     return q, k, w, candidates
 
 
-def time_op(fn, inputs, scale: float, repeats: int, warmup: int) -> tuple[float, float]:
-    """(forward ms, backward ms) medians; backward alone = forward + backward − forward."""
+def cudnn_forward(tokens: int, q: torch.Tensor):
+    """cuDNN's dense indexer forward for one sequence of `tokens` (its uniform-batch hint), or None."""
+    try:
+        _, op = resolve(OpFamily.INDEXER_SCORES, "cudnn", device=q.device, dtype=q.dtype, heads=q.shape[1],
+                        head_dim=q.shape[2], visible=True, ratio=RATIO)
+    except BackendUnavailableError:
+        return None
+    visible = visible_compressed_entries(TokenLayout.uniform(1, tokens, q.device).compressed(RATIO))
+    hint = visible.uniform_rows(slice(0, tokens))
+    return lambda q, k, w, candidates, scale: op(q, k, w, candidates, scale, hint)
+
+
+def time_op(fn, inputs, scale: float, repeats: int, warmup: int, backward: bool = True) -> tuple[float, float]:
+    """(forward ms, backward ms) medians; backward alone = forward + backward − forward (nan without)."""
     q, k, w, candidates = inputs
     grad = torch.randn(candidates.shape, device="cuda")
 
@@ -49,6 +69,8 @@ def time_op(fn, inputs, scale: float, repeats: int, warmup: int) -> tuple[float,
         scores = fn(q, k, w, candidates, scale)
         torch.autograd.grad(scores, (q, k, w), grad.masked_fill(candidates < 0, 0))
 
+    if not backward:
+        return median_ms(forward, repeats, warmup), float("nan")
     return forward_backward_ms(forward, forward_backward, repeats, warmup)
 
 
@@ -57,7 +79,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--packed", nargs="*", default=[], metavar="L1,L2,...",
+                        help="extra batches of sequences packed back to back, e.g. 700,1300,2096")
     args = parser.parse_args(argv)
+    args.packed = [tuple(int(n) for n in spec.split(",")) for spec in args.packed]
     if min(args.seq_lens) < RATIO or args.repeats < 1 or args.warmup < 0:
         parser.error(f"--seq-lens must be >= {RATIO}, --repeats >= 1 and --warmup >= 0")
     return args
@@ -71,18 +96,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"indexer scores, HI={args.heads}, DI={args.dim}, {args.dtype}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}; median of {args.repeats} after {args.warmup} warm-up\n"
           f"ratio = triton / unfused (< 1: triton is faster); TFLOPS = 2·HI·DI·valid candidates / time\n")
-    print("| T | C | pass | triton ms | unfused ms | ratio | triton TFLOPS | unfused TFLOPS |")
-    print("|--:|--:|------|----------:|-----------:|------:|--------------:|---------------:|")
-    for tokens in args.seq_lens:
-        inputs = make_inputs(tokens, args.heads, args.dim, DTYPES[args.dtype])
+    print("| sequences | T | C | pass | triton ms | unfused ms | ratio | triton TFLOPS | unfused TFLOPS | cuDNN ms |")
+    print("|---|--:|--:|------|----------:|-----------:|------:|--------------:|---------------:|---------:|")
+    for lengths in [(tokens,) for tokens in args.seq_lens] + args.packed:
+        inputs = make_inputs(lengths, args.heads, args.dim, DTYPES[args.dtype])
         flops = 2 * args.heads * args.dim * int((inputs[3] >= 0).sum())
         scale = args.dim ** -0.5
         fast = time_op(triton_scores, inputs, scale, args.repeats, args.warmup)
         slow = time_op(unfused_scores, inputs, scale, args.repeats, args.warmup)
+        vendor = cudnn_forward(lengths[0], inputs[0]) if len(lengths) == 1 else None
+        vendor_ms = "-" if vendor is None else f"{time_op(vendor, inputs, scale, args.repeats, args.warmup, False)[0]:.3f}"
+        tokens, width = inputs[3].shape
         for name, t_ms, u_ms in (("fwd", fast[0], slow[0]), ("bwd", fast[1], slow[1])):
             tflops = [flops / (ms * 1e9) if ms > 0 else float("nan") for ms in (t_ms, u_ms)]
-            print(f"| {tokens} | {tokens // RATIO} | {name} | {t_ms:.3f} | {u_ms:.3f} | {t_ms / u_ms:.2f} | "
-                  f"{tflops[0]:.1f} | {tflops[1]:.1f} |")
+            print(f"| {'+'.join(map(str, lengths))} | {tokens} | {width} | {name} | {t_ms:.3f} | {u_ms:.3f} | "
+                  f"{t_ms / u_ms:.2f} | {tflops[0]:.1f} | {tflops[1]:.1f} | {vendor_ms if name == 'fwd' else '-'} |")
         del inputs
     return 0
 

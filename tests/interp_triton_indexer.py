@@ -62,6 +62,15 @@ def test_packed_sequences_match_reference(monkeypatch, lengths, forward_rows):
     _assert_matches_reference(q, k, w, cand)
 
 
+def test_calls_beyond_the_grid_launch_per_slice_of_rows(monkeypatch):
+    """More row blocks than the grid's second axis holds: one launch per slice of rows, same scores."""
+    monkeypatch.setattr(triton_indexer, "FORWARD_ROWS", 16)
+    monkeypatch.setattr(triton_indexer, "MAX_ROW_BLOCKS", 2)
+    cand = packed_candidates((30, 45), 11)
+    q, k, w = inputs(75, 4, 16, entries=int(cand.max()) + 1)
+    _assert_matches_reference(q, k, w, cand)
+
+
 def test_invalid_rows_give_neg_inf_and_zero_grads_even_with_nan_upstream():
     """A row without candidates (e.g. the first tokens of a sequence) scores −inf everywhere; NaN
     upstream gradients at invalid slots (a softmax over an all −inf row) must not leak."""

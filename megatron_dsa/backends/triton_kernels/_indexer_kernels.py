@@ -17,12 +17,12 @@ import triton.language as tl
 
 
 @triton.jit
-def column_block(k_ptr, C, HI, DI, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
-    """This program's tile on the (row block, column block) grid: `(first_row, cols, heads, dims,
-    in_width, q_mask, cached, keys)`, with no gathered key tile yet (`cached` ids −2, `keys` 0)."""
-    first_row = tl.program_id(0).to(tl.int64) * ROWS
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+def column_block(k_ptr, row_block, col_block, C, HI, DI, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The tile (row block, column block): `(first_row, cols, heads, dims, in_width, q_mask, cached, keys)`,
+    with no gathered key tile yet (`cached` ids −2, `keys` 0)."""
+    first_row = row_block.to(tl.int64) * ROWS
+    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
@@ -70,13 +70,14 @@ def shared_key_scores(q_ptr, k_ptr, w_ptr, rows, cols, dims, base, T, Tc, HI, DI
 
 
 @triton.jit
-def gathered_rows(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI, scale, BLOCK_R: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
-    """This program's tile row by row with each row's own gathered keys (any candidate ids): per row,
+def gathered_rows(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, row_block, col_block, T, C, HI, DI, scale,
+                  BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """The tile (row block, column block) row by row with each row's own gathered keys (any candidate ids): per row,
     one `[HI, DI] @ [DI, BLOCK_C]` dot summed over heads. Consecutive rows with the same ids reuse the
     gathered key tile. Writes the rows' scores itself."""
     first_row, cols, heads, dims, in_width, q_mask, cached, keys = column_block(
-        k_ptr, C, HI, DI, BLOCK_R, BLOCK_H, BLOCK_D, BLOCK_C)  # `keys` holds ids `cached`
+        k_ptr, row_block, col_block, C, HI, DI, BLOCK_R, BLOCK_H, BLOCK_D, BLOCK_C)  # `keys` holds ids `cached`
     for r in range(BLOCK_R):
         t = first_row + r
         ids, valid = row_ids(cand_ptr, t, cols, in_width, T, C)
@@ -99,13 +100,15 @@ def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, Tc, C, HI,
                            BLOCK_C: tl.constexpr, MAX_RUNS: tl.constexpr, PRECISION: tl.constexpr):
     """scores[t, c] = Σ_h w[t,h]·scale·ReLU(<q[t,h], k[cand[t,c]]>), −inf where cand < 0.
 
-    Grid: (cdiv(T, BLOCK_R), cdiv(C, BLOCK_C)). The layer's candidates are `base + c` (column c is entry c
+    Grid: (cdiv(C, BLOCK_C), cdiv(T, BLOCK_R)): programs launched together share a row block, so its
+    queries (re-read once per column block) come from L2 rather than memory. The layer's candidates are `base + c` (column c is entry c
     of the row's sequence), so a tile's valid ids share one base `id − c` per sequence it touches.
     Each such run of ids (up to MAX_RUNS, smallest base first) is scored with one shared tile of keys
     (`shared_key_scores`); a tile with more runs (scattered ids, many short sequences) is scored row by
     row with gathered keys instead. Tiles without a valid id (the causal future) only write −inf."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_block, col_block = tl.program_id(1), tl.program_id(0)
+    rows = row_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
     dims = tl.arange(0, BLOCK_D)
     tile = (rows[:, None] < T) & (cols[None, :] < C)
     ids = tl.load(cand_ptr + rows[:, None] * C + cols[None, :], mask=tile, other=-1).to(tl.int32)
@@ -120,8 +123,8 @@ def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, Tc, C, HI,
             result = tl.where(now, scores, result)
             base_of = tl.where(now, NO_BASE, base_of)
     if tl.min(tl.min(base_of, axis=1), axis=0) != NO_BASE:
-        gathered_rows(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, C, HI, DI, scale, BLOCK_R, BLOCK_H, BLOCK_D,
-                      BLOCK_C, PRECISION)
+        gathered_rows(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, row_block, col_block, T, C, HI, DI, scale, BLOCK_R,
+                      BLOCK_H, BLOCK_D, BLOCK_C, PRECISION)
     else:
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], result, mask=tile)
 
@@ -168,7 +171,7 @@ def indexer_backward_k_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dk_ptr, T
     accumulate in registers; the sum goes to memory with one atomic add per run of equal ids (for
     `base + j` candidates: once per program instead of once per row)."""
     first_row, cols, heads, dims, in_width, q_mask, cached, keys = column_block(
-        k_ptr, C, HI, DI, ROWS, BLOCK_H, BLOCK_D, BLOCK_C)
+        k_ptr, tl.program_id(0), tl.program_id(1), C, HI, DI, ROWS, BLOCK_H, BLOCK_D, BLOCK_C)
     acc_k = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
     for r in range(ROWS):
         t = first_row + r

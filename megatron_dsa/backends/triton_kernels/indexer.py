@@ -39,6 +39,7 @@ FORWARD_WARPS = 4
 # Runs of `base + j` ids a forward tile scores with shared keys: two cover a tile that straddles the
 # boundary between two sequences; more runs (scattered ids) go row by row.
 FORWARD_RUNS = 2
+MAX_ROW_BLOCKS = 65535  # the forward grid's second axis: larger calls launch once per slice of rows
 MAX_KEY_ROWS = 2**31 - 1  # the forward compares candidate ids as int32
 BACKWARD_K_ROWS = 64  # query rows per dk program: one atomic flush per run of equal ids
 
@@ -57,10 +58,14 @@ def _forward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: f
     if rows == 0 or width == 0:
         return scores
     tiles = {**_tiles(q, width), "num_warps": FORWARD_WARPS}
-    grid = (cdiv(rows, FORWARD_ROWS), cdiv(width, tiles["BLOCK_C"]))
-    jitted(kernels.indexer_forward_kernel)[grid](
-        q, k, weights, candidates, scores, rows, k.shape[0], width, q.shape[1], q.shape[2], scale,
-        BLOCK_R=FORWARD_ROWS, MAX_RUNS=FORWARD_RUNS, **tiles)
+    step = MAX_ROW_BLOCKS * FORWARD_ROWS
+    for start in range(0, rows, step):
+        part = slice(start, min(start + step, rows))
+        count = part.stop - part.start
+        grid = (cdiv(width, tiles["BLOCK_C"]), cdiv(count, FORWARD_ROWS))  # column blocks first: see the kernel
+        jitted(kernels.indexer_forward_kernel)[grid](
+            q[part], k, weights[part], candidates[part], scores[part], count, k.shape[0], width, q.shape[1],
+            q.shape[2], scale, BLOCK_R=FORWARD_ROWS, MAX_RUNS=FORWARD_RUNS, **tiles)
     return scores
 
 
