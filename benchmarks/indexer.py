@@ -105,7 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fast = time_op(triton_scores, inputs, scale, args.repeats, args.warmup)
         slow = time_op(unfused_scores, inputs, scale, args.repeats, args.warmup)
         vendor = cudnn_forward(lengths[0], inputs[0]) if len(lengths) == 1 else None
-        vendor_ms = "-" if vendor is None else f"{time_op(vendor, inputs, scale, args.repeats, args.warmup, False)[0]:.3f}"
+        vendor_ms = ("-" if vendor is None
+                     else f"{time_op(vendor, inputs, scale, args.repeats, args.warmup, backward=False)[0]:.3f}")
         tokens, width = inputs[3].shape
         for name, t_ms, u_ms in (("fwd", fast[0], slow[0]), ("bwd", fast[1], slow[1])):
             tflops = [flops / (ms * 1e9) if ms > 0 else float("nan") for ms in (t_ms, u_ms)]

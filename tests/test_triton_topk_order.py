@@ -65,7 +65,8 @@ def test_auto_prefers_triton_topk_up_to_1024_columns():
     assert TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": AUTO_MAX_COLUMNS}) is None
     assert "slower" in TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": AUTO_MAX_COLUMNS + 1})
     assert TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": MAX_WIDTH}) is None
-    assert "exceed the register sort's 4096" in TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": MAX_WIDTH + 1})
+    too_wide = TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": MAX_WIDTH + 1})
+    assert "exceed the register sort's 4096" in too_wide
 
 
 def test_the_layer_tells_the_dispatcher_its_top_k_width(monkeypatch):

@@ -73,9 +73,9 @@ def shared_key_scores(q_ptr, k_ptr, w_ptr, rows, cols, dims, base, T, Tc, HI, DI
 def gathered_rows(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, row_block, col_block, T, C, HI, DI, scale,
                   BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
                   PRECISION: tl.constexpr):
-    """The tile (row block, column block) row by row with each row's own gathered keys (any candidate ids): per row,
-    one `[HI, DI] @ [DI, BLOCK_C]` dot summed over heads. Consecutive rows with the same ids reuse the
-    gathered key tile. Writes the rows' scores itself."""
+    """The tile (row block, column block) row by row, each row with its own gathered keys (any candidate
+    ids): per row, one `[HI, DI] @ [DI, BLOCK_C]` dot summed over heads. Consecutive rows with the same ids
+    reuse the gathered key tile. Writes the rows' scores itself."""
     first_row, cols, heads, dims, in_width, q_mask, cached, keys = column_block(
         k_ptr, row_block, col_block, C, HI, DI, BLOCK_R, BLOCK_H, BLOCK_D, BLOCK_C)  # `keys` holds ids `cached`
     for r in range(BLOCK_R):
@@ -101,11 +101,13 @@ def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, Tc, C, HI,
     """scores[t, c] = Σ_h w[t,h]·scale·ReLU(<q[t,h], k[cand[t,c]]>), −inf where cand < 0.
 
     Grid: (cdiv(C, BLOCK_C), cdiv(T, BLOCK_R)): programs launched together share a row block, so its
-    queries (re-read once per column block) come from L2 rather than memory. The layer's candidates are `base + c` (column c is entry c
-    of the row's sequence), so a tile's valid ids share one base `id − c` per sequence it touches.
-    Each such run of ids (up to MAX_RUNS, smallest base first) is scored with one shared tile of keys
-    (`shared_key_scores`); a tile with more runs (scattered ids, many short sequences) is scored row by
-    row with gathered keys instead. Tiles without a valid id (the causal future) only write −inf."""
+    queries (re-read once per column block) come from L2 rather than memory.
+
+    The layer's candidates are `base + c` (column c is entry c of the row's sequence), so a tile's valid
+    ids share one base `id − c` per sequence it touches. Each such run of ids (up to MAX_RUNS, smallest
+    base first) is scored with one shared tile of keys (`shared_key_scores`); a tile with more runs
+    (scattered ids, many short sequences) is scored row by row with gathered keys instead. Tiles
+    without a valid id (the causal future) only write −inf."""
     row_block, col_block = tl.program_id(1), tl.program_id(0)
     rows = row_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)

@@ -26,11 +26,12 @@ from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precis
 from megatron_dsa.ops.indices import UniformVisibleRows
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Candidate columns per tile: a [64 heads, 128 dims] x [128, 64] dot per row for 16-bit inputs; float32
-# tiles take twice the registers, so half the columns. With 8 warps neither spills much at HI=64,
-# DI=128 (checked by compiling for sm_90; timings are for the GPU benchmark to settle).
+# Candidate columns per tile: 64 for 16-bit inputs; float32 tiles take twice the registers, so half the
+# columns. The row-by-row kernels (the backward's, and the forward's for scattered ids) run a
+# [64 heads, 128 dims] x [128, 64] dot per row; with 8 warps neither spills much at HI=64, DI=128
+# (checked by compiling for sm_90).
 BLOCK_C = {torch.float32: 32, torch.bfloat16: 64, torch.float16: 64}
-NUM_WARPS = 8
+NUM_WARPS = 8  # the backward kernels
 FORWARD_ROWS = 64  # query rows per forward program: the M side of its per-head dots
 # One warpgroup per [64, BLOCK_C] dot. An sm_90 compile of the bf16 forward (HI=64, DI=128, integer
 # arguments divisible by 16 as the launches specialise them) uses 234 registers with 4 warps, 176 with 8,
