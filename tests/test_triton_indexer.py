@@ -1,8 +1,11 @@
 """Triton lightning-indexer scores vs the unfused reference (`megatron_dsa.ops.indexer`).
 
 CPU: the kernels run in the Triton interpreter in a child process (`interp_triton_indexer.py`; see
-`triton_support.py` for why). GPU: dsv4 dims, float32 and bfloat16 inputs vs the reference in float32.
+`triton_support.py` for why), and the forward compiles for sm_90 without spills. GPU: dsv4 dims, float32
+and bfloat16 inputs vs the reference in float32; packed sequences.
 """
+
+import subprocess
 
 import pytest
 import torch
@@ -16,6 +19,40 @@ from triton_support import run_interpreted, without_interpreter  # noqa: F401  (
 
 def test_interpreted_kernels():
     run_interpreted("interp_triton_indexer.py")
+
+
+def test_forward_compiles_for_sm90_on_wgmma_without_spills(tmp_path):
+    """The bf16 forward at dsv4 indexer dims compiles for sm_90a on a machine without a GPU (triton bundles
+    ptxas), specialised as a launch specialises it (16-byte aligned pointers, sizes divisible by 16): its
+    per-head dots run on wgmma and nothing spills (4 warps hold a [64, 64] float32 tile of scores and
+    one of dots, the run bookkeeping and the row-by-row path's registers)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from megatron_dsa.backends.triton_kernels import _indexer_kernels as kernels
+    from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+
+    signature = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*bf16", cand_ptr="*i64", out_ptr="*fp32", T="i32",
+                     Tc="i32", C="i32", HI="i32", DI="i32", scale="fp32", BLOCK_R="constexpr", BLOCK_H="constexpr",
+                     BLOCK_D="constexpr", BLOCK_C="constexpr", MAX_RUNS="constexpr", PRECISION="constexpr")
+    constexprs = dict(BLOCK_R=triton_indexer.FORWARD_ROWS, BLOCK_H=64, BLOCK_D=128,
+                      BLOCK_C=triton_indexer.BLOCK_C[torch.bfloat16], MAX_RUNS=triton_indexer.FORWARD_RUNS,
+                      PRECISION="tf32")
+    names = list(signature)
+    specialised = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
+                   if kind.startswith("*") or kind == "i32"}
+    source = ASTSource(fn=jitted(kernels.indexer_forward_kernel), signature=signature, attrs=specialised,
+                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=triton_indexer.FORWARD_WARPS))
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
+    ptx = tmp_path / "kernel.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "kernel.o")],
+                            capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in report, report
 
 
 def test_cpu_without_interpreter_is_refused(without_interpreter):
