@@ -6,10 +6,12 @@ launch, where the cuDNN top-k costs a frontend call plus this kernel), and `orde
 of a kernel that promises no order (cuDNN's top-k) in that order. The torch equivalent of the latter
 (`backends.cudnn` uses it where Triton cannot run) takes about twenty small ops and a full radix sort.
 
-Both sort at most `MAX_WIDTH` keys per row. Wide rows spill the sort's registers: on an H100 the top-k
-of 4096 x 1024 took 0.114 ms (cuDNN's 0.123 ms, torch's sort 0.202), of 16384 x 4096 7.3 ms (cuDNN's
-0.58, torch's 2.4). So `auto` takes this top-k up to `AUTO_MAX_COLUMNS` (S = 4096 at ratio 4) and
-leaves wider rows to cuDNN or the unfused sort; asked for by name it runs up to `MAX_WIDTH`.
+Both sort at most `MAX_WIDTH` keys per row. A bitonic sort's work grows as n·log²n per row, and past one
+warp its exchanges go through shared memory (an sm_90 compile shows no spills at the warp counts
+used): on an H100 the top-k of 4096 x 1024 took 0.114 ms (cuDNN's 0.123 ms, torch's sort 0.202), of
+16384 x 4096 7.3 ms (cuDNN's 0.58, torch's 2.4). So `auto` takes this top-k up to `AUTO_MAX_COLUMNS`
+(S = 4096 at ratio 4) and leaves wider rows to cuDNN or the unfused sort; asked for by name it runs
+up to `MAX_WIDTH`.
 """
 
 from __future__ import annotations
