@@ -2,6 +2,9 @@
 
 import torch
 
+from megatron_dsa.ops.indices import visible_compressed_entries
+from megatron_dsa.ops.layout import TokenLayout
+
 SCALE = 0.37  # not 1 and not DI^-1/2: a scale applied twice or never cannot hide (A2.1)
 
 
@@ -31,16 +34,12 @@ def causal_candidates(tokens, width, ratio=4):
     return torch.where(j < visible[:, None], j, -1)
 
 
-def packed_candidates(lengths, width, ratio=4):
-    """Sequences of `lengths` tokens packed back to back, their compressed entries too: a row of a
-    sequence with `e` entries before it sees `e + j` for `j < (position + 1) // ratio`, −1 after."""
-    rows = []
-    entries_before = 0
-    for length in lengths:
-        rows.append(torch.where(causal_candidates(length, width, ratio) >= 0,
-                                causal_candidates(length, width, ratio) + entries_before, -1))
-        entries_before += length // ratio
-    return torch.cat(rows)
+def packed_candidates(lengths, ratio=4):
+    """The layer's candidates for sequences of `lengths` tokens packed back to back: a row of a sequence with
+    `e` entries before it sees `e + j` for `j < (position + 1) // ratio`, −1 after (`[T, max entries]`)."""
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    layout = TokenLayout.packed(cu_seqlens, sum(lengths), torch.device("cpu"))
+    return visible_compressed_entries(layout.compressed(ratio)).rows()
 
 
 def run(fn, q, k, w, cand, upstream):

@@ -57,7 +57,7 @@ def test_packed_sequences_match_reference(monkeypatch, lengths, forward_rows):
     reference, and the runs of one tile do not mix their keys."""
     monkeypatch.setattr(triton_indexer, "FORWARD_ROWS", forward_rows)
     tokens = sum(lengths)
-    cand = packed_candidates(lengths, 6)
+    cand = packed_candidates(lengths)
     q, k, w = inputs(tokens, 4, 16, entries=int(cand.max()) + 2)
     _assert_matches_reference(q, k, w, cand)
 
@@ -66,7 +66,7 @@ def test_calls_beyond_the_grid_launch_per_slice_of_rows(monkeypatch):
     """More row blocks than the grid's second axis holds: one launch per slice of rows, same scores."""
     monkeypatch.setattr(triton_indexer, "FORWARD_ROWS", 16)
     monkeypatch.setattr(triton_indexer, "MAX_ROW_BLOCKS", 2)
-    cand = packed_candidates((30, 45), 11)
+    cand = packed_candidates((30, 45))
     q, k, w = inputs(75, 4, 16, entries=int(cand.max()) + 1)
     _assert_matches_reference(q, k, w, cand)
 

@@ -96,7 +96,7 @@ def test_packed_sequences_on_gpu(lengths):
     key path, tiles over many 40-token sequences the row-by-row one; scores as in `test_dsv4_dims_on_gpu`
     (max error ≤ 1e-4 of the largest score, against the reference in float32 on the same inputs)."""
     pytest.importorskip("triton")
-    cand = packed_candidates(lengths, max(lengths) // 4).cuda()
+    cand = packed_candidates(lengths).cuda()
     q, k, w = inputs(sum(lengths), 64, 128, entries=int(cand.max()) + 1, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         got = triton_indexer.indexer_scores(q, k, w, cand, SCALE)

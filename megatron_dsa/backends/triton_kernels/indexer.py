@@ -45,10 +45,10 @@ MAX_KEY_ROWS = 2**31 - 1  # the forward compares candidate ids as int32
 BACKWARD_K_ROWS = 64  # query rows per dk program: one atomic flush per run of equal ids
 
 
-def _tiles(q: Tensor, width: int) -> dict:
+def _tiles(q: Tensor, width: int, num_warps: int) -> dict:
     return dict(BLOCK_H=pow2(q.shape[1], MIN_DOT), BLOCK_D=pow2(q.shape[2], MIN_DOT),
                 BLOCK_C=pow2(width, MIN_DOT, BLOCK_C[q.dtype]),
-                PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS)
+                PRECISION=dot_precision(q.dtype), num_warps=num_warps)
 
 
 def _forward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float) -> Tensor:
@@ -58,7 +58,7 @@ def _forward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: f
     scores = torch.empty((rows, width), dtype=torch.float32, device=q.device)
     if rows == 0 or width == 0:
         return scores
-    tiles = {**_tiles(q, width), "num_warps": FORWARD_WARPS}
+    tiles = _tiles(q, width, FORWARD_WARPS)
     step = MAX_ROW_BLOCKS * FORWARD_ROWS
     for start in range(0, rows, step):
         part = slice(start, min(start + step, rows))
@@ -79,7 +79,7 @@ def _backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, grad: T
     grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     if rows == 0:
         return grad_q, grad_k.to(k.dtype), grad_w
-    tiles = _tiles(q, width)
+    tiles = _tiles(q, width, NUM_WARPS)
     args = (q, k, weights, candidates, grad)
     jitted(kernels.indexer_backward_q_kernel)[(rows,)](
         *args, grad_q, grad_w, width, q.shape[1], q.shape[2], scale, **tiles)
