@@ -8,8 +8,8 @@ Forward tiles: a program owns `BLOCK_R` rows × `BLOCK_C` candidate columns. Whe
 `base + j` (the layer's candidates: entry j of the row's sequence) every row reads the same keys, so
 the scores are a loop over heads of `[BLOCK_R, DI] @ [DI, BLOCK_C]` dots accumulated in registers; other
 tiles go row by row with gathered keys (`[BLOCK_H, BLOCK_C] = q[t] @ keys^T`, summed over heads). The
-backward goes row by row like the latter. The `[T, HI, C]` dots never reach memory; rows or tiles
-whose candidates are all −1 (the causal future: about half of them) skip the dots.
+backward goes row by row like the latter, with dk added by atomics. The `[T, HI, C]` dots never reach
+memory; rows or tiles whose candidates are all −1 (the causal future: about half of them) skip the dots.
 """
 
 import triton
@@ -131,13 +131,17 @@ def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, Tc, C, HI,
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], result, mask=tile)
 
 
-def indexer_backward_q_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dq_ptr, dw_ptr, C, HI, DI, scale,
-                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                              PRECISION: tl.constexpr):
-    """dq[t] and dw[t] of one row (grid: (T,)): the row's candidate blocks are reduced in registers.
+def indexer_backward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dq_ptr, dw_ptr, dk_ptr, C, HI, DI, scale,
+                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                            KEY_GRAD: tl.constexpr, PRECISION: tl.constexpr):
+    """One query row (grid: (T,)): dq[t] and dw[t] reduced in registers over the row's candidate blocks;
+    each block's share of dk added to the float32 `dk_ptr` with atomics (with KEY_GRAD).
 
-    With g = grad[t, c] (0 at invalid c) and dots recomputed:
-        dw[t,h] = scale·Σ_c g·ReLU(dots[h,c]),   dq[t,h] = Σ_c g·w[t,h]·scale·[dots[h,c] > 0]·k[cand]."""
+    With g = grad[t, c] (0 at invalid c), the dots recomputed and gd[h,c] = g·w[t,h]·scale·[dots[h,c] > 0]:
+        dw[t,h] = scale·Σ_c g·ReLU(dots[h,c]),  dq[t,h] = Σ_c gd[h,c]·k[cand],  dk[cand] += Σ_h gd[h,c]·q[t,h].
+    dk comes from the same gathered keys and gd as dq: a separate dk pass would gather and recompute
+    them again, and its rows select different keys anyway (a top-k selection), so it could not sum
+    rows in registers either."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -146,50 +150,22 @@ def indexer_backward_q_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dq_ptr, d
     acc_q = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     acc_w = tl.zeros([BLOCK_H], tl.float32)
     start = 0
-    while start < C:  # not `for ... in range(0, C, ...)`: the interpreter cannot index with a runtime C
+    while start < C:  # not `for ... in range(0, C, ...)`: triton 3.6's interpreter cannot index with a runtime C
         cols = start + tl.arange(0, BLOCK_C)
         ids = tl.load(cand_ptr + t * C + cols, mask=cols < C, other=-1).to(tl.int64)
         valid = ids >= 0
         if tl.max(valid.to(tl.int32), axis=0) > 0:
-            keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :],
-                           mask=valid[:, None] & (dims[None, :] < DI), other=0.0)
+            key_mask = valid[:, None] & (dims[None, :] < DI)
+            keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :], mask=key_mask, other=0.0)
             g = tl.load(grad_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
             dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
             acc_w += tl.sum(tl.maximum(dots, 0.0) * g[None, :], axis=1)
-            grad_dots = tl.where(dots > 0.0, g[None, :] * w[:, None], 0.0)
-            acc_q += tl.dot(grad_dots.to(keys.dtype), keys, input_precision=PRECISION)
+            grad_dots = tl.where(dots > 0.0, g[None, :] * w[:, None], 0.0).to(keys.dtype)
+            acc_q += tl.dot(grad_dots, keys, input_precision=PRECISION)
+            if KEY_GRAD:
+                tl.atomic_add(dk_ptr + ids[:, None] * DI + dims[None, :],
+                              tl.dot(tl.trans(grad_dots), q, input_precision=PRECISION), mask=key_mask, sem="relaxed")
         start += BLOCK_C
     tl.store(dq_ptr + t * HI * DI + heads[:, None] * DI + dims[None, :],
              acc_q.to(dq_ptr.dtype.element_ty), mask=q_mask)
     tl.store(dw_ptr + t * HI + heads, (acc_w * scale).to(dw_ptr.dtype.element_ty), mask=heads < HI)
-
-
-def indexer_backward_k_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dk_ptr, T, C, HI, DI, scale,
-                              ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
-    """dk[cand[t,c]] += Σ_h g·w[t,h]·scale·[dots[h,c] > 0]·q[t,h] into the float32 `dk_ptr`.
-
-    Grid: (cdiv(T, ROWS), cdiv(C, BLOCK_C)). Rows that select the same ids for this column block
-    accumulate in registers; the sum goes to memory with one atomic add per run of equal ids (for
-    `base + j` candidates: once per program instead of once per row)."""
-    first_row, cols, heads, dims, in_width, q_mask, cached, keys = column_block(
-        k_ptr, tl.program_id(0), tl.program_id(1), C, HI, DI, ROWS, BLOCK_H, BLOCK_D, BLOCK_C)
-    acc_k = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
-    for r in range(ROWS):
-        t = first_row + r
-        ids, valid = row_ids(cand_ptr, t, cols, in_width, T, C)
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
-            if tl.max((ids != cached).to(tl.int32), axis=0) > 0:
-                tl.atomic_add(dk_ptr + cached[:, None] * DI + dims[None, :], acc_k,
-                              mask=(cached[:, None] >= 0) & (dims[None, :] < DI))
-                acc_k = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
-                keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :],
-                               mask=valid[:, None] & (dims[None, :] < DI), other=0.0)
-                cached = ids
-            q, w = row_query(q_ptr, w_ptr, t, heads, dims, q_mask, HI, DI, scale)
-            g = tl.load(grad_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
-            dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
-            grad_dots = tl.where(dots > 0.0, g[None, :] * w[:, None], 0.0)
-            acc_k += tl.dot(tl.trans(grad_dots.to(q.dtype)), q, input_precision=PRECISION)
-    tl.atomic_add(dk_ptr + cached[:, None] * DI + dims[None, :], acc_k,
-                  mask=(cached[:, None] >= 0) & (dims[None, :] < DI))
