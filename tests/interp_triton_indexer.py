@@ -11,6 +11,7 @@ import torch
 
 from megatron_dsa.backends.triton_kernels import indexer as triton_indexer
 from megatron_dsa.ops.indexer import indexer_scores as reference_scores
+from megatron_dsa.ops.indexer_loss import indexer_kl_backward as reference_kl_backward
 from indexer_cases import SCALE, causal_candidates, inputs, packed_candidates, random_candidates, run
 
 from triton_support import interpreter  # noqa: F401  (fixture)
@@ -113,6 +114,42 @@ def test_inputs_are_not_mutated():
     run(triton_indexer.indexer_scores, q, k, w, cand, torch.randn(cand.shape))
     for name, old, new in zip(("q", "k", "weights", "candidates"), before, (q, k, w, cand)):
         assert torch.equal(old, new), name
+
+
+@pytest.mark.parametrize("width,statistics_slots", [(5, 1024), (33, 1024), (33, 16)])
+def test_kl_backward_matches_reference(monkeypatch, width, statistics_slots):
+    """The KL gradient formed in the kernel equals the reference (closed-form KL gradient, then the scores
+    backward): −1 slots, a row without candidates, valid slots without target mass, a zero-weight row, and
+    student scores around 1e4 (a softmax without its running maximum overflows), and a negative target
+    entry, which the reference leaves out of the row's mass. With 16 statistics slots, the softmax
+    statistics take three steps per row."""
+    monkeypatch.setattr(triton_indexer, "KL_STATISTICS_SLOTS", statistics_slots)
+    q, k, w = (t.detach() for t in inputs(13, 4, 16, entries=9))
+    cand = random_candidates(13, width, 9)
+    gen = torch.Generator().manual_seed(4)
+    student = reference_scores(q, k, w, cand, SCALE) + 1e4
+    mass = torch.rand(cand.shape, generator=gen) * (cand >= 0)
+    mass[3, (cand[3] >= 0).nonzero()[0]] = 0.0  # a valid slot without mass
+    target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
+    target[6] = torch.where(cand[6] >= 0, -0.5, target[6])
+    grad_rows = torch.rand(13, generator=gen)
+    grad_rows[5] = 0.0
+    got = triton_indexer.indexer_kl_backward(q, k, w, cand, target, student, grad_rows, SCALE)
+    expected = reference_kl_backward(q, k, w, cand, target, student, grad_rows, SCALE)
+    for name, a, b in zip(("q", "k", "weights"), got, expected):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"grad {name}: {m}")
+    assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))  # row 1 has no candidate
+
+
+def test_kl_backward_rejects_mismatched_shapes():
+    q, k, w = (t.detach() for t in inputs(4, 2, 16, entries=3))
+    cand = random_candidates(4, 5, 3)
+    fn = triton_indexer.indexer_kl_backward
+    with pytest.raises(ValueError, match="must match candidates"):
+        fn(q, k, w, cand, torch.zeros(4, 6), torch.zeros(4, 5), torch.ones(4), SCALE)
+    with pytest.raises(ValueError, match="grad_rows"):
+        fn(q, k, w, cand, torch.zeros(4, 5), torch.zeros(4, 5), torch.ones(3), SCALE)
 
 
 def test_invalid_inputs_raise():

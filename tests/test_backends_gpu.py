@@ -155,10 +155,11 @@ def test_cudnn_indexer_scores_match_unfused_on_uniform_row_chunks() -> None:
         assert torch.equal(topk(got, finite, 512, visible), topk_columns(got, finite, 512)), chunk
 
 
-def test_cudnn_indexer_kl_backward_matches_unfused() -> None:
-    """cuDNN's fused indexer backward (KL gradient + scores backward) against the reference, at the
-    dsv4-flash indexer dims (64 heads × 128, top-k 512) with −1 slots, an empty row and row weights."""
-    require("cudnn", "nvidia-cudnn-frontend not installed")
+@pytest.mark.parametrize("backend", ["cudnn", "triton"])
+def test_fused_indexer_kl_backward_matches_unfused(backend: str) -> None:
+    """cuDNN's and Triton's fused indexer backward (KL gradient + scores backward) against the reference,
+    at the dsv4-flash indexer dims (64 heads × 128, top-k 512) with −1 slots, an empty row and row weights."""
+    require(backend, f"{backend} not installed")
     gen = torch.Generator(device=CUDA).manual_seed(5)
     rows, heads, keys, width, scale = 2048, 64, 512, 512, 128 ** -0.5
     q = torch.randn(rows, heads, 128, device=CUDA, generator=gen).bfloat16()
@@ -173,10 +174,10 @@ def test_cudnn_indexer_kl_backward_matches_unfused() -> None:
     grad_rows = torch.full((rows,), 1e-3 / rows, device=CUDA)
     grad_rows[11] = 0.0
     reset_call_counts()
-    kernel = dispatch(OpFamily.INDEXER_KL_BWD, "cudnn", device=CUDA, dtype=torch.bfloat16, heads=heads,
+    kernel = dispatch(OpFamily.INDEXER_KL_BWD, backend, device=CUDA, dtype=torch.bfloat16, heads=heads,
                       head_dim=128, topk=width, dense=False)
     fused = kernel(q, k, weights, candidates, target, student, grad_rows, scale)
-    assert call_counts() == {("cudnn", "indexer_kl_bwd"): 1}
+    assert call_counts() == {(backend, "indexer_kl_bwd"): 1}
     expected = reference_indexer_kl_backward(q, k, weights, candidates, target, student, grad_rows, scale)
     for name, a, b in zip(("dq", "dk", "dweights"), fused, expected):
         assert_close_bf16(name, a, b, grad=True)

@@ -13,7 +13,7 @@ from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.backends.triton_kernels import (compressor, indexer, indexer_loss, norm_rope, rms_norm, rope,
                                                   selection, sparse_attention, topk_order)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
-from megatron_dsa.ops.indexer_loss import indexer_kl, indexer_kl_backward
+from megatron_dsa.ops.indexer_loss import indexer_kl
 
 # The kernels accumulate in float32; float64 stays on the unfused reference path.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,7 +54,7 @@ TRITON = Backend(
         OpFamily.TOPK: topk_order.topk,
         OpFamily.SELECTION_ROWS: selection.selection_rows,
         OpFamily.INDEXER_LOSS: partial(indexer_kl, mass=indexer_loss.attention_mass, kl=indexer_loss.kl_per_row),
-        OpFamily.INDEXER_KL_BWD: partial(indexer_kl_backward, scores_backward=indexer.indexer_scores_backward),
+        OpFamily.INDEXER_KL_BWD: indexer.indexer_kl_backward,
         OpFamily.COMPRESSOR: compressor.compress,
         OpFamily.ROPE: rope.rope,
         OpFamily.NORM_ROPE: norm_rope.norm_rope,

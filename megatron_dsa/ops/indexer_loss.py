@@ -95,7 +95,6 @@ def reduce_indexer_loss(per_row: Tensor, coeff: float, per_token: bool,
 
 MassFn = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
 KLFn = Callable[[Tensor, Tensor, Tensor], Tensor]
-ScoresBackwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor, Tensor]]
 
 
 def indexer_kl(student_scores: Tensor, query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor,
@@ -113,14 +112,12 @@ def indexer_kl(student_scores: Tensor, query: Tensor, kv: Tensor, candidates: Te
 
 
 def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, target: Tensor,
-                        student_scores: Tensor, grad_rows: Tensor, scale: float, *,
-                        scores_backward: ScoresBackwardFn = indexer_scores_backward
-                        ) -> tuple[Tensor, Tensor, Tensor]:
+                        student_scores: Tensor, grad_rows: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """The `indexer_kl_bwd` op family: `(grad_q, grad_k, grad_weights)` of `Σ_t grad_rows[t]·KL_t`, where
     `KL_t` compares `target [T, C]` with the softmax of the indexer scores `student_scores [T, C]` of
     `(q [T, HI, DI], k [Tc, DI], weights [T, HI], candidates [T, C], scale)` (see `indexer_scores`).
 
-    `scores_backward` is the indexer-scores backward kernel; fused backends that fuse the KL gradient
-    into it register their own function instead."""
+    The reference composition: the closed-form KL gradient of the scores, then the scores' backward.
+    Fused backends (cuDNN, Triton) form that gradient inside their scores-backward kernel."""
     grad_scores = kl_gradient(student_scores, target.to(student_scores.dtype), candidates >= 0, grad_rows)
-    return scores_backward(q, k, weights, candidates, grad_scores, scale)
+    return indexer_scores_backward(q, k, weights, candidates, grad_scores, scale)

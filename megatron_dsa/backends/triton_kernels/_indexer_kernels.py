@@ -1,7 +1,7 @@
 """Triton kernels of the lightning-indexer scores (see `indexer.py` for the entry point and the math).
 
-Plain functions: `lazy_jit.jitted` decorates them on first launch (the `column_block`, `row_ids`
-and `row_query` helpers are decorated when this module is imported, which happens only then). All
+Plain functions: `lazy_jit.jitted` decorates them on first launch (the helpers are decorated when this
+module is imported, which happens only then). All
 tensors are contiguous: q `[T, HI, DI]`, k `[Tc, DI]`, weights `[T, HI]`, candidates / scores / grad `[T, C]`.
 
 Forward tiles: a program owns `BLOCK_R` rows × `BLOCK_C` candidate columns. Where the tile's ids are
@@ -131,13 +131,55 @@ def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, Tc, C, HI,
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], result, mask=tile)
 
 
-def indexer_backward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dq_ptr, dw_ptr, dk_ptr, C, HI, DI, scale,
-                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                            KEY_GRAD: tl.constexpr, PRECISION: tl.constexpr):
+FLOOR = tl.constexpr(-3.4028234663852886e38)  # float32's lowest: the score an invalid slot enters the softmax with
+
+
+@triton.jit
+def kl_row_statistics(student_ptr, target_ptr, cand_ptr, t, C, BLOCK_S: tl.constexpr):
+    """`(m, l, mass)` of row t over its valid candidates: the largest student score, Σ exp(s − m) and the
+    target's positive mass, for `slot_grads` (per-lane running values, combined at the end). BLOCK_S
+    slots per step: a whole row of a top-512 selection at once, since each step waits for its loads."""
+    lane_max = tl.full([BLOCK_S], FLOOR, tl.float32)
+    lane_sum = tl.zeros([BLOCK_S], tl.float32)
+    lane_mass = tl.zeros([BLOCK_S], tl.float32)
+    start = 0
+    while start < C:
+        cols = start + tl.arange(0, BLOCK_S)
+        valid = tl.load(cand_ptr + t * C + cols, mask=cols < C, other=-1) >= 0
+        s = tl.load(student_ptr + t * C + cols, mask=valid, other=FLOOR).to(tl.float32)
+        target = tl.load(target_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
+        new_max = tl.maximum(lane_max, s)
+        lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.where(valid, tl.exp(s - new_max), 0.0)
+        lane_max = new_max
+        lane_mass += tl.where(target > 0.0, target, 0.0)
+        start += BLOCK_S
+    m = tl.max(lane_max, axis=0)
+    return m, tl.sum(lane_sum * tl.exp(lane_max - m), axis=0), tl.sum(lane_mass, axis=0)
+
+
+@triton.jit
+def slot_grads(grad_ptr, target_ptr, t, cols, valid, C, row_weight, m, l, mass, KL: tl.constexpr):
+    """`[BLOCK_C]` float32 gradient of row t's scores at `cols`, 0 at invalid slots: read from `grad_ptr`, or
+    with KL formed from the student scores (`grad_ptr`) and the target as `ops.indexer_loss.kl_gradient`
+    does, `row_weight·(softmax(s)·mass − target·[target > 0])`."""
+    if KL:
+        s = tl.load(grad_ptr + t * C + cols, mask=valid, other=FLOOR).to(tl.float32)
+        target = tl.load(target_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
+        g = row_weight * (tl.exp(s - m) / l * mass - tl.where(target > 0.0, target, 0.0))
+        return tl.where(valid, g, 0.0)
+    else:
+        return tl.load(grad_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
+
+
+def indexer_backward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, target_ptr, row_weight_ptr, dq_ptr, dw_ptr,
+                            dk_ptr, C, HI, DI, scale, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, KEY_GRAD: tl.constexpr, KL: tl.constexpr,
+                            PRECISION: tl.constexpr):
     """One query row (grid: (T,)): dq[t] and dw[t] reduced in registers over the row's candidate blocks;
     each block's share of dk added to the float32 `dk_ptr` with atomics (with KEY_GRAD).
 
-    With g = grad[t, c] (0 at invalid c), the dots recomputed and gd[h,c] = g·w[t,h]·scale·[dots[h,c] > 0]:
+    With g = the scores' gradient at [t, c] (0 at invalid c; see `slot_grads` for the KL form), the dots
+    recomputed and gd[h,c] = g·w[t,h]·scale·[dots[h,c] > 0]:
         dw[t,h] = scale·Σ_c g·ReLU(dots[h,c]),  dq[t,h] = Σ_c gd[h,c]·k[cand],  dk[cand] += Σ_h gd[h,c]·q[t,h].
     dk comes from the same gathered keys and gd as dq: a separate dk pass would gather and recompute
     them again, and its rows select different keys anyway (a top-k selection), so it could not sum
@@ -147,6 +189,11 @@ def indexer_backward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dq_ptr, dw_
     dims = tl.arange(0, BLOCK_D)
     q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
     q, w = row_query(q_ptr, w_ptr, t, heads, dims, q_mask, HI, DI, scale)
+    if KL:
+        m, l, mass = kl_row_statistics(grad_ptr, target_ptr, cand_ptr, t, C, BLOCK_S)
+        row_weight = tl.load(row_weight_ptr + t).to(tl.float32)
+    else:
+        m, l, mass, row_weight = 0.0, 1.0, 0.0, 1.0
     acc_q = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     acc_w = tl.zeros([BLOCK_H], tl.float32)
     start = 0
@@ -157,7 +204,7 @@ def indexer_backward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, dq_ptr, dw_
         if tl.max(valid.to(tl.int32), axis=0) > 0:
             key_mask = valid[:, None] & (dims[None, :] < DI)
             keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :], mask=key_mask, other=0.0)
-            g = tl.load(grad_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
+            g = slot_grads(grad_ptr, target_ptr, t, cols, valid, C, row_weight, m, l, mass, KL)
             dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
             acc_w += tl.sum(tl.maximum(dots, 0.0) * g[None, :], axis=1)
             grad_dots = tl.where(dots > 0.0, g[None, :] * w[:, None], 0.0).to(keys.dtype)

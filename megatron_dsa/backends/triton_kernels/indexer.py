@@ -33,6 +33,9 @@ BLOCK_C = {torch.float32: 32, torch.bfloat16: 64, torch.float16: 64}
 # The backward: one warpgroup per row's dots. With 8 warps it took 0.85 ms on an H100 for the sparse loss
 # at S = 4096 (top-512 rows), with 4 warps 0.59 ms.
 BACKWARD_WARPS = 4
+# Slots per step of the KL backward's softmax statistics (one pass over the row before its blocks):
+# the row's steps are serial loads, 8 steps of 64 slots cost 0.2 ms at S = 4096 on an H200.
+KL_STATISTICS_SLOTS = 1024
 FORWARD_ROWS = 64  # query rows per forward program: the M side of its per-head dots
 # One warpgroup per [64, BLOCK_C] dot. An sm_90 compile of the bf16 forward (HI=64, DI=128, integer
 # arguments divisible by 16 as the launches specialise them) uses 234 registers with 4 warps, 176 with 8,
@@ -71,7 +74,10 @@ def _forward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: f
 
 
 def _backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, grad: Tensor, scale: float,
-              need_k: bool) -> tuple[Tensor, Tensor, Tensor]:
+              need_k: bool, kl: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The grads of (q, k, weights) for the scores' gradient `grad [T, C]`; with `kl = (target [T, C],
+    row_weights [T])`, `grad` holds the student scores and the scores' gradient is that of
+    `Σ_t row_weights[t]·KL_t`, formed in the kernel (all float32, contiguous)."""
     from megatron_dsa.backends.triton_kernels import _indexer_kernels as kernels
 
     rows, width = candidates.shape
@@ -79,9 +85,11 @@ def _backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, grad: T
     grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     if rows == 0:
         return grad_q, grad_k.to(k.dtype), grad_w
+    target, row_weights = kl if kl is not None else (grad, grad)  # unread without KL
     jitted(kernels.indexer_backward_kernel)[(rows,)](
-        q, k, weights, candidates, grad, grad_q, grad_w, grad_k, width, q.shape[1], q.shape[2], scale,
-        KEY_GRAD=need_k, **_tiles(q, width, BACKWARD_WARPS))
+        q, k, weights, candidates, grad, target, row_weights, grad_q, grad_w, grad_k, width, q.shape[1], q.shape[2],
+        scale, BLOCK_S=pow2(width, MIN_DOT, KL_STATISTICS_SLOTS), KEY_GRAD=need_k, KL=kl is not None,
+        **_tiles(q, width, BACKWARD_WARPS))
     return grad_q, grad_k.to(k.dtype), grad_w
 
 
@@ -118,13 +126,22 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
                                      candidates.contiguous(), float(scale))
 
 
-def indexer_scores_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, grad_scores: Tensor,
-                            scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """`(grad_q, grad_k, grad_weights)` of `indexer_scores` given `grad_scores [T, C]`: the same contract
-    as `megatron_dsa.ops.indexer.indexer_scores_backward`, on the backward kernels."""
+def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, target: Tensor,
+                        student_scores: Tensor, grad_rows: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The `indexer_kl_bwd` op family in one kernel: `(grad_q, grad_k, grad_weights)` of `Σ_t grad_rows[t]·KL_t`
+    (the contract of `megatron_dsa.ops.indexer_loss.indexer_kl_backward`). Each block of slots forms its
+    share of the KL gradient in registers from `student_scores [T, C]` and `target [T, C]`, so the
+    `[T, C]` gradient of the scores never reaches memory."""
     _check_inputs(q, k, weights, candidates)
-    return _backward(q.contiguous(), k.contiguous(), weights.contiguous(), candidates.contiguous(),
-                     grad_scores.float().contiguous(), float(scale), need_k=True)
+    if target.shape != candidates.shape or student_scores.shape != candidates.shape:
+        raise ValueError(f"indexer KL backward: target {tuple(target.shape)} and student scores "
+                         f"{tuple(student_scores.shape)} must match candidates {tuple(candidates.shape)}")
+    if grad_rows.shape != candidates.shape[:1]:
+        raise ValueError(f"indexer KL backward: grad_rows {tuple(grad_rows.shape)} must be [T] for candidates "
+                         f"{tuple(candidates.shape)}")
+    as_float = [t.float().contiguous() for t in (student_scores, target, grad_rows)]
+    return _backward(q.contiguous(), k.contiguous(), weights.contiguous(), candidates.contiguous(), as_float[0],
+                     float(scale), need_k=True, kl=(as_float[1], as_float[2]))
 
 
 def _check_inputs(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor) -> None:
