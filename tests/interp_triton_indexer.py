@@ -142,7 +142,7 @@ def test_kl_backward_matches_reference(monkeypatch, width, statistics_slots):
     assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))  # row 1 has no candidate
 
 
-def test_kl_backward_rejects_mismatched_shapes():
+def test_kl_backward_rejects_bad_inputs():
     q, k, w = (t.detach() for t in inputs(4, 2, 16, entries=3))
     cand = random_candidates(4, 5, 3)
     fn = triton_indexer.indexer_kl_backward
@@ -150,6 +150,8 @@ def test_kl_backward_rejects_mismatched_shapes():
         fn(q, k, w, cand, torch.zeros(4, 6), torch.zeros(4, 5), torch.ones(4), SCALE)
     with pytest.raises(ValueError, match="grad_rows"):
         fn(q, k, w, cand, torch.zeros(4, 5), torch.zeros(4, 5), torch.ones(3), SCALE)
+    with pytest.raises(ValueError, match="share one device"):
+        fn(q, k, w, cand, torch.zeros(4, 5, device="meta"), torch.zeros(4, 5), torch.ones(4), SCALE)
 
 
 def test_invalid_inputs_raise():

@@ -17,7 +17,7 @@ from triton_support import interpreter  # noqa: F401  (fixture)
 pytestmark = pytest.mark.usefixtures("interpreter")
 
 TRITON_OPS = ("sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "topk", "selection_rows",
-              "indexer_loss", "compressor", "rope", "norm_rope", "rms_norm")
+              "indexer_loss", "indexer_kl_bwd", "compressor", "rope", "norm_rope", "rms_norm")
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -51,7 +51,7 @@ def test_layer_with_triton_kernels_matches_unfused(kind, sparse_loss):
     if kind != "W":
         wanted.add("compressor")
     if kind == "C":
-        wanted |= {"indexer_scores", "topk", "selection_rows", "indexer_loss"}
+        wanted |= {"indexer_scores", "topk", "selection_rows", "indexer_loss", "indexer_kl_bwd"}
     assert used == wanted, f"triton ran {sorted(used)}, expected {sorted(wanted)}"
     # q_layernorm alone: kv_layernorm's weight goes into the kv rows' fused norm + RoPE
     assert call_counts()[("triton", "rms_norm")] == 1

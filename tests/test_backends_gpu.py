@@ -159,7 +159,7 @@ def test_cudnn_indexer_scores_match_unfused_on_uniform_row_chunks() -> None:
 def test_fused_indexer_kl_backward_matches_unfused(backend: str) -> None:
     """cuDNN's and Triton's fused indexer backward (KL gradient + scores backward) against the reference,
     at the dsv4-flash indexer dims (64 heads × 128, top-k 512) with −1 slots, an empty row and row weights."""
-    require(backend, f"{backend} not installed")
+    require(backend, {"cudnn": "nvidia-cudnn-frontend not installed", "triton": "triton not installed"}[backend])
     gen = torch.Generator(device=CUDA).manual_seed(5)
     rows, heads, keys, width, scale = 2048, 64, 512, 512, 128 ** -0.5
     q = torch.randn(rows, heads, 128, device=CUDA, generator=gen).bfloat16()

@@ -1,8 +1,8 @@
 """Triton kernels of the lightning-indexer scores (see `indexer.py` for the entry point and the math).
 
 Plain functions: `lazy_jit.jitted` decorates them on first launch (the helpers are decorated when this
-module is imported, which happens only then). All
-tensors are contiguous: q `[T, HI, DI]`, k `[Tc, DI]`, weights `[T, HI]`, candidates / scores / grad `[T, C]`.
+module is imported, which happens only then). All tensors are contiguous: q `[T, HI, DI]`, k `[Tc, DI]`,
+weights `[T, HI]`, candidates / scores / grad `[T, C]`.
 
 Forward tiles: a program owns `BLOCK_R` rows × `BLOCK_C` candidate columns. Where the tile's ids are
 `base + j` (the layer's candidates: entry j of the row's sequence) every row reads the same keys, so

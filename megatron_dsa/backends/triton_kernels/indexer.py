@@ -30,8 +30,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # columns. The row-by-row kernels (the backward's, and the forward's for scattered ids) run a
 # [64 heads, 128 dims] x [128, 64] dot per row.
 BLOCK_C = {torch.float32: 32, torch.bfloat16: 64, torch.float16: 64}
-# The backward: one warpgroup per row's dots. With 8 warps it took 0.85 ms on an H100 for the sparse loss
-# at S = 4096 (top-512 rows), with 4 warps 0.59 ms.
+# The backward: one warpgroup per row's dots (H100 trials of its loop at S = 4096, top-512 rows: 8 warps
+# 0.85 ms, 4 warps 0.51-0.59 ms, 2 warps 0.82 ms; docs/performance.md).
 BACKWARD_WARPS = 4
 # Slots per step of the KL backward's softmax statistics (one pass over the row before its blocks; each
 # step waits for its loads): with steps of 64 slots the KL backward took 0.66 ms at S = 4096, top-512
@@ -140,6 +140,9 @@ def indexer_kl_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tenso
     if grad_rows.shape != candidates.shape[:1]:
         raise ValueError(f"indexer KL backward: grad_rows {tuple(grad_rows.shape)} must be [T] for candidates "
                          f"{tuple(candidates.shape)}")
+    devices = {t.device for t in (q, target, student_scores, grad_rows)}
+    if len(devices) != 1:
+        raise ValueError(f"indexer KL backward inputs must share one device, got {sorted(map(str, devices))}")
     as_float = [t.float().contiguous() for t in (student_scores, target, grad_rows)]
     return _backward(q.contiguous(), k.contiguous(), weights.contiguous(), candidates.contiguous(), as_float[0],
                      float(scale), need_k=True, kl=(as_float[1], as_float[2]))
