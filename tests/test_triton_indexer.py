@@ -1,11 +1,11 @@
 """Triton lightning-indexer scores vs the unfused reference (`megatron_dsa.ops.indexer`).
 
 CPU: the kernels run in the Triton interpreter in a child process (`interp_triton_indexer.py`; see
-`triton_support.py` for why), and the forward compiles for sm_90 without spills. GPU: dsv4 dims, float32
-and bfloat16 inputs vs the reference in float32; packed sequences.
+`triton_support.py` for why); the forward compiles for sm_90 without spills, the backward within its
+register budget. GPU: dsv4 dims, float32 and bfloat16 inputs vs the reference in float32; packed sequences.
 """
 
-import subprocess
+import re
 
 import pytest
 import torch
@@ -14,45 +14,66 @@ from megatron_dsa.backends.triton_kernels import indexer as triton_indexer
 from megatron_dsa.ops.indexer import indexer_scores as reference_scores
 from distributed import cosine
 from indexer_cases import SCALE, causal_candidates, inputs, packed_candidates, random_candidates, run
-from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
+from triton_support import ptxas_report, run_interpreted, without_interpreter  # noqa: F401  (fixture)
+
+MAX_BACKWARD_SPILL_BYTES = 128  # per thread; see test_backward_compiles_for_sm90_within_its_register_budget
 
 
 def test_interpreted_kernels():
     run_interpreted("interp_triton_indexer.py")
 
 
-def test_forward_compiles_for_sm90_on_wgmma_without_spills(tmp_path):
-    """The bf16 forward at dsv4 indexer dims compiles for sm_90a on a machine without a GPU (triton bundles
-    ptxas), specialised as a launch specialises it (16-byte aligned pointers, sizes divisible by 16): its
-    per-head dots run on wgmma and nothing spills (4 warps hold a [64, 64] float32 tile of scores and
-    one of dots, the run bookkeeping and the row-by-row path's registers)."""
+def compile_for_sm90(kernel_name: str, signature: dict, constexprs: dict, num_warps: int):
+    """The kernel compiled for sm_90a as a launch specialises it (16-byte aligned pointers, integer sizes
+    divisible by 16), on a machine without a GPU."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     from megatron_dsa.backends.triton_kernels import _indexer_kernels as kernels
     from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 
+    names = list(signature)
+    specialised = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
+                   if kind.startswith("*") or kind == "i32"}
+    source = ASTSource(fn=jitted(getattr(kernels, kernel_name)), signature=signature, attrs=specialised,
+                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def test_forward_compiles_for_sm90_on_wgmma_without_spills(tmp_path):
+    """The bf16 forward at dsv4 indexer dims compiles for sm_90a (triton bundles ptxas), specialised as a
+    launch specialises it: its per-head dots run on wgmma and nothing spills (4 warps hold a [64, 64]
+    float32 tile of scores and one of dots, the run bookkeeping and the row-by-row path's registers)."""
     signature = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*bf16", cand_ptr="*i64", out_ptr="*fp32", T="i32",
                      Tc="i32", C="i32", HI="i32", DI="i32", scale="fp32", BLOCK_R="constexpr", BLOCK_H="constexpr",
                      BLOCK_D="constexpr", BLOCK_C="constexpr", MAX_RUNS="constexpr", PRECISION="constexpr")
     constexprs = dict(BLOCK_R=triton_indexer.FORWARD_ROWS, BLOCK_H=64, BLOCK_D=128,
                       BLOCK_C=triton_indexer.BLOCK_C[torch.bfloat16], MAX_RUNS=triton_indexer.FORWARD_RUNS,
                       PRECISION="tf32")
-    names = list(signature)
-    specialised = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
-                   if kind.startswith("*") or kind == "i32"}
-    source = ASTSource(fn=jitted(kernels.indexer_forward_kernel), signature=signature, attrs=specialised,
-                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=triton_indexer.FORWARD_WARPS))
+    compiled = compile_for_sm90("indexer_forward_kernel", signature, constexprs, triton_indexer.FORWARD_WARPS)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
-    ptx = tmp_path / "kernel.ptx"
-    ptx.write_text(compiled.asm["ptx"])
-    report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "kernel.o")],
-                            capture_output=True, text=True, check=True).stderr
+    report = ptxas_report(compiled.asm["ptx"], tmp_path)
     assert "0 bytes spill stores" in report, report
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_backward_compiles_for_sm90_within_its_register_budget(kl, tmp_path):
+    """The bf16 backward (and its KL form) at dsv4 indexer dims, 4 warps: q, the dq accumulator and a
+    block's dots, keys and dk share 255 registers per thread; a few dozen bytes spill (4–52 depending on
+    the ptxas version), measured fast on Hopper. A change that spills hundreds of bytes per thread
+    fails here before it costs time on a GPU."""
+    signature = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*bf16", cand_ptr="*i64", grad_ptr="*fp32",
+                     target_ptr="*fp32", row_weight_ptr="*fp32", dq_ptr="*bf16", dw_ptr="*bf16", dk_ptr="*fp32",
+                     C="i32", HI="i32", DI="i32", scale="fp32", BLOCK_H="constexpr", BLOCK_D="constexpr",
+                     BLOCK_C="constexpr", BLOCK_S="constexpr", KEY_GRAD="constexpr", KL="constexpr",
+                     PRECISION="constexpr")
+    constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=triton_indexer.BLOCK_C[torch.bfloat16], BLOCK_S=512,
+                      KEY_GRAD=True, KL=kl, PRECISION="tf32")
+    compiled = compile_for_sm90("indexer_backward_kernel", signature, constexprs, triton_indexer.BACKWARD_WARPS)
+    report = ptxas_report(compiled.asm["ptx"], tmp_path)
+    spilled = re.search(r"(\d+) bytes spill stores", report)
+    assert spilled is not None and int(spilled.group(1)) <= MAX_BACKWARD_SPILL_BYTES, report
 
 
 def test_cpu_without_interpreter_is_refused(without_interpreter):

@@ -23,7 +23,7 @@ import megatron_dsa.backends.triton_kernels.sparse_attention as triton_sparse
 from megatron_dsa.backends.triton_kernels.sparse_attention import sparse_attention_forward
 from cuda_graphs import capture
 from interp_triton_sparse_attention import NAMES, make_inputs, reference, run_triton
-from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
+from triton_support import ptxas_report, run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -192,7 +192,6 @@ def test_hopper_kernels_compile_for_sm90_within_shared_memory_without_spills(pas
     if problem is not None:
         pytest.skip(f"this triton cannot build the Hopper kernels: {problem}")
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel, num_warps, variants = hopper_kernel(pass_name)
@@ -204,10 +203,7 @@ def test_hopper_kernels_compile_for_sm90_within_shared_memory_without_spills(pas
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
         assert "wgmma.mma_async" in compiled.asm["ptx"]
         assert 0 < compiled.metadata.shared <= HOPPER_SHARED_MEMORY, compiled.metadata.shared
-        ptx = tmp_path / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "kernel.o")],
-                                capture_output=True, text=True, check=True).stderr
+        report = ptxas_report(compiled.asm["ptx"], tmp_path)
         assert "0 bytes spill stores" in report, report
 
 

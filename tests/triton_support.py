@@ -1,4 +1,4 @@
-"""Running the Triton kernels on CPU in tests.
+"""Running the Triton kernels on CPU in tests (the interpreter, and sm_90 compiles without a GPU).
 
 The Triton interpreter cannot be switched on inside a running process: `triton.jit` fixes the mode
 when it decorates, and Triton decorates its own library functions when `triton.language` is first
@@ -31,6 +31,17 @@ def run_interpreted(test_file: str) -> None:
     assert done.returncode == 0, f"interpreted tests in {test_file} failed:\n{report}"
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert " passed" in summary and "skipped" not in summary, f"not every interpreted test ran in {test_file}:\n{report}"
+
+
+def ptxas_report(ptx: str, tmp_path: Path) -> str:
+    """`ptxas -v` for sm_90a on a kernel's PTX (triton bundles ptxas, so no GPU or CUDA toolkit is needed):
+    its registers and spills per thread."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    source = tmp_path / "kernel.ptx"
+    source.write_text(ptx)
+    return subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "kernel.o")],
+                          capture_output=True, text=True, check=True).stderr
 
 
 @pytest.fixture
