@@ -15,6 +15,9 @@ memory; rows or tiles whose candidates are all −1 (the causal future: about ha
 import triton
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._indexer_loss_kernels import (NO_MAX, kl_score_grads, softmax_lane_step,
+                                                                      softmax_row_normaliser)
+
 
 @triton.jit
 def column_block(k_ptr, row_block, col_block, C, HI, DI, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -131,42 +134,36 @@ def indexer_forward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, out_ptr, T, Tc, C, HI,
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], result, mask=tile)
 
 
-FLOOR = tl.constexpr(-3.4028234663852886e38)  # float32's lowest: the score an invalid slot enters the softmax with
-
-
 @triton.jit
 def kl_row_statistics(student_ptr, target_ptr, cand_ptr, t, C, BLOCK_S: tl.constexpr):
-    """`(m, l, mass)` of row t over its valid candidates: the largest student score, Σ exp(s − m) and the
-    target's positive mass, for `slot_grads` (per-lane running values, combined at the end). BLOCK_S
-    slots per step: a whole row of a top-512 selection at once, since each step waits for its loads."""
-    lane_max = tl.full([BLOCK_S], FLOOR, tl.float32)
+    """`(row_max, log_norm, mass)` of row t: its student softmax over the valid candidates and the target's
+    positive mass, for `kl_score_grads`. BLOCK_S slots per step: a whole row of a top-512 selection at
+    once, since each step waits for its loads."""
+    lane_max = tl.full([BLOCK_S], NO_MAX, tl.float32)
     lane_sum = tl.zeros([BLOCK_S], tl.float32)
     lane_mass = tl.zeros([BLOCK_S], tl.float32)
     start = 0
     while start < C:
         cols = start + tl.arange(0, BLOCK_S)
         valid = tl.load(cand_ptr + t * C + cols, mask=cols < C, other=-1) >= 0
-        s = tl.load(student_ptr + t * C + cols, mask=valid, other=FLOOR).to(tl.float32)
+        s = tl.load(student_ptr + t * C + cols, mask=valid, other=float("-inf")).to(tl.float32)
         target = tl.load(target_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
-        new_max = tl.maximum(lane_max, s)
-        lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.where(valid, tl.exp(s - new_max), 0.0)
-        lane_max = new_max
+        lane_max, lane_sum = softmax_lane_step(lane_max, lane_sum, s)
         lane_mass += tl.where(target > 0.0, target, 0.0)
         start += BLOCK_S
-    m = tl.max(lane_max, axis=0)
-    return m, tl.sum(lane_sum * tl.exp(lane_max - m), axis=0), tl.sum(lane_mass, axis=0)
+    row_max, log_norm = softmax_row_normaliser(lane_max, lane_sum)
+    return row_max, log_norm, tl.sum(lane_mass, axis=0)
 
 
 @triton.jit
-def slot_grads(grad_ptr, target_ptr, t, cols, valid, C, row_weight, m, l, mass, KL: tl.constexpr):
+def slot_grads(grad_ptr, target_ptr, t, cols, valid, C, row_weight, row_max, log_norm, mass, KL: tl.constexpr):
     """`[BLOCK_C]` float32 gradient of row t's scores at `cols`, 0 at invalid slots: read from `grad_ptr`, or
-    with KL formed from the student scores (`grad_ptr`) and the target as `ops.indexer_loss.kl_gradient`
-    does, `row_weight·(softmax(s)·mass − target·[target > 0])`."""
+    with KL formed from the student scores (`grad_ptr`) and the target (`kl_score_grads`, the KL loss's
+    own backward, weighted by `row_weight`)."""
     if KL:
-        s = tl.load(grad_ptr + t * C + cols, mask=valid, other=FLOOR).to(tl.float32)
+        s = tl.load(grad_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
         target = tl.load(target_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
-        g = row_weight * (tl.exp(s - m) / l * mass - tl.where(target > 0.0, target, 0.0))
-        return tl.where(valid, g, 0.0)
+        return kl_score_grads(s, target, valid, row_max, log_norm, mass, row_weight)
     else:
         return tl.load(grad_ptr + t * C + cols, mask=valid, other=0.0).to(tl.float32)
 
@@ -190,10 +187,10 @@ def indexer_backward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, target_ptr,
     q_mask = (heads[:, None] < HI) & (dims[None, :] < DI)
     q, w = row_query(q_ptr, w_ptr, t, heads, dims, q_mask, HI, DI, scale)
     if KL:
-        m, l, mass = kl_row_statistics(grad_ptr, target_ptr, cand_ptr, t, C, BLOCK_S)
+        row_max, log_norm, mass = kl_row_statistics(grad_ptr, target_ptr, cand_ptr, t, C, BLOCK_S)
         row_weight = tl.load(row_weight_ptr + t).to(tl.float32)
     else:
-        m, l, mass, row_weight = 0.0, 1.0, 0.0, 1.0
+        row_max, log_norm, mass, row_weight = 0.0, 0.0, 0.0, 1.0
     acc_q = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     acc_w = tl.zeros([BLOCK_H], tl.float32)
     start = 0
@@ -204,7 +201,7 @@ def indexer_backward_kernel(q_ptr, k_ptr, w_ptr, cand_ptr, grad_ptr, target_ptr,
         if tl.max(valid.to(tl.int32), axis=0) > 0:
             key_mask = valid[:, None] & (dims[None, :] < DI)
             keys = tl.load(k_ptr + ids[:, None] * DI + dims[None, :], mask=key_mask, other=0.0)
-            g = slot_grads(grad_ptr, target_ptr, t, cols, valid, C, row_weight, m, l, mass, KL)
+            g = slot_grads(grad_ptr, target_ptr, t, cols, valid, C, row_weight, row_max, log_norm, mass, KL)
             dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
             acc_w += tl.sum(tl.maximum(dots, 0.0) * g[None, :], axis=1)
             grad_dots = tl.where(dots > 0.0, g[None, :] * w[:, None], 0.0).to(keys.dtype)

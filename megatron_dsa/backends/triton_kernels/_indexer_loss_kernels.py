@@ -1,7 +1,7 @@
 """Triton kernels of the indexer KL loss (see `indexer_loss.py` for the entry points and the math).
 
-Plain functions: `lazy_jit.jitted` decorates them on first launch (the `load_kl_columns` helper is
-decorated when this module is imported, which happens only then). All tensors are contiguous:
+Plain functions: `lazy_jit.jitted` decorates them on first launch (the helpers are decorated when this
+module is imported, which happens only then; the indexer's KL backward uses the softmax ones too). All tensors are contiguous:
 query `[T, H, D]`, kv `[M, D]`, full_lse `[T, H]`, candidates / mass / student / target / valid /
 grad `[T, C]`, per-row values `[T]`.
 
@@ -20,6 +20,33 @@ import triton.language as tl
 # Running max of a lane before any valid column: finite (the float32 minimum), so that
 # `exp(m_old − m_new)` is never `exp(−inf + inf)`.
 NO_MAX = tl.constexpr(-3.4028234663852886e38)
+
+
+@triton.jit
+def softmax_lane_step(lane_max, lane_sum, s):
+    """One step of a per-lane online softmax normaliser: the lanes' running max and Σ exp(s − max) after
+    the scores `s` (−inf at the columns left out)."""
+    new_max = tl.maximum(lane_max, s)
+    return new_max, lane_sum * tl.exp(lane_max - new_max) + tl.exp(s - new_max)
+
+
+@triton.jit
+def softmax_row_normaliser(lane_max, lane_sum):
+    """`(row_max, log_norm)` of a row from its lanes (`softmax_lane_step`); `(0, 0)` for a row without a
+    valid column."""
+    run_max = tl.max(lane_max, axis=0)
+    run_sum = tl.sum(lane_sum * tl.exp(lane_max - run_max), axis=0)
+    any_valid = run_sum > 0.0
+    return tl.where(any_valid, run_max, 0.0), tl.log(tl.where(any_valid, run_sum, 1.0))
+
+
+@triton.jit
+def kl_score_grads(s, target, keep, row_max, log_norm, mass, g):
+    """The gradient of `g·KL` w.r.t. the student scores `s` at the kept columns, 0 elsewhere:
+    `g·(pred·mass − target·[target > 0])` with `pred = exp((s − row_max) − log_norm)`. `where`, not a
+    product with the mask: a NaN upstream g must not reach the other columns."""
+    pred = tl.exp((s - row_max) - log_norm)
+    return tl.where(keep, g * (pred * mass - tl.where(target > 0.0, target, 0.0)), 0.0)
 
 
 @triton.jit
@@ -82,15 +109,9 @@ def kl_forward_kernel(s_ptr, target_ptr, valid_ptr, kl_ptr, max_ptr, log_norm_pt
         cols = start + tl.arange(0, BLOCK_C)
         keep = (cols < C) & (tl.load(valid_ptr + row + cols, mask=cols < C, other=0) != 0)
         s = tl.load(s_ptr + row + cols, mask=keep, other=float("-inf"))
-        new_max = tl.maximum(lane_max, s)
-        lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.exp(s - new_max)
-        lane_max = new_max
+        lane_max, lane_sum = softmax_lane_step(lane_max, lane_sum, s)
         start += BLOCK_C
-    run_max = tl.max(lane_max, axis=0)
-    run_sum = tl.sum(lane_sum * tl.exp(lane_max - run_max), axis=0)
-    any_valid = run_sum > 0.0
-    row_max = tl.where(any_valid, run_max, 0.0)
-    log_norm = tl.log(tl.where(any_valid, run_sum, 1.0))
+    row_max, log_norm = softmax_row_normaliser(lane_max, lane_sum)
     lane_kl = tl.zeros([BLOCK_C], tl.float32)
     lane_mass = tl.zeros([BLOCK_C], tl.float32)
     start = 0
@@ -110,9 +131,8 @@ def kl_forward_kernel(s_ptr, target_ptr, valid_ptr, kl_ptr, max_ptr, log_norm_pt
 
 def kl_backward_kernel(s_ptr, target_ptr, valid_ptr, max_ptr, log_norm_ptr, mass_ptr, grad_kl_ptr,
                        grad_s_ptr, C, BLOCK_C: tl.constexpr):
-    """grad_s[t, c] = g_t·(pred·mass − target·[target > 0]) on valid columns, 0 elsewhere (grid: (T,)).
-
-    `where`, not a product with the mask: a NaN upstream g_t must not reach invalid columns."""
+    """grad_s[t, c] = g_t·(pred·mass − target·[target > 0]) on valid columns, 0 elsewhere (grid: (T,);
+    see `kl_score_grads`)."""
     t = tl.program_id(0)
     row = t.to(tl.int64) * C
     g = tl.load(grad_kl_ptr + t)
@@ -122,7 +142,5 @@ def kl_backward_kernel(s_ptr, target_ptr, valid_ptr, max_ptr, log_norm_ptr, mass
     start = 0
     while start < C:
         cols, keep, s, target = load_kl_columns(s_ptr, target_ptr, valid_ptr, row, start, C, BLOCK_C)
-        pred = tl.exp((s - row_max) - log_norm)
-        grad = g * (pred * mass - tl.where(target > 0.0, target, 0.0))
-        tl.store(grad_s_ptr + row + cols, tl.where(keep, grad, 0.0), mask=cols < C)
+        tl.store(grad_s_ptr + row + cols, kl_score_grads(s, target, keep, row_max, log_norm, mass, g), mask=cols < C)
         start += BLOCK_C
