@@ -37,3 +37,11 @@ def run(fn, kv, gate, ape, layout: CompressedLayout, upstream: torch.Tensor):
     """Pooled entries and the grads of (kv, gate, ape) for `Σ upstream·out`."""
     out = fn(kv, gate, ape, layout)
     return out, torch.autograd.grad((out * upstream).sum(), (kv, gate, ape))
+
+
+def compress_projected(compress, leaves, args):
+    """`compress(kv, gate, ape, norm_weight, *args)` from leaves `(x, wkv, wgate, ape, norm_weight)`, with kv
+    and gate taken as the layer takes them: column slices of one stacked projection `x @ [Wkv; Wgate]^T`."""
+    x, wkv, wgate, ape, norm_weight = leaves
+    kv, gate = (x @ torch.cat((wkv, wgate)).T).split(wkv.shape[0], dim=1)
+    return compress(kv, gate, ape, norm_weight, *args)

@@ -13,7 +13,7 @@ from megatron_dsa.backends.triton_kernels import compressor as triton_compressor
 from megatron_dsa.ops import compressor as reference
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.rope import plain_inv_freq
-from compressor_cases import cumulative, inputs, packed_layout, run
+from compressor_cases import compress_projected, cumulative, inputs, packed_layout, run
 
 from triton_support import interpreter  # noqa: F401  (fixture)
 
@@ -66,6 +66,23 @@ def test_forward_and_grads_match_reference(dtype, ratio, kind):
             read[first:first + ratio] = True
         assert torch.equal(grad_kv[~read], torch.zeros_like(grad_kv[~read]))  # padding, tails: exactly 0
         assert torch.equal(grad_gate[~read], torch.zeros_like(grad_gate[~read]))
+
+
+@pytest.mark.parametrize("strides", ["one row stride", "two row strides"])
+def test_strided_rows_match_reference(strides):
+    """kv and gate as column slices of wider rows, as the layer's stacked projection hands them over: read in
+    place when both have one row stride, copied first otherwise; same values and grads either way."""
+    layout = _layouts(4)["packed"]
+    kv, gate, ape = inputs(layout.tokens.num_rows, DC[4], 4)
+    rows, width = kv.shape
+    if strides == "one row stride":
+        wide = torch.cat((kv, gate, torch.randn(rows, 3)), 1).detach().requires_grad_()
+        kv, gate = wide[:, :width], wide[:, width:2 * width]
+    else:
+        kv = torch.cat((torch.randn(rows, 3), kv), 1).detach().requires_grad_()[:, 3:]
+        gate = torch.cat((gate, torch.randn(rows, 5)), 1).detach().requires_grad_()[:, :width]
+    assert not kv.is_contiguous() and not gate.is_contiguous()
+    _assert_matches_reference(kv, gate, ape, layout)
 
 
 @pytest.mark.parametrize("ratio", [4, 16])
@@ -126,8 +143,8 @@ def test_compress_matches_reference(ratio, rotate):
               for shape in ((layout.tokens.num_rows, hidden), (width, hidden), (width, hidden), (ratio, width), (dc,))]
     args = (1e-6, layout, plain_inv_freq(8, base=10000.0), rotate)
     upstream = torch.randn(layout.capacity, dc, dtype=torch.float64).masked_fill(~layout.valid[:, None], 0.0)
-    got = triton_compressor.compress(*leaves, *args)
-    expected = reference.compress(*leaves, *args)
+    got = compress_projected(triton_compressor.compress, leaves, args)
+    expected = compress_projected(reference.compress, leaves, args)
     torch.testing.assert_close(got[layout.valid], expected[layout.valid], **TOL[torch.float64])
     for name, a, b in zip(("x", "wkv", "wgate", "ape", "norm"), torch.autograd.grad((got * upstream).sum(), leaves),
                           torch.autograd.grad((expected * upstream).sum(), leaves)):

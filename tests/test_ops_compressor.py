@@ -52,7 +52,7 @@ def make_params(tokens: int, dc: int, ratio: int, seed: int = 0) -> Params:
 
 
 def run_compress(p: Params, layout: TokenLayout, ratio: int, rotate: bool, inv_freq=INV_FREQ):
-    return compress(p.x, p.wkv, p.wgate, p.ape, p.norm, EPS, layout.compressed(ratio),
+    return compress(p.x @ p.wkv.T, p.x @ p.wgate.T, p.ape, p.norm, EPS, layout.compressed(ratio),
                     torch.tensor(inv_freq, dtype=F64), rotate)
 
 

@@ -11,7 +11,7 @@ import torch
 from megatron_dsa.backends.triton_kernels import compressor as triton_compressor
 from megatron_dsa.ops import compressor as reference
 from megatron_dsa.ops.rope import plain_inv_freq
-from compressor_cases import inputs, packed_layout, run
+from compressor_cases import compress_projected, inputs, packed_layout, run
 from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 # T = 4096 rows: a short packed batch with tails (1001 = 4·250 + 1, 2051 = 128·16 + 3) and padding.
@@ -74,8 +74,8 @@ def test_compress_on_gpu(ratio, dc, rotate):
               for shape, scale in zip(shapes, scales)]
     args = (1e-6, layout, plain_inv_freq(64, base=10000.0).cuda(), rotate)
     upstream = torch.randn(layout.capacity, dc, device="cuda").masked_fill(~layout.valid[:, None], 0.0)
-    got = triton_compressor.compress(*leaves, *args)
-    expected = reference.compress(*leaves, *args)
+    got = compress_projected(triton_compressor.compress, leaves, args)
+    expected = compress_projected(reference.compress, leaves, args)
     torch.testing.assert_close(got[layout.valid], expected[layout.valid], rtol=1e-4, atol=1e-4)
     for name, a, b in zip(("x", "wkv", "wgate", "ape", "norm"), torch.autograd.grad((got * upstream).sum(), leaves),
                           torch.autograd.grad((expected * upstream).sum(), leaves)):

@@ -45,6 +45,7 @@ class OpFamily(str, Enum):
     SELECTION_ROWS = "selection_rows"
     INDEXER_LOSS = "indexer_loss"
     INDEXER_KL_BWD = "indexer_kl_bwd"  # (q, k, weights, candidates, target, student, grad_rows, scale) -> grads
+    # (kv, gate [T, coff·Dc] projections, ape, norm_weight, eps, layout, inv_freq, rotate) -> [capacity, Dc]
     COMPRESSOR = "compressor"
     ROPE = "rope"
     NORM_ROPE = "norm_rope"  # (x, positions, inv_freq, eps, weight=None) -> rope(rms_norm(x, weight, eps), ...)

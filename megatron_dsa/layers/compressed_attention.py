@@ -1,13 +1,15 @@
 """Core attention of the W/C/H kinds: compressor, lightning indexer, sparse attention with sink.
 
-Works on flat token rows (see `ops.layout`): `query [T, H, D]`, `kv [T, D]`, layer input `x [T, d]`
-and the normalised query latent `qr [T, Rq]`. Megatron module names are kept (`core_attention.*`).
+Works on flat token rows (see `ops.layout`): `query [T, H, D]`, `kv [T, D]`, the normalised query latent
+`qr [T, Rq]` and the layer input rows `x [T, d]` through the compressors' and the indexer's linears (the
+layer computes those projections together with its own, see `layers.common.project_rows`). Megatron
+module names are kept (`core_attention.*`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -52,12 +54,16 @@ class Compressor(HighPrecisionModule):
         # Holds the norm's weight and eps; the compressor op applies them (its backend, its norm).
         self.norm = RMSNorm(head_dim, config.layernorm_epsilon, config)
 
-    def forward(self, x: Tensor, layout: CompressedLayout, inv_freq: Tensor) -> Tensor:
-        """`x [T, d]` → compressed entries `[capacity, Dc]` (RoPE at `j·r`, Hadamard if `rotate`)."""
-        op = dispatch(OpFamily.COMPRESSOR, self.config, device=x.device,
-                      dtype=x.dtype, ratio=self.ratio)
-        return op(x, self.linear_wkv.weight, self.linear_wgate.weight, self.ape, self.norm.weight,
-                  self.norm.eps, layout, inv_freq, self.rotate)
+    def projections(self) -> list[nn.Linear]:
+        """The linears this compressor applies to the layer input rows (`kv`, `gate`)."""
+        return [self.linear_wkv, self.linear_wgate]
+
+    def forward(self, projected: Mapping[nn.Linear, Tensor], layout: CompressedLayout, inv_freq: Tensor) -> Tensor:
+        """`projected`: the layer input rows through each linear of `projections()` (`[T, coff·Dc]` each) →
+        compressed entries `[capacity, Dc]` (RoPE at `j·r`, Hadamard if `rotate`)."""
+        kv, gate = projected[self.linear_wkv], projected[self.linear_wgate]
+        op = dispatch(OpFamily.COMPRESSOR, self.config, device=kv.device, dtype=kv.dtype, ratio=self.ratio)
+        return op(kv, gate, self.ape, self.norm.weight, self.norm.eps, layout, inv_freq, self.rotate)
 
 
 class LightningIndexer(nn.Module):
@@ -72,18 +78,23 @@ class LightningIndexer(nn.Module):
         self.linear_weights_proj = linear(c.hidden_size, self.heads, c.init_method_std)
         self.compressor = Compressor(c, self.head_dim, c.compress_ratio(LayerKind.CSA), rotate=True)
 
-    def features(self, x: Tensor, qr: Tensor, layout: CompressedLayout, inv_freq: Tensor,
-                 gather_keys: Callable[[Tensor], Callable[[], Tensor]] = lambda k: lambda: k
+    def projections(self) -> list[nn.Linear]:
+        """The linears the indexer applies to the (detached) layer input rows."""
+        return [*self.compressor.projections(), self.linear_weights_proj]
+
+    def features(self, projected: Mapping[nn.Linear, Tensor], qr: Tensor, layout: CompressedLayout,
+                 inv_freq: Tensor, gather_keys: Callable[[Tensor], Callable[[], Tensor]] = lambda k: lambda: k
                  ) -> tuple[Tensor, Tensor, Tensor]:
-        """Indexer queries `[T, HI, DI]`, keys `[Tc, DI]` and head weights `[T, HI]` (inputs detached).
+        """Indexer queries `[T, HI, DI]`, keys `[Tc, DI]` and head weights `[T, HI]` from the detached layer
+        input rows through `projections()` (`projected`) and the detached query latent `qr [T, Rq]`.
 
         `gather_keys` starts moving the locally pooled keys to the buffer the candidates index
         (context parallelism all-gathers them, overlapped with the query path; identity otherwise)."""
-        keys = gather_keys(self.compressor(x, layout, inv_freq))
-        rope = dispatch(OpFamily.ROPE, self.config, device=x.device, dtype=x.dtype)
+        keys = gather_keys(self.compressor(projected, layout, inv_freq))
+        rope = dispatch(OpFamily.ROPE, self.config, device=qr.device, dtype=qr.dtype)
         q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
         q = hadamard_transform(rope(q, layout.tokens.positions, inv_freq))
-        weights = self.linear_weights_proj(x) * self.heads ** -0.5
+        weights = projected[self.linear_weights_proj] * self.heads ** -0.5
         return q, keys(), weights
 
     def scores(self, features: tuple[Tensor, Tensor, Tensor], candidates: Tensor,
@@ -187,9 +198,16 @@ class CompressedSparseAttention(HighPrecisionModule):
         self.last_indexer_loss: Optional[Tensor] = None
         self.last_selection: Optional[IndexSelection] = None
 
-    def forward(self, query: Tensor, kv: Tensor, x: Tensor, qr: Tensor, layout: TokenLayout,
-                inv_freq: Tensor, cp: Optional["ContextParallelRows"] = None) -> Tensor:
-        """`query [T, H, D]`, `kv [T, D]` (RoPE applied), `x [T, d]`, `qr [T, Rq]` → `[T, H, D]`.
+    def projections(self) -> tuple[list[nn.Linear], list[nn.Linear]]:
+        """`(attached, detached)`: the linears applied to the layer input rows, by the compressor (its
+        gradient reaches the input) and by the indexer (which reads the input detached)."""
+        return (self.compressor.projections() if self.compressor is not None else [],
+                self.indexer.projections() if self.indexer is not None else [])
+
+    def forward(self, query: Tensor, kv: Tensor, projected: Mapping[nn.Linear, Tensor], qr: Tensor,
+                layout: TokenLayout, inv_freq: Tensor, cp: Optional["ContextParallelRows"] = None) -> Tensor:
+        """`query [T, H, D]`, `kv [T, D]` (RoPE applied), the layer input rows through each linear of
+        `projections()` (`projected`, `[T, n]` each) and `qr [T, Rq]` → `[T, H, D]`.
 
         With `cp` (context parallelism) the rows are this rank's halo-extended pieces and the
         compressed entries of the whole sequence come from every rank."""
@@ -206,14 +224,14 @@ class CompressedSparseAttention(HighPrecisionModule):
                 entries = cp.visible_entries(self.ratio)
                 gather = lambda rows: cp.gather_entries(rows, self.ratio)  # noqa: E731
             # In flight (context parallelism) while the window and the indexer's selection run.
-            compressed = gather(self.compressor(x, compressed_layout, inv_freq))
+            compressed = gather(self.compressor(projected, compressed_layout, inv_freq))
         window = layout.derived(("window", c.csa_window_size), lambda: window_indices(layout, c.csa_window_size))
 
         features = None
         if self.indexer is None:
             selection = self._every_visible_entry(layout, window, entries, cp is None)
         else:
-            features = self.indexer.features(x.detach(), qr.detach(), compressed_layout, inv_freq, gather)
+            features = self.indexer.features(projected, qr.detach(), compressed_layout, inv_freq, gather)
             # Column j is entry j of the query's sequence, in every layout (CP included).
             selection = self.indexer.select(features, entries, c.dsa_indexer_topk, window, layout.num_rows)
         # Compressed rows follow the token rows in kv_full. The shared KV rows feed this rank's heads

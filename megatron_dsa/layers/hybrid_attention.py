@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from megatron_dsa.backends import OpFamily, check_backend_choice, dispatch
 from megatron_dsa.config import HybridAttentionConfig, LayerKind, yarn_mscale
 from megatron_dsa.layers.common import (HighPrecisionModule, RMSNorm, has_call_hooks, linear, make_norm,
-                                       output_init_std)
+                                       output_init_std, project_rows)
 from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
 from megatron_dsa.layers.context_parallel import ContextParallelRows, context_halo, ring_attention
 from megatron_dsa.ops.layout import TokenLayout
@@ -199,11 +199,13 @@ class HybridAttention(HighPrecisionModule):
         positions, inv_freq = layout.positions, self._angle_freq(x.dtype)
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         norm_rope = dispatch(OpFamily.NORM_ROPE, c, device=x.device, dtype=x.dtype)
-        qr = self.q_layernorm(self.linear_q_down_proj(x))  # [T, Rq], also the indexer's input
+        core_attached, core_detached = self.core_attention.projections()
+        projected = project_rows(x, [self.linear_q_down_proj, self.linear_kv_proj, *core_attached], core_detached)
+        qr = self.q_layernorm(projected[self.linear_q_down_proj])  # [T, Rq], also the indexer's input
         q = self.linear_q_up_proj(qr).view(-1, self.local_heads, c.v_head_dim)
         q = norm_rope(q, positions, inv_freq, c.layernorm_epsilon)  # weightless per-head RMSNorm, then RoPE
-        kv = self._kv_rows(self.linear_kv_proj(x), positions, inv_freq, rope, norm_rope)  # K = V, [T, D]
-        o = self.core_attention(q, kv, x, qr, layout, inv_freq, cp)
+        kv = self._kv_rows(projected[self.linear_kv_proj], positions, inv_freq, rope, norm_rope)  # K = V, [T, D]
+        o = self.core_attention(q, kv, projected, qr, layout, inv_freq, cp)
         o = rope(o, positions, inv_freq, inverse=True)  # relative positions in V; new storage
         return grouped_output_projection(o.flatten(1), self.linear_o_group_proj, self.local_groups)
 
@@ -301,9 +303,10 @@ class DenseMLAttention(HybridAttention):
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         positions, inv_freq, amplitude = layout.positions, self._angle_freq(x.dtype), self.rope_amplitude
 
-        q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
+        projected = project_rows(x, [self.linear_q_down_proj, self.linear_kv_down_proj])
+        q = self.linear_q_up_proj(self.q_layernorm(projected[self.linear_q_down_proj]))
         q = rope(q.view(-1, heads, nope + rope_dim), positions, inv_freq, amplitude=amplitude)
-        latent, k_rope = self.linear_kv_down_proj(x).split((rank, rope_dim), dim=-1)
+        latent, k_rope = projected[self.linear_kv_down_proj].split((rank, rope_dim), dim=-1)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(-1, groups, nope + c.v_head_dim)
         k_nope, v = kv.split((nope, c.v_head_dim), dim=-1)
         # One RoPE key shared by all heads; this rank's heads give part of its gradient.

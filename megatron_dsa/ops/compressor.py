@@ -64,17 +64,18 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
     return (weights * k).sum(1).to(kv.dtype)
 
 
-def compress(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
-             layout: CompressedLayout, inv_freq: Tensor, rotate: bool,
+def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float, layout: CompressedLayout,
+             inv_freq: Tensor, rotate: bool,
              pool: Callable[[Tensor, Tensor, Tensor, CompressedLayout], Tensor] = gated_pool,
              normalise_and_rotate: Callable[..., Tensor] = norm_rope) -> Tensor:
-    """The whole compressor: projections → gated pool → RMSNorm → RoPE at `j·r` → (Hadamard).
+    """The compressor after its projections: gated pool → RMSNorm → RoPE at `j·r` → (Hadamard).
 
-    x: `[T, d]` token rows (raw layer input). wkv, wgate: `[coff·Dc, d]`. ape: `[r, coff·Dc]`.
-    norm_weight: `[Dc]`. Returns `[capacity, Dc]`. `pool` is the gated pooling and `normalise_and_rotate`
-    the weighted RMSNorm then RoPE `(x, positions, inv_freq, eps, weight)` (fused kernels may replace the
-    reference `gated_pool` and `ops.rope.norm_rope`; the rest of the composition stays the same).
+    kv, gate: `[T, coff·Dc]` token projections `x @ Wkv^T`, `x @ Wgate^T` (the layer computes them with
+    its other projections of x). ape: `[r, coff·Dc]`. norm_weight: `[Dc]`. Returns `[capacity, Dc]`.
+    `pool` is the gated pooling and `normalise_and_rotate` the weighted RMSNorm then RoPE
+    `(x, positions, inv_freq, eps, weight)` (fused kernels may replace the reference `gated_pool` and
+    `ops.rope.norm_rope`; the rest of the composition stays the same).
     """
-    pooled = pool(x @ wkv.t(), x @ wgate.t(), ape, layout)
+    pooled = pool(kv, gate, ape, layout)
     out = normalise_and_rotate(pooled, layout.positions, inv_freq, eps, norm_weight)
     return hadamard_transform(out) if rotate else out

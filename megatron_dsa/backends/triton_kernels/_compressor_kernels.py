@@ -1,7 +1,8 @@
 """Triton kernel of the compressor's gated pooling (see `compressor.py` for the entry point and the math).
 
-A plain function: `lazy_jit.jitted` decorates it on first launch. kv, gate (and dkv, dgate) are
-contiguous `[T, COFF·DC]`, ape `[RATIO, COFF·DC]`, out / grad `[E, DC]`, own / prev `[E]` int64.
+A plain function: `lazy_jit.jitted` decorates it on first launch. kv and gate are `[T, COFF·DC]` rows
+`ROW_STRIDE` elements apart (both the same; unit column stride), dkv and dgate contiguous `[T, COFF·DC]`,
+ape `[RATIO, COFF·DC]`, out / grad `[E, DC]`, own / prev `[E]` int64.
 
 Tiles: a program owns `BLOCK_E` entries × `BLOCK_C` output channels and walks their slots
 `BLOCK_S` at a time as `[BLOCK_E, BLOCK_S, BLOCK_C]` tiles of token rows (the rows of one entry are
@@ -14,7 +15,7 @@ import triton.language as tl
 
 
 def gated_pool_kernel(kv_ptr, gate_ptr, ape_ptr, own_ptr, prev_ptr, out_ptr, grad_ptr, dkv_ptr, dgate_ptr,
-                      dape_ptr, E, DC, RATIO: tl.constexpr, COFF: tl.constexpr, BACKWARD: tl.constexpr,
+                      dape_ptr, E, DC, ROW_STRIDE, RATIO: tl.constexpr, COFF: tl.constexpr, BACKWARD: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
                       COMPUTE: tl.constexpr):
     """Forward: out[e, c] = Σ_slots softmax_slots(gate + ape)·kv, 0 for entries with own[e] < 0.
@@ -58,7 +59,8 @@ def gated_pool_kernel(kv_ptr, gate_ptr, ape_ptr, own_ptr, prev_ptr, out_ptr, gra
                 slots = start + tl.arange(0, BLOCK_S)
                 slot_ok = slots < RATIO
                 mask = ((first[:, None] >= 0) & slot_ok[None, :])[:, :, None] & chan_ok[None, None, :]
-                offsets = (first[:, None] + slots[None, :])[:, :, None] * width + cols[None, None, :]
+                token_rows = (first[:, None] + slots[None, :])[:, :, None]
+                offsets = token_rows * ROW_STRIDE + cols[None, None, :]
                 kv = tl.load(kv_ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
                 ape_mask = slot_ok[:, None] & chan_ok[None, :]
                 ape = tl.load(ape_ptr + slots[:, None] * width + cols[None, :], mask=ape_mask, other=0.0)
@@ -77,8 +79,9 @@ def gated_pool_kernel(kv_ptr, gate_ptr, ape_ptr, own_ptr, prev_ptr, out_ptr, gra
                 else:
                     grad_kv = tl.exp(logits - shift[:, None, :]) * inv_total[:, None, :] * grad[:, None, :]
                     grad_logits = grad_kv * (kv - pooled[:, None, :])
-                    tl.store(dkv_ptr + offsets, grad_kv.to(dkv_ptr.dtype.element_ty), mask=mask)
-                    tl.store(dgate_ptr + offsets, grad_logits.to(dgate_ptr.dtype.element_ty), mask=mask)
+                    grad_offsets = token_rows * width + cols[None, None, :]
+                    tl.store(dkv_ptr + grad_offsets, grad_kv.to(dkv_ptr.dtype.element_ty), mask=mask)
+                    tl.store(dgate_ptr + grad_offsets, grad_logits.to(dgate_ptr.dtype.element_ty), mask=mask)
                     tl.store(dape_ptr + block * RATIO * width + slots[:, None] * width + cols[None, :],
                              tl.sum(grad_logits, axis=0), mask=ape_mask)
     if not BACKWARD:
