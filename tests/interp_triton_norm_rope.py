@@ -134,6 +134,26 @@ def test_strided_input_and_empty_rows():
     assert empty.grad.shape == empty.shape
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rows_of_a_wider_tensor_are_read_in_place(monkeypatch, weighted):
+    """A column slice `[T, Dh]` of wider rows (as the layer's stacked projections hand the K = V latent over)
+    is read in place, never copied; value and grads equal the reference's on the same slice, float64."""
+    wide, positions, inv_freq = _case((9, 100), 16, torch.float64)
+    x = wide[:, 30:70]  # Dh = 40, row stride 100
+    weight = _weight(40, torch.float64) if weighted else None
+    upstream = torch.randn(9, 40, dtype=torch.float64)
+    copied = []
+    original = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous",
+                        lambda self, *a, **k: copied.append(self.data_ptr() == x.data_ptr()) or original(self, *a, **k))
+    got = _forward_and_grad(triton_norm_rope.norm_rope, x, positions, inv_freq, upstream, weight)
+    monkeypatch.undo()
+    assert not any(copied), "x was copied"
+    expected = _forward_and_grad(reference_norm_rope, x, positions, inv_freq, upstream, weight)
+    for what, a, b in zip(("out", "dx", "dweight"), got, expected):
+        torch.testing.assert_close(a, b, **TOL[torch.float64], msg=what)
+
+
 def test_tensor_saved_by_autograd_is_not_changed():
     """A tensor another op saved for backward (here y, saved by y·y) is the kernel's input: it must
     come out unchanged, and so must what the kernel saved itself (x, positions, frequencies, eps).

@@ -113,6 +113,25 @@ def test_strided_input_and_empty_rows():
     assert empty.grad.shape == empty.shape and weight.grad is not None and not weight.grad.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_of_a_wider_tensor_are_read_in_place(monkeypatch, dtype):
+    """A column slice `[R, D]` of wider rows (as the layer's stacked projections hand q's latent over) is read
+    in place, never copied; value and grads (x, weight) equal the reference's on the same slice."""
+    wide, _, _ = _case((37, 130), dtype, weighted=False)
+    _, weight, upstream = _case((37, 48), dtype, weighted=True, seed=1)
+    x = wide[:, 70:118]  # D = 48, row stride 130
+    copied = []
+    original = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous",
+                        lambda self, *a, **k: copied.append(self.data_ptr() == x.data_ptr()) or original(self, *a, **k))
+    got = _forward_and_grads(triton_rms_norm.rms_norm, x, weight, upstream)
+    monkeypatch.undo()
+    assert not any(copied), "x was copied"
+    expected = _forward_and_grads(reference_rms_norm, x, weight, upstream)
+    for what, a, b in zip(("out", "dx", "dweight"), got, expected):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=what)
+
+
 def test_inputs_and_saved_tensors_are_not_changed():
     """A tensor another op saved for backward (here y, saved by y·y) is the kernel's input: it must
     come out unchanged, and so must what the kernel saved itself (x, weight, eps). A kernel writing

@@ -3,8 +3,8 @@ point and the math).
 
 Plain functions: `lazy_jit.jitted` decorates the kernels on first launch (the helpers they call,
 `load_head_rows` included, are decorated when their modules are imported, which happens only then).
-x, out, grad and dx are contiguous `[R, WIDTH]` rows (R = T·H, WIDTH = NOPE + 2·HALF); row r belongs to
-token r // H; the weight is `[WIDTH]`. One program handles `BLOCK_R` whole rows at a time: `BLOCK_D ≥
+x is `[R, WIDTH]` rows `X_STRIDE` elements apart (unit column stride), out, grad and dx contiguous
+`[R, WIDTH]` rows (R = T·H, WIDTH = NOPE + 2·HALF); row r belongs to token r // H; the weight is `[WIDTH]`. One program handles `BLOCK_R` whole rows at a time: `BLOCK_D ≥
 WIDTH` covers a row at once, so each row is read once from memory; the rotated dims are loaded a second
 time, from the cache, as contiguous rows split into pairs in registers (`load_pairs`).
 """
@@ -17,19 +17,21 @@ from megatron_dsa.backends.triton_kernels._rope_kernels import load_pairs, pair_
 
 
 @triton.jit
-def load_head_rows(x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, NOPE: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def load_head_rows(x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, X_STRIDE, NOPE: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr):
     """Row block `block` (`BLOCK_R` rows) of x with their statistics and RoPE layout: `(x, rstd, offsets,
-    nope_mask, pair_offsets, pair_mask, angles)` (see `load_rows` and `pair_layout`)."""
+    nope_mask, pair_offsets, x_pair_offsets, pair_mask, angles)` (see `load_rows` and `pair_layout`;
+    `x_pair_offsets` are the rotated dims' offsets in x, `pair_offsets` in the contiguous rows)."""
     WIDTH: tl.constexpr = NOPE + 2 * HALF
     rows = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # block·BLOCK_R < R fits int32
     row_ok = rows < R
-    x, rstd, offsets, dims = load_rows(x_ptr, eps_ptr, rows, row_ok, WIDTH, BLOCK_D, COMPUTE)
+    x, rstd, offsets, dims = load_rows(x_ptr, eps_ptr, rows, row_ok, X_STRIDE, WIDTH, BLOCK_D, COMPUTE)
     nope_mask = row_ok[:, None] & (dims[None, :] < NOPE)
     pair_offsets, pair_mask, angles = pair_layout(pos_ptr, freq_ptr, rows, row_ok, H, NOPE, HALF, WIDTH,
                                                   BLOCK_HALF, ONE_TOKEN, COMPUTE)
-    return x, rstd, offsets, nope_mask, pair_offsets, pair_mask, angles
+    x_pair_offsets = pair_offsets + rows[:, None] * (X_STRIDE - WIDTH)
+    return x, rstd, offsets, nope_mask, pair_offsets, x_pair_offsets, pair_mask, angles
 
 
 @triton.jit
@@ -46,17 +48,17 @@ def load_weights(w_ptr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.cons
     return w, w_even, w_odd
 
 
-def norm_rope_forward_kernel(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, R, H,
+def norm_rope_forward_kernel(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, R, H, X_STRIDE,
                              NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                              ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr):
     """out = rope(rms_norm(x, w)): n = (x·rstd)·w rounded to x's dtype (as `rms_norm` rounds once); the
     first NOPE dims of n are stored, the pairs after them rotated (rounded as `rotate_pairs` says)."""
     dtype = out_ptr.dtype.element_ty
-    x, rstd, offsets, nope_mask, pair_offsets, pair_mask, angles = load_head_rows(
-        x_ptr, pos_ptr, freq_ptr, eps_ptr, tl.program_id(0), R, H, NOPE, HALF, BLOCK_R, BLOCK_D, BLOCK_HALF,
-        ONE_TOKEN, COMPUTE)
-    even, odd = load_pairs(x_ptr, pair_offsets, pair_mask, BLOCK_R, BLOCK_HALF, COMPUTE)
+    x, rstd, offsets, nope_mask, pair_offsets, x_pair_offsets, pair_mask, angles = load_head_rows(
+        x_ptr, pos_ptr, freq_ptr, eps_ptr, tl.program_id(0), R, H, X_STRIDE, NOPE, HALF, BLOCK_R, BLOCK_D,
+        BLOCK_HALF, ONE_TOKEN, COMPUTE)
+    even, odd = load_pairs(x_ptr, x_pair_offsets, pair_mask, BLOCK_R, BLOCK_HALF, COMPUTE)
     even, odd = even * rstd[:, None], odd * rstd[:, None]
     n = x * rstd[:, None]
     if HAS_WEIGHT:
@@ -69,7 +71,7 @@ def norm_rope_forward_kernel(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, 
     store_pairs(out_ptr, pair_offsets, pair_mask, new_even, new_odd, BLOCK_R, BLOCK_HALF)
 
 
-def norm_rope_backward_kernel(x_ptr, w_ptr, grad_ptr, dx_ptr, dw_ptr, pos_ptr, freq_ptr, eps_ptr, R, H,
+def norm_rope_backward_kernel(x_ptr, w_ptr, grad_ptr, dx_ptr, dw_ptr, pos_ptr, freq_ptr, eps_ptr, R, H, X_STRIDE,
                               NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                               WEIGHT_GRAD: tl.constexpr, ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr):
@@ -88,13 +90,13 @@ def norm_rope_backward_kernel(x_ptr, w_ptr, grad_ptr, dx_ptr, dw_ptr, pos_ptr, f
     dw_even = tl.zeros([BLOCK_HALF], dtype=COMPUTE)
     dw_odd = tl.zeros([BLOCK_HALF], dtype=COMPUTE)
     for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), tl.num_programs(0)):
-        x, rstd, offsets, nope_mask, pair_offsets, pair_mask, angles = load_head_rows(
-            x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, NOPE, HALF, BLOCK_R, BLOCK_D, BLOCK_HALF, ONE_TOKEN,
-            COMPUTE)
+        x, rstd, offsets, nope_mask, pair_offsets, x_pair_offsets, pair_mask, angles = load_head_rows(
+            x_ptr, pos_ptr, freq_ptr, eps_ptr, block, R, H, X_STRIDE, NOPE, HALF, BLOCK_R, BLOCK_D, BLOCK_HALF,
+            ONE_TOKEN, COMPUTE)
         grad_nope = tl.load(grad_ptr + offsets, mask=nope_mask, other=0.0).to(COMPUTE)
         grad_even, grad_odd = load_pairs(grad_ptr, pair_offsets, pair_mask, BLOCK_R, BLOCK_HALF, COMPUTE)
         grad_even, grad_odd = rotate_pairs(grad_even, grad_odd, angles, 1.0, True, dtype, COMPUTE)
-        x_even, x_odd = load_pairs(x_ptr, pair_offsets, pair_mask, BLOCK_R, BLOCK_HALF, COMPUTE)
+        x_even, x_odd = load_pairs(x_ptr, x_pair_offsets, pair_mask, BLOCK_R, BLOCK_HALF, COMPUTE)
         if WEIGHT_GRAD:
             dw += tl.sum(grad_nope * (x * rstd[:, None]), axis=0)
             dw_even += tl.sum(grad_even * (x_even * rstd[:, None]), axis=0)

@@ -12,7 +12,8 @@ the pairs rotated back by −θ (the rotation's Jacobian is its transpose); then
 `Σ_rows gn·(x·rstd)` is summed per program into a `[programs, Dh]` buffer (at most
 `DWEIGHT_PROGRAMS` rows), then over programs (deterministic, no atomics), as Triton's RMSNorm does.
 Only x, the weight, positions and the frequencies are saved; the statistics are recomputed. The
-output is always fresh storage and no input is written.
+output is always fresh storage and no input is written. A 2-D x may be rows of a wider tensor (unit
+column stride, see `rms_norm.kernel_rows`): read in place, not copied.
 """
 
 from __future__ import annotations
@@ -23,23 +24,25 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
-from megatron_dsa.backends.triton_kernels.rms_norm import DWEIGHT_PROGRAMS, check_weight, eps_tensor
+from megatron_dsa.backends.triton_kernels.rms_norm import (DWEIGHT_PROGRAMS, check_weight, eps_tensor, fresh_rows,
+                                                          kernel_rows)
 from megatron_dsa.backends.triton_kernels.rope import check_inputs, rotary_row_args
 from megatron_dsa.backends.triton_kernels.tiles import cdiv
 from megatron_dsa.ops.precision import compute_dtype
 
 
 def _forward(x: Tensor, weight: Optional[Tensor], positions: Tensor, freq: Tensor, eps: Tensor) -> Tensor:
-    """x contiguous `[R, Dh]`, `weight [Dh]` or None, `positions [R / heads]`; `freq [P/2]` and `eps [1]`
+    """x `[R, Dh]` (`kernel_rows`), `weight [Dh]` or None, `positions [R / heads]`; `freq [P/2]` and `eps [1]`
     in the statistics dtype → a new `[R, Dh]` output."""
     from megatron_dsa.backends.triton_kernels import _norm_rope_kernels as kernels
 
-    out = torch.empty_like(x)
+    out = fresh_rows(x)
     if out.numel() == 0:
         return out
     args = rotary_row_args(x, positions, freq)
     jitted(kernels.norm_rope_forward_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
-        x, weight, out, positions, freq, eps, x.shape[0], HAS_WEIGHT=weight is not None, **args)
+        x, weight, out, positions, freq, eps, x.shape[0], X_STRIDE=x.stride(0), HAS_WEIGHT=weight is not None,
+        **args)
     return out
 
 
@@ -48,7 +51,7 @@ def _backward(x: Tensor, weight: Optional[Tensor], positions: Tensor, freq: Tens
     """`(dx [R, Dh], dw [Dh] or None)` for the contiguous upstream `grad [R, Dh]` (others as `_forward`)."""
     from megatron_dsa.backends.triton_kernels import _norm_rope_kernels as kernels
 
-    grad_x = torch.empty_like(x)
+    grad_x = fresh_rows(x)
     if grad_x.numel() == 0:
         return grad_x, torch.zeros_like(weight) if weight_grad else None
     args = rotary_row_args(x, positions, freq)
@@ -57,8 +60,8 @@ def _backward(x: Tensor, weight: Optional[Tensor], positions: Tensor, freq: Tens
     partial = (torch.empty((programs, x.shape[1]), dtype=compute_dtype(x.dtype), device=x.device)
                if weight_grad else None)  # every program writes its whole row
     jitted(kernels.norm_rope_backward_kernel)[(programs,)](
-        x, weight, grad, grad_x, partial, positions, freq, eps, x.shape[0], HAS_WEIGHT=weight is not None,
-        WEIGHT_GRAD=weight_grad, **args)
+        x, weight, grad, grad_x, partial, positions, freq, eps, x.shape[0], X_STRIDE=x.stride(0),
+        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, **args)
     return grad_x, partial.sum(0).to(weight.dtype) if weight_grad else None
 
 
@@ -91,6 +94,5 @@ def norm_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, eps: float, weight
     compute = compute_dtype(x.dtype)
     eps_t = eps_tensor(eps, "norm_rope", compute, x.device)
     freq = inv_freq.to(x.device, compute).contiguous()
-    flat = x.contiguous().view(-1, x.shape[-1])
     w = weight.contiguous() if weight is not None else None
-    return TritonNormRope.apply(flat, w, positions.contiguous(), freq, eps_t).view(x.shape)
+    return TritonNormRope.apply(kernel_rows(x), w, positions.contiguous(), freq, eps_t).view(x.shape)

@@ -4,6 +4,8 @@ Forward, per row of D dims: `rstd = rsqrt(mean(x²) + eps)` and `y = (x·rstd)·
 for float64 x), rounded once to x's dtype, as the reference does. One read of x and one write of y,
 against about seven kernels and their float32 intermediates unfused.
 
+x may be rows of a wider tensor (unit column stride, see `kernel_rows`): read in place, not copied.
+
 Backward, one pass over x and the output gradient g, in the same compute dtype: `gn = g·w`,
 `dx = rstd·gn − x·rstd³·mean(gn·x)` rounded once to x's dtype, and `dw = Σ_rows g·(x·rstd)`: each
 program sums its rows into one row of a `[programs, D]` buffer (at most `DWEIGHT_PROGRAMS` rows),
@@ -51,25 +53,40 @@ def _launch_args(x: Tensor, weight: Optional[Tensor]) -> dict:
                 COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=warps)
 
 
+def kernel_rows(x: Tensor) -> Tensor:
+    """`x [..., D]` as the row kernels read it: `[R, D]` rows with a unit column stride. A 2-D x whose rows
+    are that already (a column slice of a wider tensor, like the layer's stacked projections) is read in
+    place; anything else is made contiguous."""
+    if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]:
+        return x
+    return x.contiguous().view(-1, x.shape[-1])
+
+
+def fresh_rows(x: Tensor) -> Tensor:
+    """A new contiguous tensor of x's shape, dtype and device (the kernels' outputs and input gradients)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def _forward(x: Tensor, weight: Optional[Tensor], eps: Tensor) -> Tensor:
-    """`x [R, D]`, `weight [D]` or None, both contiguous; `eps [1]` → a new `[R, D]` in x's dtype."""
+    """`x [R, D]` (`kernel_rows`), `weight [D]` or None (contiguous); `eps [1]` → a new `[R, D]` in x's dtype."""
     from megatron_dsa.backends.triton_kernels import _rms_norm_kernels as kernels
 
-    out = torch.empty_like(x)
+    out = fresh_rows(x)
     if out.numel() == 0:
         return out
     args = _launch_args(x, weight)
     jitted(kernels.rms_norm_forward_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
-        x, weight, out, eps, x.shape[0], **args)
+        x, weight, out, eps, x.shape[0], x.stride(0), **args)
     return out
 
 
 def _backward(x: Tensor, weight: Optional[Tensor], eps: Tensor, grad: Tensor,
               weight_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """`(dx [R, D], dw [D] or None)` for the contiguous upstream `grad [R, D]` (others as `_forward`)."""
+    """`(dx [R, D], dw [D] or None)` for the contiguous upstream `grad [R, D]` (others as `_forward`; dx is
+    contiguous)."""
     from megatron_dsa.backends.triton_kernels import _rms_norm_kernels as kernels
 
-    grad_x = torch.empty_like(x)
+    grad_x = fresh_rows(x)
     if grad_x.numel() == 0:
         return grad_x, torch.zeros_like(weight) if weight_grad else None
     args = _launch_args(x, weight)
@@ -78,7 +95,7 @@ def _backward(x: Tensor, weight: Optional[Tensor], eps: Tensor, grad: Tensor,
     partial = (torch.empty((programs, x.shape[1]), dtype=compute_dtype(x.dtype), device=x.device)
                if weight_grad else None)  # every program writes its whole row
     jitted(kernels.rms_norm_backward_kernel)[(programs,)](
-        x, weight, grad, grad_x, partial, eps, x.shape[0], WEIGHT_GRAD=weight_grad, **args)
+        x, weight, grad, grad_x, partial, eps, x.shape[0], x.stride(0), WEIGHT_GRAD=weight_grad, **args)
     return grad_x, partial.sum(0).to(weight.dtype) if weight_grad else None
 
 
@@ -105,9 +122,8 @@ def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
     is normalised in float32 and rounded once; the weight gets its gradient in its own dtype."""
     _check_inputs(x, weight)
     eps_t = eps_tensor(eps, "rms_norm", compute_dtype(x.dtype), x.device)
-    flat = x.contiguous().view(-1, x.shape[-1])
     w = weight.contiguous() if weight is not None else None
-    return TritonRMSNorm.apply(flat, w, eps_t).view(x.shape)
+    return TritonRMSNorm.apply(kernel_rows(x), w, eps_t).view(x.shape)
 
 
 def _check_inputs(x: Tensor, weight: Optional[Tensor]) -> None:
