@@ -4,9 +4,10 @@ point and the math).
 Plain functions: `lazy_jit.jitted` decorates the kernels on first launch (the helpers they call,
 `load_head_rows` included, are decorated when their modules are imported, which happens only then).
 x is `[R, WIDTH]` rows `X_STRIDE` elements apart (unit column stride), out, grad and dx contiguous
-`[R, WIDTH]` rows (R = T·H, WIDTH = NOPE + 2·HALF); row r belongs to token r // H; the weight is `[WIDTH]`. One program handles `BLOCK_R` whole rows at a time: `BLOCK_D ≥
-WIDTH` covers a row at once, so each row is read once from memory; the rotated dims are loaded a second
-time, from the cache, as contiguous rows split into pairs in registers (`load_pairs`).
+`[R, WIDTH]` rows (R = T·H, WIDTH = NOPE + 2·HALF); row r belongs to token r // H; the weight is
+`[WIDTH]`. One program handles `BLOCK_R` whole rows at a time: `BLOCK_D ≥ WIDTH` covers a row at once,
+so each row is read once from memory; the rotated dims are loaded a second time, from the cache, as
+contiguous rows split into pairs in registers (`load_pairs`).
 """
 
 import triton
