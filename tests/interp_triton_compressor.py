@@ -69,9 +69,9 @@ def test_forward_and_grads_match_reference(dtype, ratio, kind):
 
 
 @pytest.mark.parametrize("strides", ["one row stride", "two row strides"])
-def test_strided_rows_match_reference(strides):
-    """kv and gate as column slices of wider rows, as the layer's stacked projection hands them over: read in
-    place when both have one row stride, copied first otherwise; same values and grads either way."""
+def test_strided_rows_match_reference(monkeypatch, strides):
+    """kv and gate as column slices of wider rows, as the layer's stacked projection hands them over (one row
+    stride for both), or of two tensors of different widths: read in place, same values and grads."""
     layout = _layouts(4)["packed"]
     kv, gate, ape = inputs(layout.tokens.num_rows, DC[4], 4)
     rows, width = kv.shape
@@ -82,7 +82,12 @@ def test_strided_rows_match_reference(strides):
         kv = torch.cat((torch.randn(rows, 3), kv), 1).detach().requires_grad_()[:, 3:]
         gate = torch.cat((gate, torch.randn(rows, 5)), 1).detach().requires_grad_()[:, :width]
     assert not kv.is_contiguous() and not gate.is_contiguous()
+    handed = []
+    apply = triton_compressor.TritonGatedPool.apply
+    monkeypatch.setattr(triton_compressor.TritonGatedPool, "apply",
+                        lambda *args: handed.append((args[0].data_ptr(), args[1].data_ptr())) or apply(*args))
     _assert_matches_reference(kv, gate, ape, layout)
+    assert handed == [(kv.data_ptr(), gate.data_ptr())], "kv or gate was copied"
 
 
 @pytest.mark.parametrize("ratio", [4, 16])

@@ -63,7 +63,8 @@ def stacked_projection(x: Tensor, weights: Sequence[Tensor], attached: int) -> t
     for i, w in enumerate(weights):
         if w.dim() != 2 or w.shape[1] != x.shape[1]:
             raise ValueError(f"stacked_projection weight {i} must be [n, {x.shape[1]}], got {tuple(w.shape)}")
-        if w.dtype != x.dtype or w.device != x.device:
-            raise TypeError(f"stacked_projection weight {i} is {w.dtype} on {w.device}, x is {x.dtype} on "
-                            f"{x.device}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"stacked_projection weight {i} is {w.dtype}, x is {x.dtype}: cast one of them")
+        if w.device != x.device:
+            raise ValueError(f"stacked_projection weight {i} is on {w.device}, x on {x.device}")
     return StackedProjection.apply(x, attached, *weights)

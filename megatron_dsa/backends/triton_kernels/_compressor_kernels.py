@@ -1,8 +1,8 @@
 """Triton kernel of the compressor's gated pooling (see `compressor.py` for the entry point and the math).
 
 A plain function: `lazy_jit.jitted` decorates it on first launch. kv and gate are `[T, COFF·DC]` rows
-`ROW_STRIDE` elements apart (both the same; unit column stride), dkv and dgate contiguous `[T, COFF·DC]`,
-ape `[RATIO, COFF·DC]`, out / grad `[E, DC]`, own / prev `[E]` int64.
+`KV_STRIDE` and `GATE_STRIDE` elements apart (unit column stride), dkv and dgate contiguous
+`[T, COFF·DC]`, ape `[RATIO, COFF·DC]`, out / grad `[E, DC]`, own / prev `[E]` int64.
 
 Tiles: a program owns `BLOCK_E` entries × `BLOCK_C` output channels and walks their slots
 `BLOCK_S` at a time as `[BLOCK_E, BLOCK_S, BLOCK_C]` tiles of token rows (the rows of one entry are
@@ -15,7 +15,7 @@ import triton.language as tl
 
 
 def gated_pool_kernel(kv_ptr, gate_ptr, ape_ptr, own_ptr, prev_ptr, out_ptr, grad_ptr, dkv_ptr, dgate_ptr,
-                      dape_ptr, E, DC, ROW_STRIDE, RATIO: tl.constexpr, COFF: tl.constexpr, BACKWARD: tl.constexpr,
+                      dape_ptr, E, DC, KV_STRIDE, GATE_STRIDE, RATIO: tl.constexpr, COFF: tl.constexpr, BACKWARD: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
                       COMPUTE: tl.constexpr):
     """Forward: out[e, c] = Σ_slots softmax_slots(gate + ape)·kv, 0 for entries with own[e] < 0.
@@ -60,11 +60,11 @@ def gated_pool_kernel(kv_ptr, gate_ptr, ape_ptr, own_ptr, prev_ptr, out_ptr, gra
                 slot_ok = slots < RATIO
                 mask = ((first[:, None] >= 0) & slot_ok[None, :])[:, :, None] & chan_ok[None, None, :]
                 token_rows = (first[:, None] + slots[None, :])[:, :, None]
-                offsets = token_rows * ROW_STRIDE + cols[None, None, :]
-                kv = tl.load(kv_ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
+                kv = tl.load(kv_ptr + token_rows * KV_STRIDE + cols[None, None, :], mask=mask, other=0.0).to(COMPUTE)
                 ape_mask = slot_ok[:, None] & chan_ok[None, :]
                 ape = tl.load(ape_ptr + slots[:, None] * width + cols[None, :], mask=ape_mask, other=0.0)
-                logits = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(COMPUTE) + ape.to(COMPUTE)[None, :, :]
+                logits = tl.load(gate_ptr + token_rows * GATE_STRIDE + cols[None, None, :], mask=mask,
+                                 other=0.0).to(COMPUTE) + ape.to(COMPUTE)[None, :, :]
                 logits = tl.where(mask, logits, float("-inf"))
                 if sweep == 0:
                     new_top = tl.maximum(top, tl.max(logits, axis=1))

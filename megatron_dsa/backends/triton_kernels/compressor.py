@@ -27,7 +27,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.norm_rope import norm_rope
-from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows, pow2
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.compressor import compress as reference_compress
 from megatron_dsa.ops.layout import CompressedLayout
@@ -63,13 +63,13 @@ def _run(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, r
     grid = (cdiv(entries, tiles["BLOCK_E"]), cdiv(dc, tiles["BLOCK_C"]))
     jitted(kernels.gated_pool_kernel)[grid](
         kv_ptr=kv, gate_ptr=gate, ape_ptr=ape, own_ptr=own, prev_ptr=previous, E=entries, DC=dc,
-        ROW_STRIDE=kv.stride(0), RATIO=ratio,
+        KV_STRIDE=kv.stride(0), GATE_STRIDE=gate.stride(0), RATIO=ratio,
         COFF=coff, BACKWARD=buffers["out_ptr"] is None,
         COMPUTE=tl.float64 if kv.dtype == torch.float64 else tl.float32, num_warps=NUM_WARPS, **tiles, **buffers)
 
 
 def _forward(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, ratio: int) -> Tensor:
-    """kv, gate `[T, coff·Dc]` (rows, see `_pooled_rows`), ape `[r, coff·Dc]`, own / previous `[E]` int64, both
+    """kv, gate `[T, coff·Dc]` (`tiles.kernel_rows`), ape `[r, coff·Dc]` and own / previous `[E]` int64
     contiguous → `[E, Dc]`."""
     out = torch.empty((own.shape[0], kv.shape[1] // channel_factor(ratio)), dtype=kv.dtype, device=kv.device)
     _run(kv, gate, ape, own, previous, ratio, out_ptr=out, grad_ptr=None, dkv_ptr=None, dgate_ptr=None,
@@ -83,7 +83,7 @@ def _backward(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tens
     compute = compute_dtype(kv.dtype)
     blocks = cdiv(own.shape[0], _tiles(ratio, kv.shape[1] // channel_factor(ratio))["BLOCK_E"])
     # Contiguous (kv and gate may be strided rows); rows no entry reads stay 0.
-    grad_kv, grad_gate = (torch.zeros(kv.shape, dtype=kv.dtype, device=kv.device) for _ in range(2))
+    grad_kv, grad_gate = (fresh_rows(kv).zero_() for _ in range(2))
     partial = torch.empty((blocks, ratio, kv.shape[1]), dtype=compute, device=kv.device)  # every block writes all
     _run(kv, gate, ape, own, previous, ratio, out_ptr=None, grad_ptr=grad, dkv_ptr=grad_kv, dgate_ptr=grad_gate,
          dape_ptr=partial)
@@ -93,8 +93,8 @@ def _backward(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tens
 class TritonGatedPool(torch.autograd.Function):
     """`(kv, gate [T, coff·Dc], ape [r, coff·Dc], own, previous [E], ratio) → [E, Dc]` in kv's dtype.
 
-    kv and gate arrive as rows of one stride (see `_pooled_rows`), the others contiguous; only the inputs
-    are saved for backward."""
+    kv and gate arrive as `tiles.kernel_rows` (a column slice of wider rows is read in place), the others
+    contiguous; only the inputs are saved for backward."""
 
     @staticmethod
     def forward(ctx, kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, ratio: int) -> Tensor:
@@ -121,15 +121,7 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
     # The reference reads the previous group at `own − r` (clamped at row 0); layouts keep that row in
     # the same segment (a context-parallel piece carries the preceding rows as its halo).
     own, previous = layout.pooled_group_starts
-    return TritonGatedPool.apply(*_pooled_rows(kv, gate), ape.contiguous(), own, previous, layout.ratio)
-
-
-def _pooled_rows(kv: Tensor, gate: Tensor) -> tuple[Tensor, Tensor]:
-    """kv and gate as the kernel reads them: unit column stride and one row stride for both. The layer's
-    projections (column slices of one stacked GEMM output) already are; anything else is copied."""
-    if kv.stride(1) == 1 and gate.stride(1) == 1 and kv.stride(0) == gate.stride(0):
-        return kv, gate
-    return kv.contiguous(), gate.contiguous()
+    return TritonGatedPool.apply(kernel_rows(kv), kernel_rows(gate), ape.contiguous(), own, previous, layout.ratio)
 
 
 def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float, layout: CompressedLayout,

@@ -13,7 +13,7 @@ the pairs rotated back by −θ (the rotation's Jacobian is its transpose); then
 `DWEIGHT_PROGRAMS` rows), then over programs (deterministic, no atomics), as Triton's RMSNorm does.
 Only x, the weight, positions and the frequencies are saved; the statistics are recomputed. The
 output is always fresh storage and no input is written. A 2-D x may be rows of a wider tensor (unit
-column stride, see `rms_norm.kernel_rows`): read in place, not copied.
+column stride, see `tiles.kernel_rows`): read in place, not copied.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
-from megatron_dsa.backends.triton_kernels.rms_norm import (DWEIGHT_PROGRAMS, check_weight, eps_tensor, fresh_rows,
-                                                          kernel_rows)
+from megatron_dsa.backends.triton_kernels.rms_norm import DWEIGHT_PROGRAMS, check_weight, eps_tensor
 from megatron_dsa.backends.triton_kernels.rope import check_inputs, rotary_row_args
-from megatron_dsa.backends.triton_kernels.tiles import cdiv
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows
 from megatron_dsa.ops.precision import compute_dtype
 
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 from megatron_dsa.backends.triton_kernels.rope import row_block
-from megatron_dsa.backends.triton_kernels.tiles import cdiv
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows
 from megatron_dsa.ops.device_cache import device_scalar
 from megatron_dsa.ops.precision import compute_dtype
 
@@ -51,20 +51,6 @@ def _launch_args(x: Tensor, weight: Optional[Tensor]) -> dict:
     block_d, block_r, warps = row_block(x.shape[1])
     return dict(D=x.shape[1], BLOCK_R=block_r, BLOCK_D=block_d, HAS_WEIGHT=weight is not None,
                 COMPUTE=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=warps)
-
-
-def kernel_rows(x: Tensor) -> Tensor:
-    """`x [..., D]` as the row kernels read it: `[R, D]` rows with a unit column stride. A 2-D x whose rows
-    are that already (a column slice of a wider tensor, like the layer's stacked projections) is read in
-    place; anything else is made contiguous."""
-    if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]:
-        return x
-    return x.contiguous().view(-1, x.shape[-1])
-
-
-def fresh_rows(x: Tensor) -> Tensor:
-    """A new contiguous tensor of x's shape, dtype and device (the kernels' outputs and input gradients)."""
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _forward(x: Tensor, weight: Optional[Tensor], eps: Tensor) -> Tensor:

@@ -1,8 +1,9 @@
-"""Tile arithmetic shared by the Triton launchers (host side, no Triton import)."""
+"""Tile arithmetic and row layouts shared by the Triton launchers (host side, no Triton import)."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 MIN_DOT = 16  # `tl.dot` needs every operand side >= 16
 
@@ -22,3 +23,17 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
     return "tf32"
+
+
+def kernel_rows(x: Tensor) -> Tensor:
+    """`x [..., D]` as the row kernels read it: `[R, D]` rows with a unit column stride, their row stride
+    passed to the kernel. A 2-D x whose rows are that already (a column slice of a wider tensor, like the
+    layer's stacked projections) is read in place; anything else is made contiguous."""
+    if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]:
+        return x
+    return x.contiguous().view(-1, x.shape[-1])
+
+
+def fresh_rows(x: Tensor) -> Tensor:
+    """A new contiguous tensor of x's shape, dtype and device (the kernels' outputs and input gradients)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
