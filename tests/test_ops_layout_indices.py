@@ -258,6 +258,13 @@ def test_all_visible_rows_are_kept_when_small_and_equal_the_chunked_rows(monkeyp
     chunked = torch.cat([entries.rows(chunk) for chunk in entries.row_chunks(7 * entries.width)])
     assert torch.equal(chunked, whole)
     assert entries.rows(slice(3, 9)) is not entries.rows(slice(3, 9))
+    # The valid-column mask is kept with the rows, else computed from the rows given.
+    assert entries.valid(slice(None), whole) is entries.valid(slice(0, 40), whole)
+    assert torch.equal(entries.valid(slice(None), whole), whole >= 0)
+    part = entries.rows(slice(3, 9))
+    assert torch.equal(entries.valid(slice(3, 9), part), part >= 0)
     monkeypatch.setattr(indices, "KEPT_ROWS_ELEMENTS", whole.numel() - 1)
     fresh = visible_compressed_entries(layout)
     assert fresh.rows() is not fresh.rows() and torch.equal(fresh.rows(), whole)
+    assert fresh.valid(slice(None), whole) is not fresh.valid(slice(None), whole)
+    assert torch.equal(fresh.valid(slice(None), whole), whole >= 0)

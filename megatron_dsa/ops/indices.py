@@ -77,14 +77,24 @@ class VisibleEntries(KeepsDeviceValues):
         shared by every layer and step then saves six small ops per C layer forward, which matter at
         short sequences, where the host's launch time is a large part of a step. Callers never write into
         the result."""
-        if chunk.indices(self.group.shape[0]) == (0, self.group.shape[0], 1) and small_enough_to_keep(
-                self.group.shape[0], self.width):
-            return self._all_rows
-        return self._rows(chunk)
+        return self._all_rows if self._kept(chunk) else self._rows(chunk)
+
+    def valid(self, chunk: slice, rows: Tensor) -> Tensor:
+        """`rows >= 0` for `rows = self.rows(chunk)`: the columns holding an entry, kept with the rows."""
+        return self._all_valid if self._kept(chunk) else rows >= 0
+
+    def _kept(self, chunk: slice) -> bool:
+        """Whether `chunk` is every query row and their rows are small enough to keep."""
+        rows = self.group.shape[0]
+        return chunk.indices(rows) == (0, rows, 1) and small_enough_to_keep(rows, self.width)
 
     @device_cached_property
     def _all_rows(self) -> Tensor:
         return self._rows(slice(None))
+
+    @device_cached_property
+    def _all_valid(self) -> Tensor:
+        return self._all_rows >= 0
 
     def _rows(self, chunk: slice) -> Tensor:
         ids = self.table[self.group[chunk]]

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.norm_rope import norm_rope
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows, pow2
 from megatron_dsa.ops.compressor import channel_factor
@@ -61,7 +61,7 @@ def _run(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, r
         return
     tiles = _tiles(ratio, dc)
     grid = (cdiv(entries, tiles["BLOCK_E"]), cdiv(dc, tiles["BLOCK_C"]))
-    jitted(kernels.gated_pool_kernel)[grid](
+    launcher(kernels.gated_pool_kernel)[grid](
         kv_ptr=kv, gate_ptr=gate, ape_ptr=ape, own_ptr=own, prev_ptr=previous, E=entries, DC=dc,
         KV_STRIDE=kv.stride(0), GATE_STRIDE=gate.stride(0), RATIO=ratio,
         COFF=coff, BACKWARD=buffers["out_ptr"] is None,

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 from megatron_dsa.ops.indices import UniformVisibleRows
 
@@ -68,7 +68,7 @@ def _forward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: f
         part = slice(start, min(start + step, rows))
         count = part.stop - part.start
         grid = (cdiv(width, tiles["BLOCK_C"]), cdiv(count, FORWARD_ROWS))  # column blocks first: see the kernel
-        jitted(kernels.indexer_forward_kernel)[grid](
+        launcher(kernels.indexer_forward_kernel)[grid](
             q[part], k, weights[part], candidates[part], scores[part], count, k.shape[0], width, q.shape[1],
             q.shape[2], scale, BLOCK_R=FORWARD_ROWS, MAX_RUNS=FORWARD_RUNS, **tiles)
     return scores
@@ -87,7 +87,7 @@ def _backward(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, grad: T
     if rows == 0:
         return grad_q, grad_k.to(k.dtype), grad_w
     target, row_weights = kl if kl is not None else (grad, grad)  # unread without KL
-    jitted(kernels.indexer_backward_kernel)[(rows,)](
+    launcher(kernels.indexer_backward_kernel)[(rows,)](
         q, k, weights, candidates, grad, target, row_weights, grad_q, grad_w, grad_k, width, q.shape[1], q.shape[2],
         scale, BLOCK_S=pow2(width, MIN_DOT, KL_STATISTICS_SLOTS), KEY_GRAD=need_k, KL=kl is not None,
         **_tiles(q, width, BACKWARD_WARPS))

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 
 MASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,7 +62,7 @@ def attention_mass(query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tens
     heads, dim = query.shape[1], query.shape[2]
     max_c, max_d, warps, stages = MASS_TILES[query.dtype]
     block_c = pow2(width, MIN_DOT, max_c)
-    jitted(kernels.attention_mass_kernel)[(rows, cdiv(width, block_c))](
+    launcher(kernels.attention_mass_kernel)[(rows, cdiv(width, block_c))](
         query, kv, candidates, full_lse, mass, kv.shape[0], width, heads, float(scale),
         DIM=dim, BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_DOT, max_d), BLOCK_C=block_c,
         PRECISION=dot_precision(query.dtype), num_warps=warps, num_stages=stages)
@@ -78,7 +78,7 @@ def _kl_forward(student: Tensor, target: Tensor, valid: Tensor) -> tuple[Tensor,
                                    for _ in range(4))
     if rows == 0 or width == 0:
         return kl, row_max, log_norm, mass
-    jitted(kernels.kl_forward_kernel)[(rows,)](
+    launcher(kernels.kl_forward_kernel)[(rows,)](
         student, target, valid, kl, row_max, log_norm, mass, width,
         BLOCK_C=pow2(width, MIN_DOT, KL_BLOCK_C), num_warps=KL_NUM_WARPS)
     return kl, row_max, log_norm, mass
@@ -93,7 +93,7 @@ def _kl_backward(student: Tensor, target: Tensor, valid: Tensor, row_max: Tensor
     rows, width = student.shape
     if rows == 0 or width == 0:
         return grad
-    jitted(kernels.kl_backward_kernel)[(rows,)](
+    launcher(kernels.kl_backward_kernel)[(rows,)](
         student, target, valid, row_max, log_norm, mass, grad_kl, grad, width,
         BLOCK_C=pow2(width, MIN_DOT, KL_BLOCK_C), num_warps=KL_NUM_WARPS)
     return grad

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import pow2
 
 MAX_WIDTH = 8192  # slots one program holds in registers
@@ -31,7 +31,7 @@ def kl_slots(candidates: Tensor, keys: int, student: Tensor, target: Tensor, gra
     predict, ids = torch.empty_like(weighted), torch.empty((rows, width), dtype=torch.int32, device=weighted.device)
     if weighted.numel() == 0:
         return weighted, predict, ids
-    jitted(kernels.kl_slots_kernel)[(rows,)](
+    launcher(kernels.kl_slots_kernel)[(rows,)](
         candidates.contiguous(), student.contiguous(), target.contiguous(), grad_rows.contiguous(), weighted,
         predict, ids, cols, width, keys, BLOCK=pow2(width))
     return weighted, predict, ids

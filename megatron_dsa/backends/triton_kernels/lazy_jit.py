@@ -1,18 +1,43 @@
-"""Decorate kernels on first launch, so that nothing imports Triton before a kernel runs.
+"""Decorate kernels on first launch, so that nothing imports Triton before a kernel runs, and launch them
+with little host time.
 
-Kernel modules keep their kernels as plain functions and launch them through `jitted(fn)`. The
+Kernel modules keep their kernels as plain functions and launch them as `launcher(fn)[grid](*args)`. The
 package thus imports and works (through other backends) where Triton is missing.
 
 Interpreted or compiled is fixed per process: `triton.jit` reads `TRITON_INTERPRET` when it
 decorates, and Triton decorates its own library functions (`tl.zeros`, `tl.sum`, ...) when
 `triton.language` is first imported. The CPU tests therefore run the kernels in a child process
 started with `TRITON_INTERPRET=1`.
+
+Direct launches. On every launch Triton's `JITFunction.run` binds the arguments, works out their
+specialization (dtypes, 16-byte alignment, integers equal to 1 or divisible by 16), builds a cache-key
+string from the options, checks the kernel's global values and builds launch metadata for hooks. Inside
+a layer step that costs 25-40 µs of host time per launch on an H200 host, against about 15 µs for the
+launch itself, and an eager step is bound by its host time. `KernelLauncher` keeps Triton's own argument
+binder, so the specialization (hence the compiled kernel) is exactly the one Triton would pick, and after
+the first launch of each (device, specialization, options), which goes through Triton and compiles or
+finds the kernel, hands the bound arguments straight to the compiled kernel's launcher. It does so only
+on Triton versions whose launch path it mirrors (`DIRECT_LAUNCH_VERSIONS`, read in their source and run
+on GPUs), with no launch hooks installed (profilers such as proton install them) and no pre-run hooks;
+everything else, and `MEGATRON_DSA_TRITON_DIRECT_LAUNCH=0`, takes Triton's path.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import os
+import types
+from collections import Counter
+from typing import Any, Callable, Hashable, Optional, Union
+
+# Triton versions (major, minor) whose `JITFunction.run` this module's direct launch mirrors: the
+# binder in `device_caches[device][4]`, the `debug` and `instrumentation_mode` options it adds, and
+# `CompiledKernel.run(grid..., stream, function, packed_metadata, metadata, enter, exit, *args)`.
+DIRECT_LAUNCH_VERSIONS = frozenset({(3, 6)})
+# Read once; tests and benchmarks switch it per process (or patch it) to compare both paths.
+DIRECT_LAUNCH = os.environ.get("MEGATRON_DSA_TRITON_DIRECT_LAUNCH", "1") != "0"
+# Launches per path ("direct" or "triton"): the GPU tests check the direct path ran.
+LAUNCHES: Counter = Counter()
 
 
 @functools.lru_cache(maxsize=None)
@@ -21,3 +46,96 @@ def jitted(fn: Callable[..., None]) -> Any:
     import triton
 
     return triton.jit(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def launcher(fn: Union[Callable[..., None], Any]) -> "KernelLauncher":
+    """The launcher of `fn`: a plain kernel function (decorated by `jitted`) or one already jitted (a
+    Gluon kernel). Index it like a kernel: `launcher(fn)[grid](*args, **constexprs_and_options)`."""
+    return KernelLauncher(jitted(fn) if isinstance(fn, types.FunctionType) else fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _version_mirrored() -> bool:
+    import triton
+
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) in DIRECT_LAUNCH_VERSIONS
+
+
+def _no_launch_hooks(knobs: Any) -> bool:
+    """True when no launch hook is installed (a hook chain without calls; anything unknown counts as a hook)."""
+    return not (getattr(knobs.runtime.launch_enter_hook, "calls", True)
+                or getattr(knobs.runtime.launch_exit_hook, "calls", True))
+
+
+_MISSING = object()
+
+
+def _globals_unchanged(kernel: Any) -> bool:
+    """Triton's per-launch check: every global value the kernel read when compiled is still the same."""
+    return all(scope.get(name, _MISSING) == value for (name, _), (value, scope) in kernel.used_global_vals.items())
+
+
+class KernelLauncher:
+    """A jitted kernel (`kernel`) launched as `launcher[grid](*args, **options)`, as the kernel itself is,
+    directly through the compiled kernel after the first launch of each specialization (module docstring).
+    Under the interpreter or where the direct path does not apply, every launch is Triton's."""
+
+    def __init__(self, kernel: Any):
+        from triton.runtime.jit import JITFunction
+
+        self.kernel = kernel
+        # An interpreted kernel is no JITFunction.
+        self._direct = isinstance(kernel, JITFunction) and _version_mirrored()
+        self._compiled: dict[Hashable, Any] = {}
+        if self._direct:
+            from triton import knobs
+            from triton.runtime.driver import driver
+
+            self._knobs, self._driver = knobs, driver
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid: Any, *args: Any, **options: Any) -> Any:
+        kernel = self.kernel
+        if (not (DIRECT_LAUNCH and self._direct) or kernel.pre_run_hooks or not _no_launch_hooks(self._knobs)
+                or not _globals_unchanged(kernel)):  # Triton's path raises for a changed global
+            LAUNCHES["triton"] += 1
+            return kernel[grid](*args, **options)
+        device = self._driver.active.get_current_device()
+        bound, key = self._bind(device, args, options)
+        compiled = self._compiled.get(key) if key is not None else None
+        if compiled is None:
+            return self._through_triton(device, key, grid, args, options)
+        if callable(grid):
+            grid = grid(bound)
+        LAUNCHES["direct"] += 1
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     self._driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *bound.values())
+        return compiled
+
+    def _bind(self, device: int, args: tuple, options: dict) -> tuple[Optional[dict], Optional[Hashable]]:
+        """`(bound arguments, key of the compiled kernel)` by Triton's binder for `device`, with the options
+        Triton's `run` adds, so that the key names the kernel Triton compiled; `(None, None)` before the
+        first launch on `device` (Triton makes the binder then)."""
+        caches = self.kernel.device_caches.get(device)
+        if caches is None:
+            return None, None
+        knobs = self._knobs
+        bound, specialization, bound_options = caches[4](
+            *args, **{**options, "debug": options.get("debug", self.kernel.debug) or knobs.runtime.debug,
+                      "instrumentation_mode": knobs.compilation.instrumentation_mode})
+        return bound, (device, tuple(specialization), tuple(bound_options.items()))
+
+    def _through_triton(self, device: int, key: Optional[Hashable], grid: Any, args: tuple, options: dict) -> Any:
+        """Triton's launch (it compiles or finds the kernel); its compiled kernel serves `key` from now on."""
+        LAUNCHES["triton"] += 1
+        compiled = self.kernel[grid](*args, **options)
+        if key is None:
+            key = self._bind(device, args, options)[1]
+        if key is not None and compiled is not None and not hasattr(compiled, "result"):
+            self._compiled[key] = compiled
+        return compiled

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.rms_norm import DWEIGHT_PROGRAMS, check_weight, eps_tensor
 from megatron_dsa.backends.triton_kernels.rope import check_inputs, rotary_row_args
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows
@@ -39,7 +39,7 @@ def _forward(x: Tensor, weight: Optional[Tensor], positions: Tensor, freq: Tenso
     if out.numel() == 0:
         return out
     args = rotary_row_args(x, positions, freq)
-    jitted(kernels.norm_rope_forward_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
+    launcher(kernels.norm_rope_forward_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
         x, weight, out, positions, freq, eps, x.shape[0], X_STRIDE=x.stride(0), HAS_WEIGHT=weight is not None,
         **args)
     return out
@@ -58,7 +58,7 @@ def _backward(x: Tensor, weight: Optional[Tensor], positions: Tensor, freq: Tens
     programs = min(blocks, DWEIGHT_PROGRAMS) if weight_grad else blocks
     partial = (torch.empty((programs, x.shape[1]), dtype=compute_dtype(x.dtype), device=x.device)
                if weight_grad else None)  # every program writes its whole row
-    jitted(kernels.norm_rope_backward_kernel)[(programs,)](
+    launcher(kernels.norm_rope_backward_kernel)[(programs,)](
         x, weight, grad, grad_x, partial, positions, freq, eps, x.shape[0], X_STRIDE=x.stride(0),
         HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, **args)
     return grad_x, partial.sum(0).to(weight.dtype) if weight_grad else None

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.rope import row_block
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows
 from megatron_dsa.ops.device_cache import device_scalar
@@ -61,7 +61,7 @@ def _forward(x: Tensor, weight: Optional[Tensor], eps: Tensor) -> Tensor:
     if out.numel() == 0:
         return out
     args = _launch_args(x, weight)
-    jitted(kernels.rms_norm_forward_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
+    launcher(kernels.rms_norm_forward_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
         x, weight, out, eps, x.shape[0], x.stride(0), **args)
     return out
 
@@ -80,7 +80,7 @@ def _backward(x: Tensor, weight: Optional[Tensor], eps: Tensor, grad: Tensor,
     programs = min(blocks, DWEIGHT_PROGRAMS) if weight_grad else blocks
     partial = (torch.empty((programs, x.shape[1]), dtype=compute_dtype(x.dtype), device=x.device)
                if weight_grad else None)  # every program writes its whole row
-    jitted(kernels.rms_norm_backward_kernel)[(programs,)](
+    launcher(kernels.rms_norm_backward_kernel)[(programs,)](
         x, weight, grad, grad_x, partial, eps, x.shape[0], x.stride(0), WEIGHT_GRAD=weight_grad, **args)
     return grad_x, partial.sum(0).to(weight.dtype) if weight_grad else None
 

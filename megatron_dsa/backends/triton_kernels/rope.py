@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
 from megatron_dsa.ops.device_cache import device_scalar
 from megatron_dsa.ops.precision import compute_dtype
@@ -62,7 +62,7 @@ def _launch(x: Tensor, positions: Tensor, freq: Tensor, amplitude: Tensor, inver
     if out.numel() == 0:
         return out
     args = rotary_row_args(x, positions, freq)
-    jitted(kernels.rope_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
+    launcher(kernels.rope_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
         x, out, positions, freq, amplitude, x.shape[0], INVERSE=inverse, **args)
     return out
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import pow2
 from megatron_dsa.ops.indices import SelectionRows, VisibleEntries
 
@@ -34,7 +34,7 @@ def selection_rows(columns: Tensor, scores: Tensor, entries: VisibleEntries, row
     combined = torch.empty((count, window.shape[1] + width), dtype=torch.long, device=device)
     if count:
         table = entries.table.contiguous()
-        jitted(kernels.selection_rows_kernel)[(count,)](
+        launcher(kernels.selection_rows_kernel)[(count,)](
             columns.contiguous(), scores.contiguous(), table, group.contiguous(), window.contiguous(),
             entry_scores, entry_rows, compressed, combined, width, scores.shape[1], table.shape[1],
             window.shape[1], kv_offset, BLOCK=pow2(max(width, window.shape[1]), cap=MAX_BLOCK))

@@ -67,6 +67,7 @@ from torch import Tensor
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.sparse_layout import INT32_ROWS, kernel_ids
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton, triton_decline_reason
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
 
 logger = logging.getLogger("megatron_dsa.backends")
@@ -278,7 +279,7 @@ def _launch_hopper_forward(operands: _Prepared, out: Tensor, lse: Tensor, qk_sca
     rows, heads, dim = operands.query.shape
     q, kv, ids, sink = operands.query, operands.kv, operands.indices, operands.sink
     # 4 warps for consumer 0; the kernel's warp specialisation adds consumer 1 and the producer.
-    sparse_attention_fwd_hopper_kernel[(rows * (heads // HOPPER_HEAD_BLOCK),)](
+    launcher(sparse_attention_fwd_hopper_kernel)[(rows * (heads // HOPPER_HEAD_BLOCK),)](
         q, kv, ids, sink, out, lse, qk_scale, operands.kv_rows, ids.shape[1], heads, dim, num_warps=4)
 
 
@@ -288,7 +289,7 @@ def _launch_hopper_backward(operands: _Prepared, *args: Any, has_dlse: bool) -> 
 
     rows, heads, dim = operands.query.shape
     q, kv, ids, sink = operands.query, operands.kv, operands.indices, operands.sink
-    sparse_attention_bwd_hopper_kernel[(rows * (heads // HOPPER_HEAD_BLOCK),)](
+    launcher(sparse_attention_bwd_hopper_kernel)[(rows * (heads // HOPPER_HEAD_BLOCK),)](
         q, kv, ids, sink, *args, operands.kv_rows, ids.shape[1], heads, dim, HAS_DLSE=has_dlse, num_warps=8)
 
 

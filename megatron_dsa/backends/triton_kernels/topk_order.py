@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import pow2
 from megatron_dsa.ops.indices import UniformVisibleRows
 
@@ -43,7 +43,7 @@ def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisible
     out = torch.empty((rows, width), dtype=torch.long, device=scores.device)
     if out.numel() == 0:
         return out
-    jitted(kernels.rank_columns_kernel)[(rows,)](
+    launcher(kernels.rank_columns_kernel)[(rows,)](
         None, scores.contiguous(), valid.contiguous(), out, cols, cols, cols, width, BLOCK_K=pow2(cols),
         EVERY_COLUMN=True, num_warps=_warps(cols))
     return out
@@ -61,7 +61,7 @@ def order_picks(picked: Tensor, ranked: Tensor, valid: Tensor) -> Tensor:
     out = torch.empty((rows, width), dtype=torch.long, device=picked.device)
     if out.numel() == 0:
         return out
-    jitted(kernels.rank_columns_kernel)[(rows,)](
+    launcher(kernels.rank_columns_kernel)[(rows,)](
         picked.contiguous(), ranked.contiguous(), valid.contiguous(), out, width, valid.shape[1],
         ranked.shape[1], width, BLOCK_K=pow2(width), EVERY_COLUMN=False, num_warps=_warps(width))
     return out
