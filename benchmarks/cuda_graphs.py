@@ -79,11 +79,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     x = torch.randn(args.seq_len, 1, config.hidden_size, device="cuda", dtype=DTYPES[args.dtype],
                     requires_grad=True)
     grad_out = torch.randn_like(x)
-    eager = partial(train_step, layer, x, grad_out)
+    eager = partial(train_step, [layer], x, grad_out)
     for _ in range(3):  # lazy initialisation and kernel compilation before any capture
         eager()
     graphed = make_graphed_layers([layer], [x])[0]
-    steps = {"eager": eager, "`make_graphed_layers`": partial(train_step, graphed, x, grad_out),
+    steps = {"eager": eager, "`make_graphed_layers`": partial(train_step, [graphed], x, grad_out),
              "one graph, gradients left in graph memory": one_graph_step(layer, x, grad_out)}
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for _ in range(args.samples):

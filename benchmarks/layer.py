@@ -153,10 +153,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(layer: HybridAttention | GraphedLayer, x: Tensor, grad_out: Tensor) -> None:
-    layer.zero_grad(set_to_none=True)
+def train_step(layers: Sequence[HybridAttention | GraphedLayer], x: Tensor, grad_out: Tensor) -> None:
+    """One training step of `layers` chained (each one's output is the next one's input), as a model runs
+    them: every forward, then the backward from the last output; gradients start from None."""
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
     x.grad = None
-    out, _ = layer(x)
+    out = x
+    for layer in layers:
+        out, _ = layer(out)
     out.backward(grad_out)
 
 
@@ -183,23 +188,24 @@ def back_to_back(step: Callable[[], None], steps: int) -> Callable[[], None]:
     return steps_in_a_row
 
 
-def measure(layer: HybridAttention, x: Tensor, grad_out: Tensor, repeats: int, warmup: int,
+def measure(layers: Sequence[HybridAttention], x: Tensor, grad_out: Tensor, repeats: int, warmup: int,
             cuda_graph: bool = False, steps: int = 1) -> Measurement:
-    """Median time per step and peak memory of the layer's training step (eager, or replays of its CUDA
-    graphs made by `make_graphed_layers`), each timing covering `steps` steps in a row; `OUT_OF_MEMORY` if
-    it does not fit."""
+    """Median time per step and layer, and peak memory per step, of the training step of `layers`
+    (chained; eager, or replays of their CUDA graphs made by `make_graphed_layers`), each timing covering
+    `steps` steps in a row; `OUT_OF_MEMORY` if it does not fit."""
     try:
-        stepped = make_graphed_layers([layer], [x])[0] if cuda_graph else layer
+        stepped = make_graphed_layers(layers, [x] * len(layers)) if cuda_graph else layers
         step = partial(train_step, stepped, x, grad_out)
         runs = [timed(back_to_back(step, steps), x.device) for _ in range(warmup + repeats)][warmup:]
     except torch.OutOfMemoryError:
-        layer.zero_grad(set_to_none=True)
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
         x.grad = None
         torch.cuda.empty_cache()
         return OUT_OF_MEMORY
     # Replays allocate only the gradients they hand over (the graphs' pool was reserved at capture).
     peaks = None if cuda_graph or runs[0][1] is None else max(peak for _, peak in runs)
-    return Measurement(statistics.median(ms for ms, _ in runs) / steps, peaks)
+    return Measurement(statistics.median(ms for ms, _ in runs) / (steps * len(layers)), peaks)
 
 
 def essential_tflop(layer: HybridAttention, seq_len: int, batch: int) -> float:
@@ -231,19 +237,20 @@ def build_layer(config: HybridAttentionConfig, kind: LayerKind, backend: str, de
 
 def benchmark_kind(config: HybridAttentionConfig, kind: LayerKind, args: argparse.Namespace) -> Row:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    layer = build_layer(config, kind, args.backend, device, dtype)
-    baseline = build_layer(config, kind, args.baseline, device, dtype)
-    baseline.load_state_dict(layer.state_dict())
+    layers = [build_layer(config, kind, args.backend, device, dtype) for _ in range(args.stack)]
+    baselines = [build_layer(config, kind, args.baseline, device, dtype) for _ in range(args.stack)]
+    for layer, baseline in zip(layers, baselines):
+        baseline.load_state_dict(layer.state_dict())
     x = torch.randn(args.seq_len, args.batch, config.hidden_size, device=device, dtype=dtype,
                     requires_grad=True)
     grad_out = torch.randn_like(x)
-    layer_time = measure(layer, x, grad_out, args.repeats, args.warmup, args.cuda_graph, args.back_to_back)
+    layer_time = measure(layers, x, grad_out, args.repeats, args.warmup, args.cuda_graph, args.back_to_back)
     reset_call_counts()
     if layer_time is not OUT_OF_MEMORY:
-        train_step(layer, x, grad_out)  # one counted step: which backend ran each op
+        train_step(layers[:1], x, grad_out)  # one counted step: which backend ran each op
     used = sorted({f"{op}={backend}" for (backend, op), calls in call_counts().items() if calls})
-    tflop = essential_tflop(layer, args.seq_len, args.batch) if layer_time is not OUT_OF_MEMORY else 0.0
-    baseline_time = measure(baseline, x, grad_out, args.repeats, args.warmup, steps=args.back_to_back)
+    tflop = essential_tflop(layers[0], args.seq_len, args.batch) if layer_time is not OUT_OF_MEMORY else 0.0
+    baseline_time = measure(baselines, x, grad_out, args.repeats, args.warmup, steps=args.back_to_back)
     return Row(kind, layer_time, baseline_time, tflop, ", ".join(used))
 
 
@@ -279,7 +286,8 @@ def describe_run(args: argparse.Namespace) -> str:
     return (f"HybridAttention forward + backward, preset {args.preset}, S={args.seq_len}, B={args.batch}, "
             f"{args.dtype}, {name}, torch {torch.__version__}\n"
             f"median of {args.repeats} timings after {args.warmup} warm-up, each of {args.back_to_back} step(s) in a "
-            f"row (per step), layer first, then the baseline"
+            f"row of {args.stack} chained layer(s) (ms per step and layer; peak MiB per step), layer first, then the "
+            f"baseline"
             f"{' (layer: CUDA-graph replays)' if args.cuda_graph else ''}\n"
             f"layer backend {args.backend}; ratio = layer / {args.baseline} baseline (< 1: the layer is faster); "
             f"TFLOPS = essential work / layer time; {memory}")
@@ -313,11 +321,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="steps per timing, issued without a sync in between (a training loop's steps: the "
                              "host issues a step while the GPU still runs the previous one); 1 times each step "
                              "from an idle GPU, which adds the host time the GPU waits for")
+    parser.add_argument("--stack", type=int, default=1,
+                        help="layers of the kind chained in each step, as in a model (every forward, then every "
+                             "backward; times are per layer): from the second layer on, the host issues a layer's "
+                             "kernels while the GPU runs the previous layer's")
     args = parser.parse_args(argv)
     if args.cuda_graph and not args.device.startswith("cuda"):
         parser.error("--cuda-graph needs a CUDA device")
-    if min(args.seq_len, args.batch, args.repeats, args.back_to_back) < 1 or args.warmup < 0:
-        parser.error("--seq-len, --batch, --repeats and --back-to-back must be >= 1 and --warmup >= 0")
+    if min(args.seq_len, args.batch, args.repeats, args.back_to_back, args.stack) < 1 or args.warmup < 0:
+        parser.error("--seq-len, --batch, --repeats, --back-to-back and --stack must be >= 1 and --warmup >= 0")
     return args
 
 

@@ -44,3 +44,10 @@ def test_layer_benchmark_prints_every_kind_against_the_baseline() -> None:
     assert "| baseline ms |" in result.stdout
     for kind in "WCHM":
         assert f"| {kind} |" in result.stdout
+
+
+def test_layer_benchmark_times_a_stack_of_chained_layers() -> None:
+    result = run_python("benchmarks/layer.py", "--seq-len", "64", "--repeats", "1", "--warmup", "0",
+                        "--kinds", "C", "--stack", "2")
+    assert result.returncode == 0, result.stderr
+    assert "row of 2 chained layer(s)" in result.stdout and "| C |" in result.stdout
