@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from megatron_dsa.backends.triton_kernels import lazy_jit  # noqa: E402
-from distributed import relative_error  # noqa: E402
+from distributed import cosine, relative_error  # noqa: E402
 
 
 class _Compiled:
@@ -186,9 +186,13 @@ def test_direct_launch_equals_triton_launch_on_gpu(monkeypatch):
 @pytest.mark.parametrize("kind", ["C", "H"])
 def test_layer_with_direct_launches_equals_triton_launches_on_gpu(kind, monkeypatch):
     """A whole training step (dsv4-flash dims, S = 1024, bf16, `auto`): every Triton kernel the layer
-    launches is the same compiled kernel either way. Where two steps through Triton agree bit for bit, the
-    step with direct launches must too; where they do not (a vendor backward that accumulates with
-    atomics), it must be no further from the first Triton step than the second one is (×4)."""
+    launches is the same compiled kernel either way.
+
+    The forward's kernels are deterministic, so the output must be bit-identical. The backward is not:
+    cuDNN's sparse backward adds kv gradients with atomics, so two steps through Triton's launches differ
+    by up to 8e-5 relative in some parameter gradients (measured on an H200). Gradients must therefore agree
+    to a relative error ≤ 1e-3 and cosine ≥ 0.99999: a launch with wrong arguments, a wrong specialization
+    or a skipped kernel gives errors of order 1."""
     from megatron_dsa import HybridAttention, HybridAttentionConfig
 
     if not lazy_jit._version_mirrored():
@@ -207,21 +211,16 @@ def test_layer_with_direct_launches_equals_triton_launches_on_gpu(kind, monkeypa
         return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
     step(True)  # every specialization's first launch goes through Triton
-    expected, again = step(False), step(False)
+    expected = step(False)
     before = lazy_jit.LAUNCHES["direct"]
     got = step(True)
     assert lazy_jit.LAUNCHES["direct"] > before, "no direct launch ran"
-    names = ["output", "x.grad"] + [name for name, _ in layer.named_parameters()]
+    assert torch.equal(got[0], expected[0]), "forward output differs"
+    names = ["x.grad"] + [name for name, _ in layer.named_parameters()]
     failures = []
-    for name, a, b, c in zip(names, expected, got, again):
+    for name, a, b in zip(names, expected[1:], got[1:]):
         if (a is None) != (b is None):
             failures.append(f"{name}: None on one path only")
-        elif a is None or torch.equal(a, b):
-            continue
-        elif torch.equal(a, c):
-            failures.append(f"{name}: deterministic through Triton, relative error {relative_error(b, a):.2e} "
-                            f"with direct launches")
-        elif relative_error(b, a) > 4 * relative_error(c, a):
-            failures.append(f"{name}: {relative_error(b, a):.2e} from the Triton step, which is "
-                            f"{relative_error(c, a):.2e} from another")
+        elif a is not None and not torch.equal(a, b) and (relative_error(b, a) > 1e-3 or cosine(b, a) < 0.99999):
+            failures.append(f"{name}: relative error {relative_error(b, a):.2e}, cosine {cosine(b, a):.6f}")
     assert not failures, failures
