@@ -30,6 +30,8 @@ import types
 from collections import Counter
 from typing import Any, Callable, Hashable, Optional, Union
 
+from megatron_dsa.backends import probes
+
 # Triton versions (major, minor) whose `JITFunction.run` this module's direct launch mirrors: the
 # binder in `device_caches[device][4]`, the `debug` and `instrumentation_mode` options it adds, and
 # `CompiledKernel.run(grid..., stream, function, packed_metadata, metadata, enter, exit, *args)`.
@@ -59,8 +61,7 @@ def launcher(fn: Union[Callable[..., None], Any]) -> "KernelLauncher":
 def _version_mirrored() -> bool:
     import triton
 
-    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
-    return (major, minor) in DIRECT_LAUNCH_VERSIONS
+    return probes.version_tuple(triton.__version__)[:2] in DIRECT_LAUNCH_VERSIONS
 
 
 def _no_launch_hooks(knobs: Any) -> bool:
@@ -102,8 +103,7 @@ class KernelLauncher:
         kernel = self.kernel
         if (not (DIRECT_LAUNCH and self._direct) or kernel.pre_run_hooks or not _no_launch_hooks(self._knobs)
                 or not _globals_unchanged(kernel)):  # Triton's path raises for a changed global
-            LAUNCHES["triton"] += 1
-            return kernel[grid](*args, **options)
+            return self._triton_launch(grid, args, options)
         device = self._driver.active.get_current_device()
         bound, key = self._bind(device, args, options)
         compiled = self._compiled.get(key) if key is not None else None
@@ -132,10 +132,13 @@ class KernelLauncher:
 
     def _through_triton(self, device: int, key: Optional[Hashable], grid: Any, args: tuple, options: dict) -> Any:
         """Triton's launch (it compiles or finds the kernel); its compiled kernel serves `key` from now on."""
-        LAUNCHES["triton"] += 1
-        compiled = self.kernel[grid](*args, **options)
+        compiled = self._triton_launch(grid, args, options)
         if key is None:
             key = self._bind(device, args, options)[1]
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
             self._compiled[key] = compiled
         return compiled
+
+    def _triton_launch(self, grid: Any, args: tuple, options: dict) -> Any:
+        LAUNCHES["triton"] += 1
+        return self.kernel[grid](*args, **options)
