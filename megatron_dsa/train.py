@@ -37,7 +37,7 @@ from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import ParallelState, initialize_parallel_state
 from megatron_dsa.parallel.context import shard_sequence
-from megatron_dsa.parallel.sharding import PARTITION_ATTR, gather_full_state_dict, load_full_state_dict
+from megatron_dsa.parallel.sharding import PARTITION_ATTR, gather_full_state_dict
 
 CHECKPOINT_NAME = "checkpoint.pt"
 PLOT_NAME = "loss_curve.png"
@@ -201,14 +201,10 @@ def resolve_device(name: str) -> torch.device:
 
 def build_model(job: JobConfig, device: torch.device, state: Optional[ParallelState] = None) -> HybridLM:
     """A freshly initialised model; the init is a function of `train.seed` only, whatever the
-    parallel layout: the TP = 1 model is built first and each rank loads its shard of it."""
+    parallel layout: each rank's tensor-parallel shards are the slices of the TP = 1 model built
+    with the same seed (`parallel.sharding.tensor_parallel_parameter`)."""
     torch.manual_seed(job.train.seed)
-    full = HybridLM(job.attention, job.model)
-    if state is None or (state.tp_size == 1 and state.cp_size == 1):
-        return full.to(device)
-    model = HybridLM(job.attention, job.model, parallel_state=state)
-    load_full_state_dict(model, full.state_dict(), state)
-    return model.to(device)
+    return HybridLM(job.attention, job.model, parallel_state=state).to(device)
 
 
 def build_optimizer(model: HybridLM, train: TrainConfig) -> torch.optim.AdamW:

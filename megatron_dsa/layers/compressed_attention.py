@@ -28,7 +28,7 @@ from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.sparse_attention import full_normaliser
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region
-from megatron_dsa.parallel.sharding import mark_tensor_parallel
+from megatron_dsa.parallel.sharding import tensor_parallel_parameter
 from megatron_dsa.parallel.state import group_size
 
 # Indexer scores held at once while selecting the top-k (256 MiB of float32).
@@ -191,8 +191,8 @@ class CompressedSparseAttention(HighPrecisionModule):
         c = config
         self.config, self.kind, self.tp_group = c, kind, tp_group
         self.ratio = c.compress_ratio(kind)
-        local_heads = c.num_attention_heads // group_size(tp_group)
-        self.attn_sink = mark_tensor_parallel(nn.Parameter(torch.zeros(local_heads, dtype=torch.float32)), 0)
+        self.attn_sink = tensor_parallel_parameter((c.num_attention_heads,), 0, tp_group, torch.nn.init.zeros_,
+                                                   dtype=torch.float32, what="num_attention_heads")
         self.compressor = Compressor(c, c.v_head_dim, self.ratio, rotate=False) if self.ratio else None
         self.indexer = LightningIndexer(c) if c.has_indexer(kind) else None
         self.last_indexer_loss: Optional[Tensor] = None

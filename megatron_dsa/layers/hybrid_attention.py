@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from megatron_dsa.backends import OpFamily, check_backend_choice, dispatch
 from megatron_dsa.config import HybridAttentionConfig, LayerKind, yarn_mscale
@@ -26,7 +26,7 @@ from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
 from megatron_dsa.parallel.linear import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from megatron_dsa.parallel.context import ContextParallelPlan
-from megatron_dsa.parallel.sharding import mark_tensor_parallel
+from megatron_dsa.parallel.sharding import tensor_parallel_parameter
 from megatron_dsa.parallel.state import ParallelState
 
 
@@ -105,8 +105,9 @@ class HybridAttention(HighPrecisionModule):
         self.linear_kv_proj = linear(c.hidden_size, c.v_head_dim, c.init_method_std)
         self.kv_layernorm = make_norm(c.v_head_dim, c.layernorm_epsilon, c.qk_layernorm, c)
         group_width = c.num_attention_heads * c.v_head_dim // c.o_groups
-        self.linear_o_group_proj = mark_tensor_parallel(nn.Parameter(
-            torch.empty(self.local_groups * c.o_lora_rank, group_width).normal_(std=c.init_method_std)), 0)
+        self.linear_o_group_proj = tensor_parallel_parameter(
+            (c.o_groups * c.o_lora_rank, group_width), 0, self.tp_group,
+            lambda w: w.normal_(std=c.init_method_std), what="o_groups · o_lora_rank")
         self.core_attention = CompressedSparseAttention(c, self.kind, self.tp_group)
 
     def _proj_in_features(self) -> int:

@@ -2,13 +2,13 @@
 
 Weights keep Megatron's names (`weight`) and local shapes: a column-parallel layer holds rows
 `[out/tp, in]`, a row-parallel layer columns `[out, in/tp]`; `sharding.py` maps them to TP = 1.
+Each rank's block is the slice of the TP = 1 weight drawn with the same seed.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -18,8 +18,7 @@ from megatron_dsa.parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron_dsa.parallel.sharding import mark_tensor_parallel
-from megatron_dsa.parallel.state import group_size
+from megatron_dsa.parallel.sharding import tensor_parallel_parameter
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -41,8 +40,8 @@ class ColumnParallelLinear(nn.Module):
                  std: float, what: str = "output features"):
         super().__init__()
         self.tp_group = tp_group
-        local = divide(out_features, group_size(tp_group), what)
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, in_features).normal_(std=std)), 0)
+        self.weight = tensor_parallel_parameter((out_features, in_features), 0, tp_group,
+                                                lambda w: w.normal_(std=std), what=what)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(copy_to_tensor_parallel_region(x, self.tp_group), self.weight)
@@ -58,8 +57,8 @@ class RowParallelLinear(nn.Module):
                  std: float, sequence_parallel: bool = False, what: str = "input features"):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        local = divide(in_features, group_size(tp_group), what)
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, local).normal_(std=std)), 1)
+        self.weight = tensor_parallel_parameter((out_features, in_features), 1, tp_group,
+                                                lambda w: w.normal_(std=std), what=what)
 
     def forward(self, x: Tensor) -> Tensor:
         partial = F.linear(x, self.weight)

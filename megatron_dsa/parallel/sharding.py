@@ -6,13 +6,14 @@ contiguous blocks, rank order). Every other parameter is replicated: identical o
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
-from megatron_dsa.parallel.state import ParallelState
+from megatron_dsa.parallel.state import ParallelState, group_rank, group_size
 
 PARTITION_ATTR = "tensor_parallel_dim"
 
@@ -20,6 +21,23 @@ PARTITION_ATTR = "tensor_parallel_dim"
 def mark_tensor_parallel(param: nn.Parameter, dim: int) -> nn.Parameter:
     setattr(param, PARTITION_ATTR, dim)
     return param
+
+
+def tensor_parallel_parameter(full_shape: Sequence[int], dim: int, tp_group: Optional[ProcessGroup],
+                              init: Callable[[Tensor], Tensor], dtype: Optional[torch.dtype] = None,
+                              what: str = "the split dim") -> nn.Parameter:
+    """This rank's block (along `dim`) of a TP = 1 parameter of `full_shape`, initialised by `init`.
+
+    The whole TP = 1 tensor is drawn and sliced, so a TP = N layer makes exactly the RNG draws of
+    the TP = 1 layer and its shards are the slices of the TP = 1 layer built with the same seed
+    (the contract of Megatron's CPU initialisation). Drawing only the local block would give every
+    rank the same values: duplicated heads."""
+    size = group_size(tp_group)
+    if full_shape[dim] % size:
+        raise ValueError(f"{what} ({full_shape[dim]}) must be divisible by the tensor-parallel size ({size})")
+    full = init(torch.empty(tuple(full_shape), dtype=dtype))
+    local = full.chunk(size, dim=dim)[group_rank(tp_group)].clone() if size > 1 else full
+    return mark_tensor_parallel(nn.Parameter(local), dim)
 
 
 def partition_dims(module: nn.Module) -> dict[str, Optional[int]]:
