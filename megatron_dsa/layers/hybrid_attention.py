@@ -231,9 +231,14 @@ class HybridAttention(HighPrecisionModule):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(f"hidden_states must be [S, B, hidden_size={self.config.hidden_size}], "
                              f"got {tuple(hidden_states.shape)}")
-        if hidden_states.dtype != self.linear_q_down_proj.weight.dtype:
-            raise TypeError(f"hidden_states dtype {hidden_states.dtype} differs from the layer's "
-                            f"parameter dtype {self.linear_q_down_proj.weight.dtype}; cast one of them")
+        if not hidden_states.dtype.is_floating_point:
+            raise TypeError(f"hidden_states must be a floating-point tensor, got {hidden_states.dtype}")
+        weight_dtype = self.linear_q_down_proj.weight.dtype
+        # Under autocast the input linears cast both sides to the autocast dtype (Megatron's mixed
+        # precision: fp32 master weights, bf16 activations), so any float input is fine there.
+        if hidden_states.dtype != weight_dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(f"hidden_states dtype {hidden_states.dtype} differs from the layer's parameter "
+                            f"dtype {weight_dtype}; cast one of them or run under torch.autocast")
         if hidden_states.shape[0] == 0 or hidden_states.shape[1] == 0:
             raise ValueError(f"hidden_states must have S >= 1 and B >= 1, got {tuple(hidden_states.shape)}")
 
