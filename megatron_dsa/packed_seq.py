@@ -122,3 +122,42 @@ def canonicalize_cu_seqlens(key: Tensor, value: Tensor, cu_seqlens_kv: Tensor
         raise ValueError(f"cu_seqlens_kv spans rows [{start}, {stop}) outside key/value with "
                          f"{key.shape[0]} / {value.shape[0]} rows")
     return key[start:stop], value[start:stop], cu_seqlens_kv - start
+
+
+# Rows of the attention mask compared at once (bounds the temporary to this many rows × S × B).
+_MASK_ROWS_PER_CHUNK = 1024
+
+
+def documents_from_attention_mask(attention_mask: Tensor, batch: int, seqlen: int) -> Optional[Tensor]:
+    """A Megatron attention mask → the documents it keeps apart, or None for the plain causal mask.
+
+    `attention_mask`: bool, True = masked out, `[B | 1, 1, S, S]` or `[S, S]`. Accepted are the causal
+    mask and a mask that is causal within documents (Megatron's `--reset-attention-mask`): token t
+    starts a new document when it may not see token t − 1. Returns `cu_seqlens [ndoc + 1]` (int32,
+    on the mask's device) of the batch-major rows `[B·S]`; reading the document starts back costs
+    one host synchronisation. Any other mask raises ValueError: the layer cannot honour it.
+    """
+    if not isinstance(attention_mask, Tensor) or attention_mask.dtype != torch.bool:
+        raise TypeError(f"attention_mask must be a bool tensor (True = masked out), got "
+                        f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)}")
+    mask = attention_mask[None, None] if attention_mask.dim() == 2 else attention_mask
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, batch) or mask.shape[2:] != (seqlen, seqlen):
+        raise ValueError(f"attention_mask must be [B={batch} or 1, 1, S={seqlen}, S] or [S, S], got "
+                         f"{tuple(attention_mask.shape)}")
+    mask = mask[:, 0]
+    position = torch.arange(seqlen, device=mask.device)
+    starts = torch.ones(mask.shape[0], seqlen, dtype=torch.bool, device=mask.device)
+    starts[:, 1:] = mask[:, position[1:], position[1:] - 1]  # t may not see t − 1: a new document
+    document = starts.cumsum(1)
+    for first in range(0, seqlen, _MASK_ROWS_PER_CHUNK):
+        rows = slice(first, first + _MASK_ROWS_PER_CHUNK)
+        expected = (position[None, :] > position[rows, None]) | (document[:, rows, None] != document[:, None, :])
+        if not torch.equal(mask[:, rows], expected):
+            raise ValueError("attention_mask must be causal, or causal within documents (each token sees "
+                             "the earlier tokens of its own document only); other masks are not supported "
+                             "by the hybrid layer")
+    if not bool(starts[:, 1:].any()):
+        return None
+    starts = starts.expand(batch, seqlen).flatten()
+    bounds = torch.cat((starts.nonzero().flatten(), torch.tensor([batch * seqlen], device=mask.device)))
+    return bounds.to(torch.int32)

@@ -287,7 +287,7 @@ def train_step(model: HybridLM, optimizer: torch.optim.Optimizer, batch: Batch, 
     indexer = model.indexer_losses()
     if state.cp_size > 1:  # each CP rank holds part of every row: the pieces add up
         dist.all_reduce(loss, group=state.cp_group)
-        indexer = {k: float(all_reduced(torch.tensor(v), state.cp_group)) for k, v in indexer.items()}
+        indexer = {k: float(all_reduced(torch.tensor(v, device=device), state.cp_group)) for k, v in indexer.items()}
     return StepStats(step=step, loss=float(loss), lm_loss=parts.lm,
                      retrieval_loss=parts.retrieval, indexer_losses=indexer,
                      grad_norm=float(grad_norm), lr=lr,
@@ -367,7 +367,8 @@ def evaluate(model: HybridLM, job: JobConfig, validation_text: torch.Tensor, dev
     state = model.parallel_state
     cp_group = state.cp_group if state.cp_size > 1 else None
     model.eval()
-    lm_losses, correct, answered = [], torch.zeros(()), torch.zeros(())
+    # Counts stay on the model's device: NCCL groups reduce only CUDA tensors.
+    lm_losses, correct, answered = [], torch.zeros((), device=device), torch.zeros((), device=device)
     for index in range(train.eval_batches):
         lm = make_batch(validation_text, task, train.batch_size, 0,
                         seeded_generator(train.seed, "val-lm", index)).to(device)
@@ -380,8 +381,8 @@ def evaluate(model: HybridLM, job: JobConfig, validation_text: torch.Tensor, dev
         retrieval = shard_for_context_parallel(retrieval, model)
         with autocast(device, train.dtype):
             predicted = model(retrieval.inputs).argmax(-1)
-        correct += ((predicted == retrieval.targets) & retrieval.loss_mask).sum().cpu()
-        answered += retrieval.loss_mask.sum().cpu()
+        correct += ((predicted == retrieval.targets) & retrieval.loss_mask).sum()
+        answered += retrieval.loss_mask.sum()
     if cp_group is not None:
         correct, answered = all_reduced(correct, cp_group), all_reduced(answered, cp_group)
     model.train()

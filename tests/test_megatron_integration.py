@@ -225,12 +225,21 @@ def test_unsupported_megatron_arguments_raise_by_name(argument: str) -> None:
         layer(x, **{argument: torch.zeros(1)})
 
 
-def test_attention_mask_is_ignored_and_bias_is_none() -> None:
+def test_attention_mask_is_honoured_or_rejected_and_bias_is_none() -> None:
+    """Megatron's masks reach the layer: causal = no mask, a document mask splits the documents
+    (as two separate calls), a mask the layer cannot honour raises instead of being ignored."""
     layer = adapter().eval()
     x = torch.randn(16, 2, layer.config.hidden_size)
-    out, bias = layer(x, attention_mask=torch.ones(2, 1, 16, 16, dtype=torch.bool))
+    causal = torch.ones(16, 16, dtype=torch.bool).triu(1)
+    out, bias = layer(x, attention_mask=causal.expand(2, 1, 16, 16))
     assert bias is None
-    torch.testing.assert_close(out, layer(x)[0])
+    torch.testing.assert_close(out, layer(x)[0], rtol=0, atol=0)
+    documents = causal.clone()
+    documents[6:, :6] = True
+    out, _ = layer(x, attention_mask=documents[None, None])
+    torch.testing.assert_close(out, torch.cat((layer(x[:6])[0], layer(x[6:])[0])), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="causal within documents"):
+        layer(x, attention_mask=torch.ones(2, 1, 16, 16, dtype=torch.bool))
 
 
 def test_megatron_packed_seq_params_are_accepted() -> None:

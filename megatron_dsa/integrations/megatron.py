@@ -144,14 +144,16 @@ class MegatronHybridAttention(HybridAttention):
                 attention_bias: Optional[Tensor] = None, packed_seq_params: Any = None,
                 sequence_len_offset: Optional[Tensor] = None, *, inference_params: Any = None
                 ) -> tuple[Tensor, Optional[Tensor]]:
-        """Megatron's `self_attention` call. Attention is causal: `attention_mask` is ignored."""
+        """Megatron's `self_attention` call. `attention_mask`: None, causal, or causal within
+        documents (`--reset-attention-mask`), see `HybridAttention.forward`; other masks raise."""
         _reject_arguments(key_value_states=key_value_states, inference_context=inference_context,
                           inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
                           rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
                           sequence_len_offset=sequence_len_offset)
         self.config.indexer_loss_backward_scale = _indexer_loss_scale
-        output, bias = super().forward(hidden_states, packed_seq_params=packed_from_megatron(packed_seq_params))
+        output, bias = super().forward(hidden_states, attention_mask,
+                                       packed_seq_params=packed_from_megatron(packed_seq_params))
         if self.training and self.last_indexer_loss is not None:
             self._track_indexer_loss(self.last_indexer_loss)
         return output, bias

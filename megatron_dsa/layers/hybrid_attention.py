@@ -22,7 +22,7 @@ from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.rope import plain_inv_freq, yarn_inv_freq
-from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
+from megatron_dsa.packed_seq import PackedSeqParams, documents_from_attention_mask, validate_packed_seq_params
 from megatron_dsa.parallel.linear import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from megatron_dsa.parallel.context import ContextParallelPlan
@@ -126,18 +126,24 @@ class HybridAttention(HighPrecisionModule):
                 packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[Tensor, Optional[Tensor]]:
         """`hidden_states [S, B, d]` → `([S, B, d], None)`; packed input is `[T, 1, d]` with
         `packed_seq_params` (see `megatron_dsa.packed_seq`). Under sequence parallelism dim 0 is this
-        rank's slice. Attention is always causal: `attention_mask` is accepted for Megatron call
-        compatibility and ignored."""
+        rank's slice.
+
+        `attention_mask` (Megatron's: bool, True = masked out, `[B | 1, 1, S, S]`): None or the causal
+        mask give causal attention; a mask that is causal within documents (Megatron's
+        `--reset-attention-mask`) runs every document on its own, positions restarting, as packed
+        input does (one host sync to read the documents); any other mask raises ValueError."""
         self._check_input(hidden_states)
         sp_group = self.tp_group if self.config.sequence_parallel else None
         # Every rank's gradient of the gathered input is complete (the head-parallel regions sum
         # theirs), so backward keeps the own slice instead of summing tp identical copies.
         full = gather_from_sequence_parallel_region(hidden_states, sp_group, grad_is_partial=False)
+        documents = self._documents(attention_mask, full, packed_seq_params)
         if self.parallel_state.cp_size > 1:
             return self.linear_proj(self._context_parallel_latent(full, packed_seq_params)), None
         seqlen, batch, _ = full.shape
         if packed_seq_params is None:
-            layout = TokenLayout.uniform(batch, seqlen, full.device)
+            layout = (TokenLayout.uniform(batch, seqlen, full.device) if documents is None
+                      else TokenLayout.packed(documents, batch * seqlen, full.device))
             rows = full.transpose(0, 1).reshape(batch * seqlen, -1)  # batch-major token rows
             latent = self._attend(rows, layout).view(batch, seqlen, -1).transpose(0, 1)
         else:
@@ -149,6 +155,21 @@ class HybridAttention(HighPrecisionModule):
             rows = torch.where(real, full[:, 0], 0.0)
             latent = torch.where(real, self._attend(rows, layout), 0.0).unsqueeze(1)
         return self.linear_proj(latent), None
+
+    def _documents(self, attention_mask: Optional[Tensor], full: Tensor,
+                   packed: Optional[PackedSeqParams]) -> Optional[Tensor]:
+        """`cu_seqlens` of the documents a document mask keeps apart (batch-major rows), or None."""
+        if attention_mask is None:
+            return None
+        if packed is not None:
+            raise ValueError("give attention_mask or packed_seq_params, not both: packed input takes its "
+                             "documents from packed_seq_params.cu_seqlens_q")
+        state = self.parallel_state
+        documents = documents_from_attention_mask(attention_mask, full.shape[1], full.shape[0] * state.cp_size)
+        if documents is not None and state.cp_size > 1:
+            raise ValueError("a document attention_mask is not supported under context parallelism: pass the "
+                             "documents as packed_seq_params (THD, host cu_seqlens_q) instead")
+        return documents
 
     def _context_parallel_latent(self, full: Tensor, packed: Optional[PackedSeqParams]) -> Tensor:
         """This rank's pieces of every sequence → its `linear_proj` input, same row order as `full`.
