@@ -5,18 +5,20 @@
 
 The YAML file has three sections: `attention:` (`HybridAttentionConfig`), `model:` (`ModelConfig`)
 and `train:` (`TrainConfig`); CLI flags override it. The output directory receives
-`checkpoint.pt` (model, optimizer, step, RNG states, config, history), `config.yaml` and
-`loss_curve.png`. Batches are pure functions of (seed, step), so `--resume` continues exactly:
-the resumed run's losses equal those of an uninterrupted one.
+`checkpoints/step-N/` (sharded model and optimizer, step, config, history and per-rank RNG states,
+written asynchronously and atomically; see `megatron_dsa.checkpointing`), `history.json`,
+`config.yaml` and `loss_curve.png`. Batches are pure functions of (seed, step), so `--resume`
+continues exactly: the resumed run's losses equal those of an uninterrupted one (at another
+--tp / --cp the checkpoint is resharded and the losses follow to rounding).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ from tqdm import tqdm
 import torch.distributed as dist
 
 from megatron_dsa.backends import call_counts, reset_call_counts
+from megatron_dsa.checkpointing import CheckpointWriter, latest_checkpoint, load_checkpoint
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
                                pack_documents, seeded_generator, split_corpus)
@@ -37,9 +40,9 @@ from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import ParallelState, initialize_parallel_state
 from megatron_dsa.parallel.context import shard_sequence
-from megatron_dsa.parallel.sharding import PARTITION_ATTR, gather_full_state_dict
+from megatron_dsa.parallel.sharding import PARTITION_ATTR
 
-CHECKPOINT_NAME = "checkpoint.pt"
+HISTORY_NAME = "history.json"
 PLOT_NAME = "loss_curve.png"
 DTYPES = ("fp32", "bf16")
 
@@ -186,7 +189,9 @@ class History:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "History":
-        return cls(steps=[StepStats(**s) for s in values["steps"]],
+        # JSON (history.json) keeps dict keys as strings: layer numbers come back as ints.
+        return cls(steps=[StepStats(**{**s, "indexer_losses": {int(k): v for k, v in s["indexer_losses"].items()}})
+                          for s in values["steps"]],
                    evals=[EvalStats(**e) for e in values["evals"]])
 
 
@@ -391,40 +396,44 @@ def evaluate(model: HybridLM, job: JobConfig, validation_text: torch.Tensor, dev
 
 
 # ---------------------------------------------------------------- checkpoints and plots
-def save_checkpoint(path: Path, model: HybridLM, optimizer: torch.optim.Optimizer, next_step: int,
-                    job: JobConfig, history: History) -> None:
-    """Everything needed to continue bit-exactly; written atomically (no torn file on interrupt)."""
-    state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "step": next_step,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-        "config": job.to_dict(),
-        "history": history.to_dict(),
-    }
-    partial = path.with_suffix(".partial")
-    torch.save(state, partial)
-    os.replace(partial, path)
+# Attention fields that describe the parallel layout or the kernels, not the weights: a checkpoint
+# resumes under other values of them (e.g. saved with --tp 2 --sp, resumed with --tp 1).
+LAYOUT_FIELDS = ("sequence_parallel", "cp_comm_type", "cp_partition", "attention_backend",
+                 "attention_backend_overrides")
 
 
-def load_checkpoint(path: Path, model: HybridLM, optimizer: torch.optim.Optimizer,
-                    job: JobConfig) -> tuple[int, History]:
-    """Restore model, optimizer and RNG states from `path`; returns `(next_step, history)`."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint to resume from at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    saved = state["config"]
+def job_extra(next_step: int, job: JobConfig, history: History) -> dict[str, Any]:
+    """What a checkpoint holds besides the model and optimizer (identical on every rank)."""
+    return {"step": next_step, "config": job.to_dict(), "history": history.to_dict(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+
+
+def resume_from(path: Path, model: HybridLM, optimizer: torch.optim.Optimizer, job: JobConfig,
+                state: Optional[ParallelState]) -> tuple[int, History]:
+    """Restore model, optimizer (and, at the same world size, RNG) states from the checkpoint
+    directory `path`, resharded to this run's layout; returns `(next_step, history)`."""
+    extra = load_checkpoint(path, model, optimizer, state)
     for section in ("attention", "model"):
-        if saved[section] != job.to_dict()[section]:
-            raise ValueError(f"checkpoint {path} was trained with a different `{section}:` section")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return state["step"], History.from_dict(state["history"])
+        saved, wanted = dict(extra["config"][section]), job.to_dict()[section]
+        if section == "attention":
+            saved.update({key: wanted[key] for key in LAYOUT_FIELDS})
+        if saved != wanted:
+            changed = sorted(key for key in wanted if saved.get(key) != wanted[key])
+            raise ValueError(f"checkpoint {path} was trained with a different `{section}:` section "
+                             f"(fields {changed})")
+    return extra["step"], History.from_dict(extra["history"])
+
+
+def write_history(history: History, out_dir: Path) -> None:
+    """`history.json`: every step's and evaluation's statistics, replaced atomically."""
+    path = out_dir / HISTORY_NAME
+    staged = path.with_suffix(".partial")
+    staged.write_text(json.dumps(history.to_dict()))
+    os.replace(staged, path)
+
+
+def read_history(out_dir: Path) -> History:
+    return History.from_dict(json.loads((Path(out_dir) / HISTORY_NAME).read_text()))
 
 
 def plot_history(history: History, path: Path) -> None:
@@ -505,15 +514,9 @@ def setup_parallel(tp: int, cp: int, device: torch.device) -> Optional[ParallelS
     return initialize_parallel_state(tp_size=tp, cp_size=cp)
 
 
-def checkpoint_name(state: Optional[ParallelState]) -> str:
-    """One file per rank when the model is split (each holds its shards and optimizer state)."""
-    if state is None:
-        return CHECKPOINT_NAME
-    return f"checkpoint-tp{state.tp_size}-cp{state.cp_size}-rank{dist.get_rank()}.pt"
-
-
 def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1) -> History:
-    """Train to `job.train.steps` (continuing from `resume` if given); returns the full history.
+    """Train to `job.train.steps` (continuing from the checkpoint directory `resume` if given);
+    returns the full history.
 
     Under torchrun with `tp`/`cp` > 1 every rank trains its shard; rank 0 prints and plots.
     """
@@ -536,10 +539,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1)
 
     model = build_model(job, device, state)
     optimizer = build_optimizer(model, train)
-    checkpoint = out_dir / checkpoint_name(state)
-    if resume is not None and state is not None:
-        resume = resume.parent / checkpoint_name(state)
-    start, history = (load_checkpoint(resume, model, optimizer, job) if resume is not None
+    start, history = (resume_from(resume, model, optimizer, job, state) if resume is not None
                       else (0, History()))
     layout = "" if state is None else f" | tp {state.tp_size}{' + sp' if job.attention.sequence_parallel else ''}, cp {state.cp_size} ({job.attention.cp_comm_type})"
     say(f"HybridLM: {sum(p.numel() for p in model.parameters()):,} parameters"
@@ -553,6 +553,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1)
         history.evals.append(evaluate(model, job, validation_text, device, start))
         say(format_eval(history.evals[-1]))
 
+    checkpoints = CheckpointWriter(out_dir, state)
     reset_call_counts()
     began = time.perf_counter()
     progress = tqdm(range(start, train.steps), initial=start, total=train.steps, desc="train",
@@ -574,17 +575,21 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1)
             history.evals.append(evaluate(model, job, validation_text, device, completed))
             write(format_eval(history.evals[-1]))
         if completed % train.checkpoint_interval == 0 or completed == train.steps:
-            save_checkpoint(checkpoint, model, optimizer, completed, job, history)
+            staging = time.perf_counter()
+            checkpoints.save(completed, model, optimizer, job_extra(completed, job, history))
+            write(f"checkpoint of step {completed}: state staged in {time.perf_counter() - staging:.2f} s, "
+                  f"writing in the background")
+            if leader:
+                write_history(history, out_dir)
     progress.close()
-
-    if state is not None:  # a TP = 1, Megatron-named copy of the weights for interchange
-        full = gather_full_state_dict(model, state)
-        if leader:
-            torch.save(full, out_dir / "model-tp1.pt")
+    committed = checkpoints.wait()
     if leader:
+        write_history(history, out_dir)
         plot_history(history, out_dir / PLOT_NAME)
-    say(f"done: {train.steps} steps ({len(history.steps) - start} this run) in {time.perf_counter() - began:.1f} s | "
-        f"checkpoint {checkpoint} | plot {out_dir / PLOT_NAME}")
+    saved = "" if committed is None else (f" | checkpoint {committed} (last save took "
+                                          f"{checkpoints.last_save_seconds:.1f} s)")
+    say(f"done: {train.steps} steps ({len(history.steps) - start} this run) in {time.perf_counter() - began:.1f} s"
+        f"{saved} | plot {out_dir / PLOT_NAME}")
     return history
 
 
@@ -598,7 +603,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--seed", type=int, help="overrides train.seed")
     parser.add_argument("--dtype", choices=DTYPES, help="fp32, or bf16 autocast (overrides train.dtype)")
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="CHECKPOINT",
-                        help=f"continue from CHECKPOINT (default: <out>/{CHECKPOINT_NAME})")
+                        help="continue from the checkpoint directory CHECKPOINT (default: the newest in "
+                             "<out>/checkpoints); it loads at any --tp / --cp")
     parser.add_argument("--pack", action="store_true", default=None,
                         help="pack each batch's documents into one THD sequence (overrides train.pack)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
@@ -624,7 +630,9 @@ def main(argv: Optional[Sequence[str]] = None) -> History:
         parser.error(str(error))
     resume = None
     if args.resume is not None:
-        resume = Path(args.resume) if args.resume else Path(job.train.out_dir) / CHECKPOINT_NAME
+        resume = Path(args.resume) if args.resume else latest_checkpoint(Path(job.train.out_dir))
+        if resume is None:
+            parser.error(f"--resume: no checkpoint in {Path(job.train.out_dir) / 'checkpoints'}")
     return run(job, resume, tp=args.tp, cp=args.cp)
 
 

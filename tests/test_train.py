@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from megatron_dsa import train
+from megatron_dsa.checkpointing import latest_checkpoint
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.data import RetrievalTask, make_batch, seeded_generator
 from megatron_dsa.model import HybridLM, ModelConfig
@@ -55,10 +56,11 @@ def test_training_run_writes_checkpoint_and_plot(tmp_path):
     history = train.main(["--config", str(small_job_yaml(tmp_path)), "--steps", "3"])
     run_dir = tmp_path / "run"
     assert [s.step for s in history.steps] == [0, 1, 2]
-    assert (run_dir / train.CHECKPOINT_NAME).is_file()
     assert (run_dir / train.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    state = torch.load(run_dir / train.CHECKPOINT_NAME, weights_only=True)
-    assert state["step"] == 3 and set(state) >= {"model", "optimizer", "rng", "config", "history"}
+    latest = latest_checkpoint(run_dir)
+    assert latest == run_dir / "checkpoints" / "step-000003" and (latest / ".metadata").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-000003"]
+    assert train.read_history(run_dir).steps == history.steps
     assert all(set(s.indexer_losses) == {2, 4} for s in history.steps)
 
 

@@ -1,4 +1,5 @@
-"""The main job under torchrun: TP 2 (+SP) and CP 2 follow the single-process loss curve."""
+"""The main job under torchrun: TP 2 (+SP) and CP 2 follow the single-process loss curve, and
+their checkpoints resume at another layout."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
+
+from megatron_dsa.train import read_history
 
 STEPS = 3
 TOLERANCE = 1e-4  # fp32; the parallel runs reorder sums (all-reduce, split GEMMs): ~1e-6 seen
@@ -18,16 +20,15 @@ TOLERANCE = 1e-4  # fp32; the parallel runs reorder sums (all-reduce, split GEMM
 def small_job(tmp_path: Path) -> Path:
     job = yaml.safe_load(Path("configs/tiny.yaml").read_text())
     job["train"].update(batch_size=2, seq_len=128, retrieval_pairs=2, eval_batches=1, eval_interval=STEPS,
-                        checkpoint_interval=STEPS, log_interval=1, corpus_max_bytes=200_000)
+                        checkpoint_interval=2, log_interval=1, corpus_max_bytes=200_000)
     job["model"]["max_seq_len"] = 128
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
 
 
-def losses(run_dir: Path, checkpoint: str) -> list[float]:
-    state = torch.load(run_dir / checkpoint, map_location="cpu", weights_only=True)
-    return [step["loss"] for step in state["history"]["steps"]]
+def losses(run_dir: Path) -> list[float]:
+    return [step.loss for step in read_history(run_dir).steps]
 
 
 def launch(args: list[str], nproc: int) -> None:
@@ -44,25 +45,21 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp1")
     job = small_job(tmp)
     launch(["--config", str(job), "--steps", str(STEPS), "--out", str(tmp / "run")], 1)
-    return job, losses(tmp / "run", "checkpoint.pt")
+    return job, losses(tmp / "run")
 
 
-@pytest.mark.parametrize("flags,checkpoint", [
-    (["--tp", "2", "--sp"], "checkpoint-tp2-cp1-rank0.pt"),
-    (["--cp", "2"], "checkpoint-tp1-cp2-rank0.pt"),
+@pytest.mark.parametrize("flags,resume_flags", [
+    (["--tp", "2", "--sp"], []),  # saved sharded over TP, resumed at TP = 1
+    (["--cp", "2"], ["--tp", "2"]),  # saved by CP replicas, resumed sharded over TP
 ])
-def test_parallel_job_follows_single_process_losses(reference, tmp_path, flags, checkpoint):
+def test_parallel_job_follows_single_process_losses_and_reshards(reference, tmp_path, flags, resume_flags):
+    """The first leg runs the parallel layout for 2 steps; the second resumes its checkpoint at
+    another layout (resharded on load) and finishes: every loss follows the TP = 1 run."""
     job, expected = reference
-    launch(["--config", str(job), "--steps", str(STEPS), "--out", str(tmp_path / "run")] + flags, 2)
-    got = losses(tmp_path / "run", checkpoint)
+    out = tmp_path / "run"
+    launch(["--config", str(job), "--steps", "2", "--out", str(out)] + flags, 2)
+    launch(["--config", str(job), "--steps", str(STEPS), "--out", str(out), "--resume"] + resume_flags,
+           2 if resume_flags else 1)
+    got = losses(out)
     assert len(got) == STEPS
     assert max(abs(a - b) for a, b in zip(got, expected)) < TOLERANCE, (got, expected)
-    assert (tmp_path / "run" / "model-tp1.pt").is_file()
-
-
-def test_parallel_flags_without_torchrun_are_a_clear_error(tmp_path):
-    job = small_job(tmp_path)
-    command = [sys.executable, "-m", "megatron_dsa.train", "--config", str(job), "--tp", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert "torchrun --nproc-per-node 2" in done.stderr
