@@ -32,6 +32,10 @@ DSV4_FIELDS = ("csa_window_size", "csa_compress_rotary_base", "csa_dense_mode", 
 # Ours only: the training loop sets it through the integration (`set_indexer_loss_scale`).
 NOT_OVERRIDABLE = ("indexer_loss_backward_scale",)
 
+# Megatron's selective-recompute modules that live inside our layer: either one turns on
+# `recompute_attention` (the layer recomputes everything between its input rows and `linear_proj`).
+# Full recompute (`recompute_granularity='full'`) is Megatron's own: it wraps whole layers.
+RECOMPUTED_IN_THE_LAYER = frozenset({"core_attn", "mla_up_proj"})
 _CP_COMM = {"p2p": "p2p", "allgather": "all_gather"}  # Megatron value → ours
 _CP_COMM_TO_MEGATRON = {ours: megatron for megatron, ours in _CP_COMM.items()}
 _BACKENDS = {"auto": "auto", "unfused": "unfused", "local": "unfused", "flash": "auto", "fused": "auto"}
@@ -136,6 +140,10 @@ def _translated_fields(megatron_config: Any) -> dict[str, Any]:
     partition = getattr(megatron_config, "cp_partition_mode", None)
     if partition is not None:
         out["cp_partition"] = partition
+    granularity = getattr(megatron_config, "recompute_granularity", None)
+    modules = set(getattr(megatron_config, "recompute_modules", None) or ())
+    if granularity == "selective" and modules & RECOMPUTED_IN_THE_LAYER:
+        out["recompute_attention"] = True
     backend = getattr(megatron_config, "attention_backend", None)
     if backend is not None:
         name = getattr(backend, "name", backend)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from megatron_dsa.backends import OpFamily, check_backend_choice, dispatch
@@ -145,7 +146,7 @@ class HybridAttention(HighPrecisionModule):
             layout = (TokenLayout.uniform(batch, seqlen, full.device) if documents is None
                       else TokenLayout.packed(documents, batch * seqlen, full.device))
             rows = full.transpose(0, 1).reshape(batch * seqlen, -1)  # batch-major token rows
-            latent = self._attend(rows, layout).view(batch, seqlen, -1).transpose(0, 1)
+            latent = self._attend_rows(rows, layout).view(batch, seqlen, -1).transpose(0, 1)
         else:
             layout = self._packed_layout(full, packed_seq_params)
             # Padding and tail rows (possibly NaN-filled) are zeroed on the way in and on the way
@@ -153,7 +154,7 @@ class HybridAttention(HighPrecisionModule):
             # 0 (no bias) and their input gradients exactly 0.
             real = layout.row_valid.unsqueeze(1)
             rows = torch.where(real, full[:, 0], 0.0)
-            latent = torch.where(real, self._attend(rows, layout), 0.0).unsqueeze(1)
+            latent = torch.where(real, self._attend_rows(rows, layout), 0.0).unsqueeze(1)
         return self.linear_proj(latent), None
 
     def _documents(self, attention_mask: Optional[Tensor], full: Tensor,
@@ -183,7 +184,7 @@ class HybridAttention(HighPrecisionModule):
         cp = ContextParallelRows(plan, state.cp_rank, state.cp_group, halo, full.device, c.cp_comm_type)
         extended = cp.extend(rows) if halo else rows
         real = cp.layout.row_valid.unsqueeze(1)
-        latent = self._attend(torch.where(real, extended, 0.0), cp.layout, cp)
+        latent = self._attend_rows(torch.where(real, extended, 0.0), cp.layout, cp)
         latent = torch.where(cp.layout.query_valid.unsqueeze(1), latent, 0.0)
         return to_output(cp.outputs(latent) if halo else latent)
 
@@ -214,6 +215,13 @@ class HybridAttention(HighPrecisionModule):
         validate_packed_seq_params(params, hidden_states.shape[0])
         return TokenLayout.packed(params.cu_seqlens_q, hidden_states.shape[0], hidden_states.device,
                                   params.cu_seqlens_q_padded, params.max_seqlen_q)
+
+    def _attend_rows(self, x: Tensor, layout: TokenLayout, cp: Optional[ContextParallelRows] = None) -> Tensor:
+        """`_attend`; under `recompute_attention` in training only `x` is kept and backward runs the
+        attention again (its collectives too, in the same order on every rank)."""
+        if self.config.recompute_attention and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._attend, x, layout, cp, use_reentrant=False)
+        return self._attend(x, layout, cp)
 
     def _attend(self, x: Tensor, layout: TokenLayout, cp: Optional[ContextParallelRows] = None) -> Tensor:
         """Token rows `x [T, d]` → this rank's grouped-projected attention output `[T, G/tp·Ro]`."""
