@@ -92,8 +92,8 @@ class HybridAttentionConfig:
     indexer_loss_backward_scale: float = 1.0  # gradient the KL loss receives (spec §4.5)
 
     # Kernels: "auto" (fastest backend that accepts each call, else the unfused reference) or a
-    # backend name for every op; the overrides name one per op family (e.g. {"topk": "cudnn"}).
-    # Names are checked against the registered backends when a layer is built.
+    # backend name for every op; the overrides name one per op family (e.g. {"topk": "cudnn"}),
+    # and the names are checked against the registered backends when a layer is built.
     attention_backend: str = "auto"  # "auto" or one backend name for every op family
     attention_backend_overrides: dict[str, str] = field(default_factory=dict)  # op family → backend
 

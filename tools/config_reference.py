@@ -48,13 +48,16 @@ _MEANINGS = {
     "attention_backend": "'auto' or a backend name (python -m megatron_dsa info lists them)",
     "init_method_std": "N(0, std) init; output projection std / sqrt(2·num_layers)",
     "add_bias_linear": "must stay False (no biases)",
+    "recompute_attention": "recompute the attention in backward; only the input rows are kept",
 }
 _MEGATRON_RENAMED = {"layer_pattern": "`csa_compress_ratios` (dev; 0→W, 4→C, ≥8→H)",
                      "hca_compress_ratio": "the H ratio in `csa_compress_ratios` (dev)",
                      "cp_partition": "`cp_partition_mode` (where present)",
                      "cp_comm_type": "`cp_comm_type` (`allgather` → `all_gather`)",
                      "attention_backend": "`attention_backend` (enum: local/unfused → unfused, others → auto)",
-                     "add_bias_linear": "`add_bias_linear` (must be False)"}
+                     "add_bias_linear": "`add_bias_linear` (must be False)",
+                     "recompute_attention": "on with `recompute_granularity='selective'` and `core_attn` or "
+                                            "`mla_up_proj` in `recompute_modules`"}
 
 
 def megatron_column(name: str) -> str:
@@ -72,18 +75,33 @@ def render() -> str:
     defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
                 for f in dataclasses.fields(HybridAttentionConfig)}
     body = inspect.getsource(HybridAttentionConfig).split("\n    def ", 1)[0].splitlines()
-    out = []
+    out, block = [], []
     for line in body:
         section, field = _SECTION.match(line), _FIELD.match(line)
         if section and not field and not section.group("title").startswith("-"):
-            out += ["", f"**{section.group('title')}**", "", "| field | type | default | meaning | Megatron-Core |",
-                    "|---|---|---|---|---|"]
-        elif field and field.group("name") in defaults:
+            block.append(section.group("title"))  # a section's comment may run over several lines
+            continue
+        if block:
+            out += section_heading(block)
+            block = []
+        if field and field.group("name") in defaults:
             name = field.group("name")
             meaning = (field.group("comment") or _MEANINGS.get(name, "")).replace("|", "\\|")
             out.append(f"| `{name}` | `{field.group('type').strip()}` | `{defaults[name]!r}` | {meaning} | "
                        f"{megatron_column(name)} |")
     return "\n".join(out).strip() + "\n"
+
+
+def section_heading(comment: list[str]) -> list[str]:
+    """A section's comment lines → its bold title (the text before the first ':', or all of a
+    one-line comment), the rest of the comment as a sentence, and the table header."""
+    text = " ".join(comment)
+    title, _, rest = text.partition(":") if ":" in comment[0] else (text, "", "")
+    heading = ["", f"**{title.strip().rstrip('.')}**", ""]
+    if rest.strip():
+        sentence = rest.strip()
+        heading += [sentence[0].upper() + sentence[1:] + ("" if sentence.endswith(".") else "."), ""]
+    return heading + ["| field | type | default | meaning | Megatron-Core |", "|---|---|---|---|---|"]
 
 
 def current_section(text: str) -> str:
