@@ -118,6 +118,7 @@ class MegatronHybridAttention(HybridAttention):
                             f"{type(hybrid_config).__name__}")
         state = parallel_state_from_megatron(pg_collection)
         _check_group_sizes(config, state)
+        _use_per_layer_checkpoint_keys(config)
         # Own copy per layer: the per-layer cp_comm_type and the indexer-loss scale live in it.
         own = (hybrid_config.replace(cp_comm_type=cp_comm_type_from_megatron(cp_comm_type))
                if cp_comm_type is not None else dataclasses.replace(hybrid_config))
@@ -166,11 +167,16 @@ class MegatronHybridAttention(HybridAttention):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:
-        """Megatron distributed-checkpoint entries: TP-split parameters as TP-sharded tensors."""
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-        axis_map = {name: dim for name, dim in partition_dims(self).items() if dim is not None}
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
-                                                   axis_map, sharded_offsets)
+        """Megatron distributed-checkpoint entries `{prefix + name: ShardedTensor}` of this layer.
+
+        TP-split parameters (`partition_dims`: q up-projection and grouped output projection along
+        dim 0, attention sinks `[heads/tp]` along dim 0, `linear_proj` along dim 1) are TP fragments
+        of one global tensor; the rest (norms, down-projections, compressor, indexer) are replicated
+        over TP. Every CP and DP rank holds a full copy, so only the first one is the main replica
+        (the one that is written). `sharded_offsets` (Megatron's stacked-layer axis, empty with the
+        per-layer keys `__init__` selects) are prepended. `metadata` is not needed."""
+        return _sharded_tensors(self.state_dict(prefix="", keep_vars=True), prefix, partition_dims(self),
+                                tuple(sharded_offsets), self.parallel_state)
 
 
 class MegatronDenseMLAttention(MegatronHybridAttention, DenseMLAttention):
@@ -267,3 +273,104 @@ def hybrid_gpt_model(megatron_config: Any, vocab_size: int, max_sequence_length:
     hybrid = hybrid_config_from_megatron(megatron_config, layer_pattern, **hybrid_overrides)
     return GPTModel(megatron_config, hybrid_layer_spec(hybrid, base_layer_spec), vocab_size=vocab_size,
                     max_sequence_length=max_sequence_length, position_embedding_type="none", **gpt_kwargs)
+
+
+# ---------------------------------------------------------------- distributed checkpoints
+def _use_per_layer_checkpoint_keys(megatron_config: Any) -> None:
+    """Make Megatron's `TransformerBlock` checkpoint every layer under its own keys
+    (`decoder.layers.{i}.…`) instead of stacking all layers' same-named tensors along a layer axis.
+
+    Stacking needs every layer to hold the same names and shapes, which a mixed pattern breaks (a W
+    layer has no compressor, C and H compressors differ in shape, only C has an indexer, M is another
+    module). It is set for every pattern, uniform ones included, which save correctly either way:
+    one layout keeps a checkpoint's keys those of the model's `state_dict` whatever the pattern, the
+    keys carry global layer numbers (so pipeline resharding still works), and Megatron itself is
+    retiring the stacked layout (`non_homogeneous_layers=False` is deprecated there). The flag is
+    read when the block builds its sharded state dict, so setting it while the layers are built is
+    in time. The misspelling is Megatron's field name."""
+    megatron_config.hetereogenous_dist_checkpoint = True
+
+
+def _sharded_tensors(state: dict[str, Tensor], prefix: str, dims: dict[str, Optional[int]],
+                     sharded_offsets: tuple, parallel_state: ParallelState) -> dict[str, Any]:
+    """`{prefix + name: ShardedTensor}` for a module's local `state` (`dims`: TP split dim or None).
+
+    Replica ids follow Megatron's `(0, tp replica, data-and-context replica)`: a TP fragment is
+    unique within its TP group (middle 0), a TP-replicated tensor is a replica on every TP rank but
+    the first. The last entry is the rank in the data-and-context-parallel group."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    tp_rank, tp_size = parallel_state.tp_rank, parallel_state.tp_size
+    data_replica = _data_and_context_rank(parallel_state)
+    prepended = len(sharded_offsets)
+    out = {}
+    for name, tensor in state.items():
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{prefix}{name}: only tensors can be checkpointed, got {type(tensor).__name__}")
+        dim, key = dims.get(name), f"{prefix}{name}"
+        if dim is None:
+            offsets, replica_id = sharded_offsets, (0, tp_rank, data_replica)
+        else:
+            offsets, replica_id = (*sharded_offsets, (prepended + dim, tp_rank, tp_size)), (0, 0, data_replica)
+        out[key] = ShardedTensor.from_rank_offsets(key, tensor, *offsets, replica_id=replica_id,
+                                                   prepend_axis_num=prepended)
+    return out
+
+
+def _data_and_context_rank(parallel_state: ParallelState) -> int:
+    """This rank's index in its data-and-context-parallel group (CP fastest, as Megatron orders it):
+    0 only on the first CP rank of the first DP replica, distinct on every other rank."""
+    from megatron_dsa.parallel.state import group_rank
+
+    return group_rank(parallel_state.dp_group) * parallel_state.cp_size + parallel_state.cp_rank
+
+
+def save_dist_checkpoint(sharded_state_dict: dict[str, Any], directory: str) -> None:
+    """`megatron.core.dist_checkpointing.save` into `directory` (created if missing), also where
+    torch has no CUDA. Collective: every rank of the default group calls it with its own
+    `sharded_state_dict` (e.g. `{"model": model.sharded_state_dict(), "step": 7}`; plain values must
+    be equal on all ranks and go to the common file)."""
+    require_megatron()
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with _HostOnlyCudaCalls():
+        dist_checkpointing.save(sharded_state_dict, str(directory))
+
+
+def load_dist_checkpoint(sharded_state_dict: dict[str, Any], directory: str) -> dict[str, Any]:
+    """`megatron.core.dist_checkpointing.load`: the state dict of this rank's shards (for
+    `model.load_state_dict`), read from a checkpoint saved under any TP / CP / DP sizes."""
+    require_megatron()
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    if not (Path(directory) / "metadata.json").is_file():
+        raise ValueError(f"{directory} is not a Megatron distributed checkpoint (no metadata.json)")
+    with _HostOnlyCudaCalls():
+        return dist_checkpointing.load(sharded_state_dict, str(directory))
+
+
+class _HostOnlyCudaCalls:
+    """Without CUDA, stand in for the two CUDA calls of Megatron's `torch_dist` saver (a context).
+
+    After staging tensors to host memory it calls `torch.cuda.synchronize()` (host tensors: nothing
+    to wait for), and it broadcasts its failure flag from `torch.cuda.current_device()` (a CPU tensor
+    works over gloo). Both raise on a torch without CUDA, so CPU runs could not checkpoint at all.
+    With CUDA nothing changes; the originals are restored on exit."""
+
+    def __init__(self) -> None:
+        self.originals: Optional[tuple[Any, Any]] = None
+
+    def __enter__(self) -> None:
+        if not torch.cuda.is_available():
+            self.originals = torch.cuda.synchronize, torch.cuda.current_device
+            torch.cuda.synchronize = lambda device=None: None
+            torch.cuda.current_device = lambda: "cpu"
+
+    def __exit__(self, *exception: Any) -> None:
+        if self.originals is not None:
+            torch.cuda.synchronize, torch.cuda.current_device = self.originals
