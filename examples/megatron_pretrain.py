@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing the
 
 from megatron_dsa.data import (Batch, RetrievalTask, load_stdlib_corpus, make_batch,  # noqa: E402
                                seeded_generator, split_corpus)
-from megatron_dsa.integrations.megatron import (INDEXER_LOSS_NAME, hybrid_gpt_model,  # noqa: E402
+from megatron_dsa.integrations.megatron import (hybrid_gpt_model, tracked_indexer_losses,  # noqa: E402
                                                 indexer_loss_scale, load_dist_checkpoint, require_megatron,
                                                 save_dist_checkpoint, set_indexer_loss_scale)
 from megatron_dsa.integrations.megatron_config import to_megatron_kwargs  # noqa: E402
@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (processes = tp × cp)")
     parser.add_argument("--save", type=Path, default=None, help="write a distributed checkpoint here at the end")
     parser.add_argument("--load", type=Path, default=None, help="resume from this distributed checkpoint")
+    parser.add_argument("--gpu-init", action="store_true",
+                        help="initialise Megatron's own layers on the GPU with its per-TP-rank RNG streams "
+                             "(faster for big models; the initial weights then depend on --tp)")
     return parser.parse_args(argv)
 
 
@@ -95,7 +98,7 @@ def init_distributed(tp: int, cp: int, device: torch.device) -> bool:
     return True
 
 
-def build_model(job: JobConfig, tp: int, cp: int, device: torch.device) -> torch.nn.Module:
+def build_model(job: JobConfig, tp: int, cp: int, device: torch.device, gpu_init: bool = False) -> torch.nn.Module:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -106,7 +109,9 @@ def build_model(job: JobConfig, tp: int, cp: int, device: torch.device) -> torch
         **attention_kwargs, tensor_model_parallel_size=tp, context_parallel_size=cp,
         ffn_hidden_size=job.model.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=device.type == "cpu")
+        # CPU initialisation draws every weight whole and keeps this rank's block, as our layers do:
+        # the model is the same at any --tp, so runs at different layouts can be compared.
+        use_cpu_initialization=device.type == "cpu" or not gpu_init)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(job.train.seed)  # Megatron's TP init streams
     torch.manual_seed(job.train.seed)
@@ -186,22 +191,6 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def indexer_losses() -> list[float]:
-    """Per-layer indexer KL of the last step from Megatron's auxiliary-loss tracker (then cleared).
-
-    Under CP each rank tracked its part of every layer's loss; the parts add up over CP."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-    entry = get_moe_layer_wise_logging_tracker().get(INDEXER_LOSS_NAME)
-    if entry is None:
-        return []
-    values = entry["values"].detach().clone()
-    dist.all_reduce(values, group=parallel_state.get_context_parallel_group())
-    entry["values"].zero_()
-    return values.tolist()
-
-
 def save_checkpoint(model: torch.nn.Module, directory: Path, next_step: int) -> None:
     """Megatron distributed checkpoint of the model's shards and the step to resume at (collective)."""
     save_dist_checkpoint({"model": model.sharded_state_dict(), "step": next_step}, str(directory))
@@ -236,7 +225,7 @@ def run(job: JobConfig, args: argparse.Namespace, device: torch.device) -> list[
     """Build (and maybe load) the model, train from its step to `--steps`, maybe save; the losses."""
     train = job.train
     leader = dist.get_rank() == 0
-    model = build_model(job, args.tp, args.cp, device)
+    model = build_model(job, args.tp, args.cp, device, args.gpu_init)
     start = load_checkpoint(model, args.load) if args.load is not None else 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
                                   betas=(train.adam_beta1, train.adam_beta2))
@@ -250,7 +239,7 @@ def run(job: JobConfig, args: argparse.Namespace, device: torch.device) -> list[
     losses = []
     for step in range(start, train.steps):
         losses.append(train_step(model, optimizer, job, text, task, positions, step, args.cp, device))
-        indexer = indexer_losses()
+        indexer = tracked_indexer_losses()  # this step's, summed over CP; then cleared
         if leader:
             kl = ", ".join(f"{v:.2e}" for v, kind in zip(indexer, job.attention.layer_pattern) if kind == "C")
             print(f"step {step + 1}: loss {losses[-1]:.4f} | indexer KL (C layers) {kl}")

@@ -120,23 +120,66 @@ def all_gather(local: torch.Tensor) -> list[torch.Tensor]:
 
 
 def check_indexer_loss_plumbing(rank: int, world: int) -> None:
+    """The indexer loss lands in Megatron's DSA tracker (what Megatron-LM's training log reports),
+    in the MoE aux-loss tracker only when asked, and its backward scale follows set_indexer_loss_scale."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     grads = {}
     for scale in (1.0, 3.0):
         integration.set_indexer_loss_scale(scale)
         get_moe_layer_wise_logging_tracker().clear()
+        integration.tracked_indexer_losses()  # clears what earlier checks tracked
         model, recorder, _ = run_gpt(rank, world, "CH", sequence_parallel=False)
-        from megatron.core import parallel_state
         parallel_state.destroy_model_parallel()
-        tracked = get_moe_layer_wise_logging_tracker()[integration.INDEXER_LOSS_NAME]["values"]
-        torch.testing.assert_close(tracked[0], recorder.layers[0].last_indexer_loss)
+        tracked = integration.tracked_indexer_losses()
+        torch.testing.assert_close(torch.tensor(tracked[0]), recorder.layers[0].last_indexer_loss)
         assert tracked[1] == 0  # the H layer has no indexer
+        assert integration.tracked_indexer_losses() == [0.0, 0.0]  # cleared by the first read
+        assert integration.INDEXER_LOSS_NAME not in get_moe_layer_wise_logging_tracker()
         grads[scale] = {name: p.grad.clone() for name, p in recorder.layers[0].named_parameters()}
     integration.set_indexer_loss_scale(1.0)
     for name, grad in grads[1.0].items():
         factor = 3.0 if ".indexer." in name else 1.0
         torch.testing.assert_close(grads[3.0][name], grad * factor, rtol=1e-5, atol=1e-9, msg=name)
+
+    parallel_state.initialize_model_parallel(1)
+    config, overrides = megatron_config(tiny("CH"))
+    model = integration.hybrid_gpt_model(config, VOCAB, SEQ, indexer_loss_in_moe_tracker=True, **overrides)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    model(tokens, None, None, labels=tokens).float().mean().backward()
+    moe = get_moe_layer_wise_logging_tracker()[integration.INDEXER_LOSS_NAME]["values"]
+    torch.testing.assert_close(moe[0], model.decoder.layers[0].self_attention.last_indexer_loss)
+    integration.tracked_indexer_losses()
+    parallel_state.destroy_model_parallel()
+
+
+def check_position_signals(rank: int, world: int) -> None:
+    """A GPTModel adding learned absolute positions is rejected at build time; position_ids the
+    layers cannot honour are rejected at forward time, the right ones (plain or restarting per
+    document) pass."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    parallel_state.initialize_model_parallel(1)
+    hybrid = tiny("CH")
+    config, overrides = megatron_config(hybrid)
+    spec = integration.hybrid_layer_spec(integration.hybrid_config_from_megatron(config, **overrides))
+    with pytest.raises(ValueError, match="learned absolute"):
+        GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="none")
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    model(tokens, positions, None)
+    with pytest.raises(ValueError, match="position_ids must count"):
+        model(tokens, positions + 5, None)
+    documents = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
+    documents[10:, :10] = True
+    restarting = torch.cat((torch.arange(10), torch.arange(SEQ - 10))).expand(BATCH, SEQ)
+    model(tokens, restarting, documents[None, None])
+    with pytest.raises(ValueError, match="restart at every document"):
+        model(tokens, positions, documents[None, None])  # --reset-attention-mask without --reset-position-ids
+    parallel_state.destroy_model_parallel()
 
 
 def check_adapter_sequence_parallel(rank: int, world: int) -> None:
@@ -169,6 +212,7 @@ def single_rank_checks(rank: int, world: int) -> None:
         check_against_standalone(rank, world, pattern, False)
         parallel_state.destroy_model_parallel()
     check_indexer_loss_plumbing(rank, world)
+    check_position_signals(rank, world)
     run_user_guide_snippet()
 
 

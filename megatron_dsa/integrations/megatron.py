@@ -13,9 +13,13 @@ at its (global, 1-indexed) layer number, and answers Megatron's `self_attention(
 Megatron-Core DSv4 attention state dict.
 
 Indexer KL loss (spec §4.5, §12.2): each training forward records the coefficient-scaled loss in
-Megatron's auxiliary-loss tracker (`save_to_aux_losses_tracker`, name `"indexer loss"`), and its
-backward scale is the process-wide value set by `set_indexer_loss_scale`, which the training loop
-sets before every step to `indexer_loss_scale(...)` (Megatron's rule for auxiliary losses).
+Megatron's DSA indexer-loss tracker (`DSAIndexerLossLoggingHelper`, which Megatron-LM's training
+loop logs as "indexer loss"; the MoE aux-loss tracker too on request), and its backward scale is
+the process-wide value set by `set_indexer_loss_scale`, which the training loop sets before every
+step to `indexer_loss_scale(...)` (Megatron's rule for auxiliary losses).
+
+Position signals: a `GPTModel` with learned absolute position embeddings is rejected when our
+layers are built into it, and its `position_ids` are checked against the positions the layers use.
 
 megatron-core is imported only when something is built, so this module imports without it.
 """
@@ -23,6 +27,7 @@ megatron-core is imported only when something is built, so this module imports w
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Optional
 
 import torch
@@ -112,13 +117,16 @@ class MegatronHybridAttention(HybridAttention):
         return nn.Module.__new__(cls)
 
     def __init__(self, config: Any, layer_number: int, hybrid_config: HybridAttentionConfig,
-                 pg_collection: Any = None, cp_comm_type: Optional[str] = None):
+                 pg_collection: Any = None, cp_comm_type: Optional[str] = None,
+                 indexer_loss_in_moe_tracker: bool = False):
         if not isinstance(hybrid_config, HybridAttentionConfig):
             raise TypeError(f"hybrid_config must be a HybridAttentionConfig, got "
                             f"{type(hybrid_config).__name__}")
         state = parallel_state_from_megatron(pg_collection)
         _check_group_sizes(config, state)
         _use_per_layer_checkpoint_keys(config)
+        _check_enclosing_gpt_model(state, hybrid_config.cp_partition)
+        self.indexer_loss_in_moe_tracker = indexer_loss_in_moe_tracker
         # Own copy per layer: the per-layer cp_comm_type and the indexer-loss scale live in it.
         own = (hybrid_config.replace(cp_comm_type=cp_comm_type_from_megatron(cp_comm_type))
                if cp_comm_type is not None else dataclasses.replace(hybrid_config))
@@ -160,10 +168,16 @@ class MegatronHybridAttention(HybridAttention):
         return output, bias
 
     def _track_indexer_loss(self, loss: Tensor) -> None:
-        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
-        # CP ranks' losses are parts of one mean (summed); TP ranks hold identical values.
-        save_to_aux_losses_tracker(INDEXER_LOSS_NAME, loss, self.layer_number, self.config.num_layers,
-                                   reduce_group=self.parallel_state.cp_group)
+        """Into Megatron's DSA indexer-loss tracker, which Megatron-LM's training loop logs as
+        "indexer loss"; into the MoE auxiliary-loss tracker too when built with
+        `indexer_loss_in_moe_tracker=True`. CP ranks' losses are parts of one mean (the trackers sum
+        them over CP); TP ranks hold identical values."""
+        cp_group = self.parallel_state.cp_group
+        track_dsa_indexer_loss(loss, self.layer_number, self.config.num_layers, cp_group)
+        if self.indexer_loss_in_moe_tracker:
+            from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+            save_to_aux_losses_tracker(INDEXER_LOSS_NAME, loss, self.layer_number, self.config.num_layers,
+                                       reduce_group=cp_group)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:
@@ -230,13 +244,108 @@ def _check_group_sizes(config: Any, state: ParallelState) -> None:
                              f"has {size} ranks")
 
 
+def track_dsa_indexer_loss(loss: Tensor, layer_number: int, num_layers: int, reduce_group: Any) -> None:
+    """Add `loss` to Megatron's DSA indexer-loss tracker (`DSAIndexerLossLoggingHelper`), whose
+    values Megatron-LM's `training_log` reduces and reports; the tracker's buffer is made on the
+    loss's device (Megatron's own helper would put it on the current CUDA device)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+
+    tracker = DSAIndexerLossLoggingHelper.tracker
+    if "values" not in tracker:
+        tracker["values"] = torch.zeros(num_layers, device=loss.device)
+    DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, layer_number, num_layers, reduce_group=reduce_group)
+
+
+def tracked_indexer_losses(clear: bool = True) -> list[float]:
+    """Per-layer indexer losses in the DSA tracker since it was last cleared, summed over this rank's
+    context-parallel group (what Megatron-LM's logging reports per layer, before its DP average)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+
+    tracker = DSAIndexerLossLoggingHelper.tracker
+    if "values" not in tracker:
+        return []
+    values = tracker["values"].detach().clone()
+    if tracker.get("reduce_group") is not None:
+        torch.distributed.all_reduce(values, group=tracker["reduce_group"])
+    if clear:
+        DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
+    return values.tolist()
+
+
+# ---------------------------------------------------------------- position signals
+def _check_enclosing_gpt_model(state: ParallelState, cp_partition: str) -> None:
+    """Reject a `GPTModel` that would add a second position signal, and have it check its position_ids.
+
+    The layer spec cannot see the model it is built into, so the `GPTModel` under construction is
+    found on the call stack (its `__init__` sets `position_embedding_type` before building the
+    decoder). Learned absolute position embeddings would be added to the input on top of the
+    layers' RoPE: rejected. The model then gets a forward pre-hook (once) that rejects position_ids
+    the layers cannot honour (see `check_position_ids`)."""
+    from megatron.core.models.gpt import GPTModel
+
+    frame = sys._getframe(1)
+    while frame is not None and not isinstance(frame.f_locals.get("self"), GPTModel):
+        frame = frame.f_back
+    if frame is None:
+        return
+    model = frame.f_locals["self"]
+    embedding = getattr(model, "position_embedding_type", None)
+    if embedding == "learned_absolute":
+        raise ValueError(f"GPTModel(position_embedding_type='learned_absolute') would add learned absolute "
+                         f"position embeddings on top of the hybrid layers' RoPE; {_ROTARY_HINT}")
+    if not getattr(model, "_hybrid_position_check", False):
+        model._hybrid_position_check = True
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: _gpt_position_ids_hook(args, kwargs, state, cp_partition),
+            with_kwargs=True)
+
+
+def _gpt_position_ids_hook(args: tuple, kwargs: dict, state: ParallelState, cp_partition: str) -> None:
+    names = ("input_ids", "position_ids", "attention_mask")
+    given = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
+    if given.get("position_ids") is not None and given.get("input_ids") is not None:
+        check_position_ids(given["position_ids"], given.get("attention_mask"), tuple(given["input_ids"].shape),
+                           state.cp_size, state.cp_rank, cp_partition)
+
+
+def check_position_ids(position_ids: Tensor, attention_mask: Optional[Tensor], shape: tuple[int, int],
+                       cp_size: int = 1, cp_rank: int = 0, cp_partition: str = "zigzag") -> None:
+    """The hybrid layers derive positions themselves: 0, 1, ... along each sequence, restarting at
+    every document a document mask keeps apart. `position_ids [B | 1, S/cp]` (this CP rank's part)
+    must say the same, or ValueError: a model that fed other positions (Megatron's
+    `--reset-attention-mask` without `--reset-position-ids`, offsets) would be silently ignored.
+    One host synchronisation per call."""
+    from megatron_dsa.packed_seq import documents_from_attention_mask
+    from megatron_dsa.parallel.context import shard_sequence
+
+    batch, local = shape
+    seqlen = local * cp_size
+    documents = None
+    if attention_mask is not None and cp_size == 1:
+        documents = documents_from_attention_mask(attention_mask, batch, seqlen)
+    rows = torch.arange(batch * seqlen, device=position_ids.device)
+    if documents is None:
+        expected = (rows % seqlen).view(batch, seqlen)
+    else:
+        bounds = documents.to(position_ids.device, torch.long)
+        expected = (rows - torch.repeat_interleave(bounds[:-1], bounds[1:] - bounds[:-1])).view(batch, seqlen)
+    if cp_size > 1:
+        expected = shard_sequence(expected, cp_size, cp_rank, cp_partition, dim=1)
+    if not torch.equal(position_ids.expand(batch, local).to(expected.dtype), expected):
+        raise ValueError("position_ids must count 0, 1, ... along each sequence and restart at every document the "
+                         "attention_mask separates (Megatron's --reset-position-ids with --reset-attention-mask): "
+                         "the hybrid layers compute RoPE positions themselves and cannot take others")
+
+
 # ---------------------------------------------------------------- specs and models
-def hybrid_layer_spec(hybrid_config: HybridAttentionConfig, base_layer_spec: Any = None) -> Any:
+def hybrid_layer_spec(hybrid_config: HybridAttentionConfig, base_layer_spec: Any = None,
+                      indexer_loss_in_moe_tracker: bool = False) -> Any:
     """A `TransformerLayer` `ModuleSpec` whose `self_attention` is `MegatronHybridAttention`.
 
     `base_layer_spec` supplies everything else (norms, MLP, bias-dropout-add); default: Megatron's
     local spec with RMSNorm. Its `input_layernorm` must be a real norm (a Transformer-Engine spec
-    fuses it into `linear_qkv`, which the hybrid layer does not have)."""
+    fuses it into `linear_qkv`, which the hybrid layer does not have). The indexer losses go to
+    Megatron's DSA tracker; `indexer_loss_in_moe_tracker` adds them to the MoE aux-loss tracker."""
     require_megatron()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
@@ -250,19 +359,22 @@ def hybrid_layer_spec(hybrid_config: HybridAttentionConfig, base_layer_spec: Any
         raise ValueError("base_layer_spec has no input_layernorm (a Transformer-Engine spec fuses it into "
                          "linear_qkv); use a spec with a separate norm, e.g. "
                          "get_gpt_layer_local_spec(normalization='RMSNorm')")
-    attention = ModuleSpec(module=MegatronHybridAttention, params={"hybrid_config": hybrid_config})
+    attention = ModuleSpec(module=MegatronHybridAttention, params={
+        "hybrid_config": hybrid_config, "indexer_loss_in_moe_tracker": indexer_loss_in_moe_tracker})
     return ModuleSpec(module=base.module, params=dict(base.params),
                       submodules=dataclasses.replace(submodules, self_attention=attention))
 
 
 def hybrid_gpt_model(megatron_config: Any, vocab_size: int, max_sequence_length: int,
                      layer_pattern: Optional[str] = None, base_layer_spec: Any = None,
-                     gpt_kwargs: Optional[dict[str, Any]] = None, **hybrid_overrides: Any) -> Any:
+                     gpt_kwargs: Optional[dict[str, Any]] = None, indexer_loss_in_moe_tracker: bool = False,
+                     **hybrid_overrides: Any) -> Any:
     """A Megatron-Core `GPTModel` whose attention layers are ours.
 
     `hybrid_overrides` give the hybrid fields `megatron_config` lacks (see
     `hybrid_config_from_megatron`); `gpt_kwargs` go to `GPTModel` (its position embedding is always
-    'none': the layers rotate q and k themselves)."""
+    'none': the layers rotate q and k themselves); `indexer_loss_in_moe_tracker`: see
+    `hybrid_layer_spec`."""
     require_megatron()
     from megatron.core.models.gpt import GPTModel
 
@@ -271,7 +383,8 @@ def hybrid_gpt_model(megatron_config: Any, vocab_size: int, max_sequence_length:
     if embedding != "none":
         raise ValueError(f"position_embedding_type must be 'none' ({_ROTARY_HINT}), got {embedding!r}")
     hybrid = hybrid_config_from_megatron(megatron_config, layer_pattern, **hybrid_overrides)
-    return GPTModel(megatron_config, hybrid_layer_spec(hybrid, base_layer_spec), vocab_size=vocab_size,
+    spec = hybrid_layer_spec(hybrid, base_layer_spec, indexer_loss_in_moe_tracker)
+    return GPTModel(megatron_config, spec, vocab_size=vocab_size,
                     max_sequence_length=max_sequence_length, position_embedding_type="none", **gpt_kwargs)
 
 
