@@ -16,9 +16,10 @@ Parallelism: `--tp T --cp C` on exactly T·C ranks (no data parallelism here), M
 (`initialize_model_parallel`). Under context parallelism every rank feeds its part of each sequence
 (the attention config's `cp_partition`, zigzag by default; `train.seq_len` must divide into 2·C
 chunks, C for `contiguous`), the loss is assembled over the CP group (the printed loss is the CP 1
-loss) and gradients are averaged over it as Megatron's DDP does. Megatron's torch norms refuse
-sequence parallelism, so `sequence_parallel` needs Apex or Transformer Engine norms (pass your own
-`base_layer_spec`).
+loss) and gradients are averaged over it as Megatron's DDP does. `--sp` adds sequence parallelism
+over the TP group: the spec then uses the package's RMSNorm (Megatron's torch norm refuses SP),
+whose weight gradients are summed over TP after the backward (GPU only: Megatron's SP scatter
+allocates on the current CUDA device).
 
 Checkpoints: `--save DIR` writes a Megatron distributed checkpoint (`model.sharded_state_dict()`,
 `dist_checkpointing.save`) of the model and the next step at the end; `--load DIR` restores it
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="train up to this step (a resumed run too)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (processes = tp × cp)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism over the TP group (--tp > 1)")
     parser.add_argument("--save", type=Path, default=None, help="write a distributed checkpoint here at the end")
     parser.add_argument("--load", type=Path, default=None, help="resume from this distributed checkpoint")
     parser.add_argument("--gpu-init", action="store_true",
@@ -73,6 +75,8 @@ def check_arguments(args: argparse.Namespace, job: JobConfig) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be a positive int, got {value!r}")
+    if args.sp and args.tp == 1:
+        raise ValueError("--sp needs --tp > 1 (sequence parallelism splits over the TP group)")
     chunks = chunks_per_sequence(args.cp, job.attention.cp_partition)
     if job.train.seq_len % chunks:
         raise ValueError(f"train.seq_len {job.train.seq_len} must be a multiple of {chunks} for --cp {args.cp} "
@@ -209,6 +213,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     require_megatron()
     job = JobConfig.from_yaml(args.config, steps=args.steps)
     check_arguments(args, job)
+    if args.sp:
+        job = dataclasses.replace(job, attention=job.attention.replace(sequence_parallel=True))
     device = resolve_device(job.train.device)
     owns_group = init_distributed(args.tp, args.cp, device)
     try:
@@ -277,8 +283,20 @@ def forward_backward(model: torch.nn.Module, job: JobConfig, batch: Batch, posit
         token_loss = model(local.inputs, local_positions, None, labels=local.targets)  # [B, S/cp]
     share, loss = batch_loss(token_loss, local.loss_mask)
     (share * cp).backward()
+    sum_sequence_parallel_gradients(model)
     average_gradients_over_context_parallel(model)
     return float(loss)
+
+
+def sum_sequence_parallel_gradients(model: torch.nn.Module) -> None:
+    """Under sequence parallelism each TP rank's norms saw only its rows: their weights (marked
+    `sequence_parallel`, as Megatron marks them) get the sum over TP, as Megatron's
+    `finalize_model_grads` does."""
+    from megatron.core import parallel_state
+
+    for param in model.parameters():
+        if param.grad is not None and getattr(param, "sequence_parallel", False):
+            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
 
 
 if __name__ == "__main__":

@@ -119,9 +119,23 @@ def test_megatron_example_one_gpu(megatron_single_gpu) -> None:
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("flags", [["--tp", "2"]])
-def test_megatron_example_parallel_follows_one_gpu(megatron_single_gpu, flags) -> None:
+@pytest.mark.parametrize("flags,gpus", [(["--tp", "2"], 2), (["--tp", "2", "--sp"], 2), (["--cp", "2"], 2),
+                                        (["--tp", "2", "--sp", "--cp", "2"], 4)])
+def test_megatron_example_parallel_follows_one_gpu(megatron_single_gpu, flags, gpus) -> None:
+    need_gpus(gpus)
     job, expected = megatron_single_gpu
     got = example_losses(launch(["examples/megatron_pretrain.py", "--config", str(job), "--steps", str(STEPS)]
-                                + flags, 2))
+                                + flags, gpus))
     assert_follows(got, expected, "Megatron example " + " ".join(flags))
+
+
+@pytest.mark.multigpu
+def test_megatron_example_checkpoint_reloads_at_another_layout(megatron_single_gpu, tmp_path) -> None:
+    """Saved under TP 2 + SP after 2 steps, resumed on 1 GPU: step 3 follows the uninterrupted run
+    (the example does not save the AdamW moments, so later steps drift apart by design)."""
+    job, expected = megatron_single_gpu
+    first = example_losses(launch(["examples/megatron_pretrain.py", "--config", str(job), "--steps", "2", "--tp", "2",
+                                   "--sp", "--save", str(tmp_path / "ckpt")], 2))
+    resumed = example_losses(launch(["examples/megatron_pretrain.py", "--config", str(job), "--steps", "3",
+                                     "--load", str(tmp_path / "ckpt")], 1))
+    assert_follows(first + resumed, expected[:3], "Megatron example, TP 2 + SP saved, resumed on 1 GPU")

@@ -232,9 +232,55 @@ def run_user_guide_snippet() -> None:
     assert kinds == "WCHC"
 
 
+def sequence_parallel_gpt_equals_tp1(rank: int, world: int) -> None:
+    """A TP 2 + SP GPTModel (our SP-capable RMSNorm replaces Megatron's torch norm, which refuses SP)
+    and an independently built TP 1 GPTModel of the same seed: same loss, and every gradient equal
+    once the SP norms' partial gradients are summed over TP (what finalize_model_grads does).
+
+    GPU only: Megatron's sequence-parallel scatter allocates on the current CUDA device. fp32 on
+    both sides; the fused kernels' fp32 dots may round through TF32 (10-bit mantissa) in different
+    GEMM splits, so gradients are compared by cosine (> 0.9999) and relative error (< 1e-2): a
+    sharding mistake (a missing TP sum, a duplicated head) gives cosines far below 0.99."""
+    from megatron.core import parallel_state
+
+    from distributed import cosine, relative_error
+
+    def build_and_run(tp: int, sequence_parallel: bool):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        hybrid = tiny("WCHM", sequence_parallel=sequence_parallel)
+        config, overrides = megatron_config(hybrid, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
+        torch.manual_seed(0)
+        model = integration.hybrid_gpt_model(config, VOCAB, SEQ, **overrides).cuda()
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)).cuda()
+        loss = model(tokens, None, None, labels=tokens).float().mean()
+        loss.backward()
+        group = parallel_state.get_tensor_model_parallel_group()
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if getattr(param, "sequence_parallel", False):
+                dist.all_reduce(grad, group=group)
+            if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                parts = [torch.empty_like(grad) for _ in range(tp)]
+                dist.all_gather(parts, grad.contiguous(), group=group)
+                grad = torch.cat(parts, param.partition_dim)
+            grads[name] = grad
+        norms = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
+        parallel_state.destroy_model_parallel()
+        return loss.detach(), grads, norms
+
+    loss, grads, norms = build_and_run(world, True)
+    assert len(norms) == 2 * 4 + 1, norms  # two per layer and the final norm
+    expected_loss, expected, _ = build_and_run(1, False)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-3, atol=1e-5)
+    for name, grad in expected.items():
+        assert cosine(grads[name], grad) > 0.9999, (name, cosine(grads[name], grad))
+        assert relative_error(grads[name], grad) < 1e-2, (name, relative_error(grads[name], grad))
+
+
 def two_rank_checks(rank: int, world: int) -> None:
-    # Megatron's torch norms (no Apex / Transformer Engine on CPU) refuse sequence parallelism, so
-    # the GPTModel runs TP2 without it; the adapter's SP path is checked on its own.
+    # Megatron's sequence-parallel scatter needs CUDA: the GPTModel runs TP 2 without SP here, the
+    # adapter's SP path is checked on its own, and the SP GPTModel on GPUs below.
     check_against_standalone(rank, world, "CM", False)
     check_adapter_sequence_parallel(rank, world)
 
@@ -248,6 +294,11 @@ def test_gpt_model_attention_equals_standalone_layer_and_indexer_loss_plumbing()
 
 def test_tp2_gpt_model_and_sequence_parallel_adapter_equal_tp1_layer() -> None:
     run_distributed(two_rank_checks, 2)
+
+
+@pytest.mark.multigpu
+def test_tp2_sequence_parallel_gpt_model_equals_tp1_model_on_gpus() -> None:
+    run_distributed(sequence_parallel_gpt_equals_tp1, 2, backend="nccl")
 
 
 # ---------------------------------------------------------------- single-process checks

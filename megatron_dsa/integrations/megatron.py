@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.integrations.megatron_config import cp_comm_type_from_megatron, hybrid_config_from_megatron
+from megatron_dsa.layers.common import RMSNorm
 from megatron_dsa.layers.hybrid_attention import DenseMLAttention, HybridAttention
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel.sharding import partition_dims
@@ -361,8 +362,38 @@ def hybrid_layer_spec(hybrid_config: HybridAttentionConfig, base_layer_spec: Any
                          "get_gpt_layer_local_spec(normalization='RMSNorm')")
     attention = ModuleSpec(module=MegatronHybridAttention, params={
         "hybrid_config": hybrid_config, "indexer_loss_in_moe_tracker": indexer_loss_in_moe_tracker})
+    norms = {name: sequence_parallel_norm(getattr(submodules, name), hybrid_config)
+             for name in ("input_layernorm", "pre_mlp_layernorm")}
     return ModuleSpec(module=base.module, params=dict(base.params),
-                      submodules=dataclasses.replace(submodules, self_attention=attention))
+                      submodules=dataclasses.replace(submodules, self_attention=attention, **norms))
+
+
+def sequence_parallel_norm(norm: Any, hybrid_config: HybridAttentionConfig) -> Any:
+    """`norm`, or `MegatronRMSNorm` where `norm` is Megatron's torch norm under sequence parallelism
+    (which it refuses; Transformer Engine and Apex norms are kept)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return MegatronRMSNorm if hybrid_config.sequence_parallel and norm is WrappedTorchNorm else norm
+
+
+class MegatronRMSNorm(RMSNorm):
+    """Our RMSNorm behind Megatron's norm signature `(config, hidden_size, eps)`, for specs that need
+    sequence parallelism without Transformer Engine or Apex.
+
+    Under sequence parallelism each rank normalises only its rows, so the weight's gradient is
+    partial: the weight carries Megatron's `sequence_parallel` attribute and Megatron's
+    `finalize_model_grads` sums it over the TP group (a loop of your own must do the same)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any):
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ValueError(f"MegatronRMSNorm needs TransformerConfig.normalization='RMSNorm', got "
+                             f"{config.normalization!r}")
+        super().__init__(hidden_size, eps, "auto")
+        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
+                  else torch.device("cpu"))
+        self.to(device=device, dtype=getattr(config, "params_dtype", torch.float32))
 
 
 def hybrid_gpt_model(megatron_config: Any, vocab_size: int, max_sequence_length: int,
@@ -384,6 +415,15 @@ def hybrid_gpt_model(megatron_config: Any, vocab_size: int, max_sequence_length:
         raise ValueError(f"position_embedding_type must be 'none' ({_ROTARY_HINT}), got {embedding!r}")
     hybrid = hybrid_config_from_megatron(megatron_config, layer_pattern, **hybrid_overrides)
     spec = hybrid_layer_spec(hybrid, base_layer_spec, indexer_loss_in_moe_tracker)
+    if hybrid.sequence_parallel:  # the final norm too: Megatron's default block norm refuses SP
+        from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
+                                                                 get_num_layers_to_build)
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        blocks = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(megatron_config),
+                                            layer_norm=sequence_parallel_norm(WrappedTorchNorm, hybrid))
+        spec = ModuleSpec(module=TransformerBlock, submodules=blocks)
     return GPTModel(megatron_config, spec, vocab_size=vocab_size,
                     max_sequence_length=max_sequence_length, position_embedding_type="none", **gpt_kwargs)
 
