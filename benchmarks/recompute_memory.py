@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> str:
             layer.cpu()
             torch.cuda.empty_cache()
         (kept, peak, ms), (kept_r, peak_r, ms_r) = results
-        rows.append(f"| {kind} | {args.seq_len} | {kept:,.0f} → {kept_r:,.0f} | {peak:,.0f} → {peak_r:,.0f} | "
+        rows.append(f"| {kind.value} | {args.seq_len} | {kept:,.0f} → {kept_r:,.0f} | {peak:,.0f} → {peak_r:,.0f} | "
                     f"{ms:.1f} → {ms_r:.1f} | {kept_r / kept:.3f} |")
     return "\n".join(rows)
 

@@ -246,7 +246,10 @@ def sequence_parallel_gpt_equals_tp1(rank: int, world: int) -> None:
     from distributed import cosine, relative_error
 
     def build_and_run(tp: int, sequence_parallel: bool):
+        from megatron.core import tensor_parallel
+
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)  # the SP embedding forks Megatron's RNG tracker
         hybrid = tiny("WCHM", sequence_parallel=sequence_parallel)
         config, overrides = megatron_config(hybrid, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
         torch.manual_seed(0)
@@ -263,7 +266,10 @@ def sequence_parallel_gpt_equals_tp1(rank: int, world: int) -> None:
             if getattr(param, "tensor_model_parallel", False) and tp > 1:
                 parts = [torch.empty_like(grad) for _ in range(tp)]
                 dist.all_gather(parts, grad.contiguous(), group=group)
-                grad = torch.cat(parts, param.partition_dim)
+                # A strided split (Megatron's GLU fc1: each rank holds [gate_r; up_r]) interleaves.
+                stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+                pieces = [part.chunk(stride, dim) for part in parts]
+                grad = torch.cat([piece[i] for i in range(stride) for piece in pieces], dim)
             grads[name] = grad
         norms = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
         parallel_state.destroy_model_parallel()
