@@ -5,9 +5,8 @@
 
 Every rank writes its own shards. Tensor-parallel parameters and their optimizer moments are saved
 as DTensors sharded over the TP group, so a checkpoint saved at one TP / CP size loads at another
-(replicas, e.g. the CP ranks' copies, are written once). `save` starts copying the state to host memory
-and returns (the caller waits for the copy with `wait_staged` before its next optimizer step); the
-files are written by a background thread while training goes on, over a gloo group of
+(replicas, e.g. the CP ranks' copies, are written once). `save` copies the state to host memory and
+returns; the files are written by a background thread while training goes on, over a gloo group of
 their own so the writer's collectives never interleave with the training's NCCL ones. A save is
 committed (`step-N.partial` renamed to `step-N`, `latest` replaced, the older checkpoint removed)
 only after every rank finished writing, so a crash mid-save leaves the previous checkpoint intact.
@@ -110,9 +109,7 @@ class CheckpointWriter:
         # The background writer's collectives run on their own gloo group (every rank takes part).
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending: Optional[tuple[Future, Path, float]] = None
-        self.staging: Optional[Future] = None  # the pending save's copy of the state to host memory
         self.last_save_seconds: Optional[float] = None  # wall time of the last committed save
-        self.stager = _background_stager()
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
         self.wait()
@@ -129,22 +126,11 @@ class CheckpointWriter:
                  "extra": json.dumps(extra)}
         torch.save(_rng_state(), partial / f"rng-rank{_world_rank()}.pt")
         with _single_process_quiet():
-            result = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group,
-                                    async_stager=self.stager)
-        self.staging = getattr(result, "staging_completion", None)
-        self.pending = (getattr(result, "upload_completion", result), partial, started)
-
-    def wait_staged(self) -> None:
-        """Block until the pending save holds its host copy of the state. Call it before anything
-        changes the parameters or the optimizer state (`optimizer.step`): the copy is taken in the
-        background while the next forward and backward run."""
-        if self.staging is not None:
-            self.staging.result()
-            self.staging = None
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+        self.pending = (getattr(future, "upload_completion", future), partial, started)
 
     def wait(self) -> Optional[Path]:
         """Finish the pending save (if any) and commit it; returns the committed directory."""
-        self.wait_staged()
         if self.pending is None:
             return None
         future, partial, started = self.pending
@@ -168,19 +154,6 @@ class CheckpointWriter:
         os.replace(staged, pointer)
         if previous is not None and previous != final:
             shutil.rmtree(previous, ignore_errors=True)
-
-
-def _background_stager() -> Optional[Any]:
-    """Copies the state to (pinned, on CUDA) host memory on a side stream and a worker thread, so a
-    save blocks training only until `wait_staged`; None (torch's blocking copy) where this torch
-    has no `DefaultStager`."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
-        return None
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                                        use_non_blocking_copy=cuda))
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -268,10 +268,9 @@ def autocast(device: torch.device, dtype: str) -> torch.autocast:
 
 
 def train_step(model: HybridLM, optimizer: torch.optim.Optimizer, batch: Batch, step: int,
-               train: TrainConfig, device: torch.device, packed: Optional[PackedSeqParams] = None,
-               before_update: Callable[[], None] = lambda: None) -> StepStats:
-    """One optimizer step on `batch`; the indexer KL joins the backward inside the C layers.
-    `before_update` runs just before the parameters change (a checkpoint's copy must be taken)."""
+               train: TrainConfig, device: torch.device,
+               packed: Optional[PackedSeqParams] = None) -> StepStats:
+    """One optimizer step on `batch`; the indexer KL joins the backward inside the C layers."""
     started = time.perf_counter()
     state = model.parallel_state
     lr = learning_rate(step, train)
@@ -287,7 +286,6 @@ def train_step(model: HybridLM, optimizer: torch.optim.Optimizer, batch: Batch, 
     parts.total.backward()
     finalize_grads(model)
     grad_norm = clip_grad_norm(model, train.grad_clip or float("inf"))
-    before_update()
     optimizer.step()
     elapsed = time.perf_counter() - started
     loss = parts.total.detach().clone()
@@ -565,8 +563,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1)
         batch, packed = train_batch(job, corpus.train, step)
         packed = packed if packed is None else dataclasses.replace(
             packed, cu_seqlens_q=packed.cu_seqlens_q.to(device), cu_seqlens_kv=packed.cu_seqlens_kv.to(device))
-        stats = train_step(model, optimizer, batch.to(device), step, train, device, packed,
-                           before_update=checkpoints.wait_staged)
+        stats = train_step(model, optimizer, batch.to(device), step, train, device, packed)
         history.steps.append(stats)
         progress.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}")
         if step == start:
@@ -580,8 +577,8 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1)
         if completed % train.checkpoint_interval == 0 or completed == train.steps:
             staging = time.perf_counter()
             checkpoints.save(completed, model, optimizer, job_extra(completed, job, history))
-            write(f"checkpoint of step {completed}: started in {time.perf_counter() - staging:.2f} s, "
-                  f"copied and written in the background")
+            write(f"checkpoint of step {completed}: state staged in {time.perf_counter() - staging:.2f} s, "
+                  f"writing in the background")
             if leader:
                 write_history(history, out_dir)
     progress.close()
