@@ -40,7 +40,7 @@ from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import ParallelState, initialize_parallel_state
 from megatron_dsa.parallel.context import shard_sequence
-from megatron_dsa.parallel.sharding import PARTITION_ATTR
+from megatron_dsa.parallel.sharding import partition_dim
 
 HISTORY_NAME = "history.json"
 PLOT_NAME = "loss_curve.png"
@@ -334,7 +334,7 @@ def clip_grad_norm(model: HybridLM, max_norm: float) -> torch.Tensor:
     """Clip by the norm of the whole (unsharded) gradient: TP-split parameters contribute their
     squares summed over TP, replicated ones once."""
     state = model.parallel_state
-    grads = [(p.grad, getattr(p, PARTITION_ATTR, None) is not None) for p in model.parameters()
+    grads = [(p.grad, partition_dim(p) is not None) for p in model.parameters()
              if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)

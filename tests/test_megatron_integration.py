@@ -284,11 +284,56 @@ def sequence_parallel_gpt_equals_tp1(rank: int, world: int) -> None:
         assert relative_error(grads[name], grad) < 1e-2, (name, relative_error(grads[name], grad))
 
 
+def megatron_classes_equal_tp1_default(rank: int, world: int) -> None:
+    """A TP 2 GPTModel whose attention projections and norms are Megatron's local classes (given as
+    the spec's submodules) against an independently built TP 1 model with the package's own: the
+    classes are Megatron's, the keys unchanged, the loss and every gradient the same."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    megatron_classes = integration.MegatronHybridAttentionSubmodules(ColumnParallelLinear, RowParallelLinear,
+                                                                    WrappedTorchNorm)
+
+    def build_and_run(tp: int, submodules):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        config, overrides = megatron_config(tiny("WCHM"), tensor_model_parallel_size=tp)
+        torch.manual_seed(0)
+        model = integration.hybrid_gpt_model(config, VOCAB, SEQ, attention_submodules=submodules, **overrides)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens, None, None, labels=tokens).float().mean()
+        loss.backward()
+        attention = model.decoder.layers[3].self_attention
+        grads = {}
+        for name, param in model.named_parameters():
+            grad, dim = param.grad, partition_dims(model)[name]
+            if dim is not None and tp > 1 and getattr(param, "partition_stride", 1) == 1:
+                grad = torch.cat(all_gather(grad), dim)
+            grads[name] = grad
+        parallel_state.destroy_model_parallel()
+        return loss.detach(), grads, attention
+
+    loss, grads, attention = build_and_run(world, megatron_classes)
+    assert type(attention.linear_q_up_proj) is ColumnParallelLinear and type(attention.linear_kv_up_proj) is ColumnParallelLinear
+    assert type(attention.linear_proj) is RowParallelLinear and type(attention.q_layernorm) is torch.nn.RMSNorm
+    expected_loss, expected, _ = build_and_run(1, None)
+    assert set(grads) == set(expected)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-7)
+    for name, grad in expected.items():
+        if "mlp.linear_fc1" in name:  # Megatron's GLU fc1 shards interleave gate and up (stride 2)
+            continue
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
 def two_rank_checks(rank: int, world: int) -> None:
     # Megatron's sequence-parallel scatter needs CUDA: the GPTModel runs TP 2 without SP here, the
     # adapter's SP path is checked on its own, and the SP GPTModel on GPUs below.
+    from megatron.core import parallel_state
+
     check_against_standalone(rank, world, "CM", False)
+    parallel_state.destroy_model_parallel()
     check_adapter_sequence_parallel(rank, world)
+    megatron_classes_equal_tp1_default(rank, world)
 
 
 def test_gpt_model_attention_equals_standalone_layer_and_indexer_loss_plumbing() -> None:

@@ -37,6 +37,7 @@ from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.integrations.megatron_config import cp_comm_type_from_megatron, hybrid_config_from_megatron
 from megatron_dsa.layers.common import RMSNorm
 from megatron_dsa.layers.hybrid_attention import DenseMLAttention, HybridAttention
+from megatron_dsa.layers.submodules import HybridAttentionSubmodules
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel.sharding import partition_dims
 from megatron_dsa.parallel.state import ParallelState, group_size
@@ -119,7 +120,8 @@ class MegatronHybridAttention(HybridAttention):
 
     def __init__(self, config: Any, layer_number: int, hybrid_config: HybridAttentionConfig,
                  pg_collection: Any = None, cp_comm_type: Optional[str] = None,
-                 indexer_loss_in_moe_tracker: bool = False):
+                 indexer_loss_in_moe_tracker: bool = False,
+                 submodules: Optional["MegatronHybridAttentionSubmodules"] = None):
         if not isinstance(hybrid_config, HybridAttentionConfig):
             raise TypeError(f"hybrid_config must be a HybridAttentionConfig, got "
                             f"{type(hybrid_config).__name__}")
@@ -131,7 +133,8 @@ class MegatronHybridAttention(HybridAttention):
         # Own copy per layer: the per-layer cp_comm_type and the indexer-loss scale live in it.
         own = (hybrid_config.replace(cp_comm_type=cp_comm_type_from_megatron(cp_comm_type))
                if cp_comm_type is not None else dataclasses.replace(hybrid_config))
-        super().__init__(own, layer_number=layer_number, parallel_state=state)
+        built = (submodules or MegatronHybridAttentionSubmodules()).builders(config)
+        super().__init__(own, layer_number=layer_number, parallel_state=state, submodules=built)
         self._mark_megatron_tensor_parallel()
         device = (torch.device("cuda", torch.cuda.current_device())
                   if torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
@@ -196,6 +199,56 @@ class MegatronHybridAttention(HybridAttention):
 
 class MegatronDenseMLAttention(MegatronHybridAttention, DenseMLAttention):
     """Kind M (dense MLA) under Megatron: `DenseMLAttention` with the Megatron calling convention."""
+
+
+@dataclasses.dataclass
+class MegatronHybridAttentionSubmodules:
+    """Megatron classes (or `ModuleSpec`s) for the layer's parallel projections and q / kv norms,
+    the `submodules` of its `ModuleSpec`; None keeps the package's own (see `layers.submodules`).
+
+    `column_parallel_linear`: `linear_q_up_proj` (and M's `linear_kv_up_proj`), e.g. Megatron's
+    `ColumnParallelLinear` or Transformer Engine's `TEColumnParallelLinear`; `row_parallel_linear`:
+    `linear_proj` (`RowParallelLinear`, `TERowParallelLinear`); `norm`: `q_layernorm` /
+    `kv_layernorm` (`TENorm`, Apex's `FusedLayerNorm` with RMSNorm, `WrappedTorchNorm`). They are
+    built with Megatron's constructor arguments (`config`, `init_method`, `bias=False`, the layer's TP
+    group). The layer gathers a sequence-parallel input itself, so column-parallel linears and norms
+    get a copy of the config with `sequence_parallel=False`; the row-parallel one keeps it (its
+    reduce-scatter returns the sequence-parallel output)."""
+
+    column_parallel_linear: Any = None
+    row_parallel_linear: Any = None
+    norm: Any = None
+
+    def builders(self, megatron_config: Any) -> HybridAttentionSubmodules:
+        """Our builders, calling Megatron's `build_module` for every class given."""
+        from megatron.core.transformer.spec_utils import build_module
+
+        gathered = (dataclasses.replace(megatron_config, sequence_parallel=False)
+                    if getattr(megatron_config, "sequence_parallel", False) else megatron_config)
+
+        def column(in_features: int, out_features: int, tp_group: Any, std: float) -> nn.Module:
+            return build_module(self.column_parallel_linear, in_features, out_features, config=gathered,
+                                init_method=_normal_init(std), bias=False, gather_output=False,
+                                skip_bias_add=False, is_expert=False, tp_group=tp_group)
+
+        def row(in_features: int, out_features: int, tp_group: Any, std: float, sequence_parallel: bool) -> nn.Module:
+            return build_module(self.row_parallel_linear, in_features, out_features, config=megatron_config,
+                                init_method=_normal_init(std), bias=False, input_is_parallel=True,
+                                skip_bias_add=False, is_expert=False, tp_group=tp_group)
+
+        def norm(dim: int, eps: float) -> nn.Module:
+            return build_module(self.norm, config=gathered, hidden_size=dim, eps=eps)
+
+        return HybridAttentionSubmodules(
+            column_parallel_linear=column if self.column_parallel_linear is not None else None,
+            row_parallel_linear=row if self.row_parallel_linear is not None else None,
+            norm=norm if self.norm is not None else None)
+
+
+def _normal_init(std: float):
+    """Megatron's `init_method`: fills a weight with N(0, std) in place (Megatron calls it on the whole
+    TP = 1 weight when initialising on the CPU, so the shards are its slices, as ours are)."""
+    return lambda weight: torch.nn.init.normal_(weight, mean=0.0, std=std)
 
 
 def packed_from_megatron(params: Any) -> Optional[PackedSeqParams]:
@@ -340,13 +393,16 @@ def check_position_ids(position_ids: Tensor, attention_mask: Optional[Tensor], s
 
 # ---------------------------------------------------------------- specs and models
 def hybrid_layer_spec(hybrid_config: HybridAttentionConfig, base_layer_spec: Any = None,
-                      indexer_loss_in_moe_tracker: bool = False) -> Any:
+                      indexer_loss_in_moe_tracker: bool = False,
+                      attention_submodules: Optional[MegatronHybridAttentionSubmodules] = None) -> Any:
     """A `TransformerLayer` `ModuleSpec` whose `self_attention` is `MegatronHybridAttention`.
 
     `base_layer_spec` supplies everything else (norms, MLP, bias-dropout-add); default: Megatron's
     local spec with RMSNorm. Its `input_layernorm` must be a real norm (a Transformer-Engine spec
     fuses it into `linear_qkv`, which the hybrid layer does not have). The indexer losses go to
-    Megatron's DSA tracker; `indexer_loss_in_moe_tracker` adds them to the MoE aux-loss tracker."""
+    Megatron's DSA tracker; `indexer_loss_in_moe_tracker` adds them to the MoE aux-loss tracker.
+    `attention_submodules` picks Megatron / Transformer Engine classes for the attention's parallel
+    projections and q / kv norms (`MegatronHybridAttentionSubmodules`; default: the package's own)."""
     require_megatron()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
@@ -360,7 +416,7 @@ def hybrid_layer_spec(hybrid_config: HybridAttentionConfig, base_layer_spec: Any
         raise ValueError("base_layer_spec has no input_layernorm (a Transformer-Engine spec fuses it into "
                          "linear_qkv); use a spec with a separate norm, e.g. "
                          "get_gpt_layer_local_spec(normalization='RMSNorm')")
-    attention = ModuleSpec(module=MegatronHybridAttention, params={
+    attention = ModuleSpec(module=MegatronHybridAttention, submodules=attention_submodules, params={
         "hybrid_config": hybrid_config, "indexer_loss_in_moe_tracker": indexer_loss_in_moe_tracker})
     norms = {name: sequence_parallel_norm(getattr(submodules, name), hybrid_config)
              for name in ("input_layernorm", "pre_mlp_layernorm")}
@@ -399,13 +455,14 @@ class MegatronRMSNorm(RMSNorm):
 def hybrid_gpt_model(megatron_config: Any, vocab_size: int, max_sequence_length: int,
                      layer_pattern: Optional[str] = None, base_layer_spec: Any = None,
                      gpt_kwargs: Optional[dict[str, Any]] = None, indexer_loss_in_moe_tracker: bool = False,
+                     attention_submodules: Optional[MegatronHybridAttentionSubmodules] = None,
                      **hybrid_overrides: Any) -> Any:
     """A Megatron-Core `GPTModel` whose attention layers are ours.
 
     `hybrid_overrides` give the hybrid fields `megatron_config` lacks (see
     `hybrid_config_from_megatron`); `gpt_kwargs` go to `GPTModel` (its position embedding is always
-    'none': the layers rotate q and k themselves); `indexer_loss_in_moe_tracker`: see
-    `hybrid_layer_spec`."""
+    'none': the layers rotate q and k themselves); `indexer_loss_in_moe_tracker` and
+    `attention_submodules`: see `hybrid_layer_spec`."""
     require_megatron()
     from megatron.core.models.gpt import GPTModel
 
@@ -414,7 +471,7 @@ def hybrid_gpt_model(megatron_config: Any, vocab_size: int, max_sequence_length:
     if embedding != "none":
         raise ValueError(f"position_embedding_type must be 'none' ({_ROTARY_HINT}), got {embedding!r}")
     hybrid = hybrid_config_from_megatron(megatron_config, layer_pattern, **hybrid_overrides)
-    spec = hybrid_layer_spec(hybrid, base_layer_spec, indexer_loss_in_moe_tracker)
+    spec = hybrid_layer_spec(hybrid, base_layer_spec, indexer_loss_in_moe_tracker, attention_submodules)
     if hybrid.sequence_parallel:  # the final norm too: Megatron's default block norm refuses SP
         from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
                                                                  get_num_layers_to_build)

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Union
 
 import torch
 import torch.utils.checkpoint
-from torch import Tensor
+from torch import Tensor, nn
 
 from megatron_dsa.backends import OpFamily, check_backend_choice, dispatch
 from megatron_dsa.config import HybridAttentionConfig, LayerKind, yarn_mscale
@@ -24,7 +24,8 @@ from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.rope import plain_inv_freq, yarn_inv_freq
 from megatron_dsa.packed_seq import PackedSeqParams, documents_from_attention_mask, validate_packed_seq_params
-from megatron_dsa.parallel.linear import ColumnParallelLinear, RowParallelLinear, divide
+from megatron_dsa.layers.submodules import HybridAttentionSubmodules, output_of
+from megatron_dsa.parallel.linear import divide
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from megatron_dsa.parallel.context import ContextParallelPlan
 from megatron_dsa.parallel.sharding import tensor_parallel_parameter
@@ -58,7 +59,9 @@ class HybridAttention(HighPrecisionModule):
     `HybridAttention(config, layer_number=3)` reads the kind from `config.layer_pattern`;
     `HybridAttention(config, kind="C")` picks it directly. Kind M builds a `DenseMLAttention`
     (a subclass), so every kind is a `HybridAttention`. `parallel_state` holds the tensor-parallel
-    group (heads split across ranks; see docs/parallelism.md); None means a single process.
+    group (heads split across ranks; see docs/parallelism.md); None means a single process. `submodules`
+    picks the classes of the parallel projections and q / kv norms (`layers.submodules`; default: the
+    package's own).
 
     forward(hidden_states `[S, B, d]`, or `[S/tp, B, d]` under sequence parallelism) → `(output,
     bias=None)` of the same shape. In training, C layers attach the indexer KL loss to the
@@ -68,7 +71,8 @@ class HybridAttention(HighPrecisionModule):
     keep_high_precision = {"rotary_inv_freq": torch.float64}  # exact RoPE tables
 
     def __new__(cls, config: Optional[HybridAttentionConfig] = None, layer_number: Optional[int] = None,
-                kind: Union[LayerKind, str, None] = None, parallel_state: Optional[ParallelState] = None):
+                kind: Union[LayerKind, str, None] = None, parallel_state: Optional[ParallelState] = None,
+                submodules: Optional[HybridAttentionSubmodules] = None):
         # `config` is optional here only so copy/pickle (which call __new__ without arguments) work.
         if (cls is HybridAttention and config is not None
                 and resolve_kind(config, layer_number, kind) is LayerKind.MLA):
@@ -76,9 +80,11 @@ class HybridAttention(HighPrecisionModule):
         return super().__new__(cls)
 
     def __init__(self, config: HybridAttentionConfig, layer_number: Optional[int] = None,
-                 kind: Union[LayerKind, str, None] = None, parallel_state: Optional[ParallelState] = None):
+                 kind: Union[LayerKind, str, None] = None, parallel_state: Optional[ParallelState] = None,
+                 submodules: Optional[HybridAttentionSubmodules] = None):
         super().__init__()
         c = self.config = config
+        self.submodules = submodules or HybridAttentionSubmodules()
         check_backend_choice(c.attention_backend, c.attention_backend_overrides)
         self.kind = resolve_kind(config, layer_number, kind)
         self.layer_number = layer_number
@@ -88,12 +94,12 @@ class HybridAttention(HighPrecisionModule):
         self.local_heads = divide(c.num_attention_heads, tp, "num_attention_heads")
         std = c.init_method_std
         self.linear_q_down_proj = linear(c.hidden_size, c.q_lora_rank, std)
-        self.q_layernorm = make_norm(c.q_lora_rank, c.layernorm_epsilon, c.qk_layernorm, c)
-        self.linear_q_up_proj = ColumnParallelLinear(c.q_lora_rank, c.num_attention_heads * self._q_head_dim(),
-                                                     self.tp_group, std)
+        self.q_layernorm = self._norm(c.q_lora_rank)
+        self.linear_q_up_proj = self.submodules.build_column(
+            c.q_lora_rank, c.num_attention_heads * self._q_head_dim(), self.tp_group, std)
         self._build_kv_path()
-        self.linear_proj = RowParallelLinear(self._proj_in_features(), c.hidden_size, self.tp_group,
-                                             output_init_std(std, c.num_layers), c.sequence_parallel)
+        self.linear_proj = self.submodules.build_row(self._proj_in_features(), c.hidden_size, self.tp_group,
+                                                     output_init_std(std, c.num_layers), c.sequence_parallel)
         self.register_buffer("rotary_inv_freq", self._inv_freq(), persistent=False)
 
     # ---------------------------------------------------------------- W / C / H structure
@@ -104,7 +110,7 @@ class HybridAttention(HighPrecisionModule):
         c = self.config
         self.local_groups = divide(c.o_groups, self.parallel_state.tp_size, "o_groups")
         self.linear_kv_proj = linear(c.hidden_size, c.v_head_dim, c.init_method_std)
-        self.kv_layernorm = make_norm(c.v_head_dim, c.layernorm_epsilon, c.qk_layernorm, c)
+        self.kv_layernorm = self._norm(c.v_head_dim)
         group_width = c.num_attention_heads * c.v_head_dim // c.o_groups
         self.linear_o_group_proj = tensor_parallel_parameter(
             (c.o_groups * c.o_lora_rank, group_width), 0, self.tp_group,
@@ -113,6 +119,13 @@ class HybridAttention(HighPrecisionModule):
 
     def _proj_in_features(self) -> int:
         return self.config.o_groups * self.config.o_lora_rank
+
+    def _norm(self, dim: int) -> nn.Module:
+        """`q_layernorm` / `kv_layernorm`: the submodules' norm, or ours; Identity without `qk_layernorm`."""
+        c = self.config
+        if c.qk_layernorm and self.submodules.norm is not None:
+            return self.submodules.norm(dim, c.layernorm_epsilon)
+        return make_norm(dim, c.layernorm_epsilon, c.qk_layernorm, c)
 
     def _inv_freq(self) -> Tensor:
         """W: plain RoPE at `rotary_base`; C/H: YaRN at `csa_compress_rotary_base` (spec §1.3)."""
@@ -140,7 +153,7 @@ class HybridAttention(HighPrecisionModule):
         full = gather_from_sequence_parallel_region(hidden_states, sp_group, grad_is_partial=False)
         documents = self._documents(attention_mask, full, packed_seq_params)
         if self.parallel_state.cp_size > 1:
-            return self.linear_proj(self._context_parallel_latent(full, packed_seq_params)), None
+            return self._project_out(self._context_parallel_latent(full, packed_seq_params)), None
         seqlen, batch, _ = full.shape
         if packed_seq_params is None:
             layout = (TokenLayout.uniform(batch, seqlen, full.device) if documents is None
@@ -155,7 +168,10 @@ class HybridAttention(HighPrecisionModule):
             real = layout.row_valid.unsqueeze(1)
             rows = torch.where(real, full[:, 0], 0.0)
             latent = torch.where(real, self._attend_rows(rows, layout), 0.0).unsqueeze(1)
-        return self.linear_proj(latent), None
+        return self._project_out(latent), None
+
+    def _project_out(self, latent: Tensor) -> Tensor:
+        return output_of(self.linear_proj(latent), self.linear_proj)
 
     def _documents(self, attention_mask: Optional[Tensor], full: Tensor,
                    packed: Optional[PackedSeqParams]) -> Optional[Tensor]:
@@ -232,7 +248,7 @@ class HybridAttention(HighPrecisionModule):
         core_attached, core_detached = self.core_attention.projections()
         projected = project_rows(x, [self.linear_q_down_proj, self.linear_kv_proj, *core_attached], core_detached)
         qr = self.q_layernorm(projected[self.linear_q_down_proj])  # [T, Rq], also the indexer's input
-        q = self.linear_q_up_proj(qr).view(-1, self.local_heads, c.v_head_dim)
+        q = output_of(self.linear_q_up_proj(qr), self.linear_q_up_proj).view(-1, self.local_heads, c.v_head_dim)
         q = norm_rope(q, positions, inv_freq, c.layernorm_epsilon)  # weightless per-head RMSNorm, then RoPE
         kv = self._kv_rows(projected[self.linear_kv_proj], positions, inv_freq, rope, norm_rope)  # K = V, [T, D]
         o = self.core_attention(q, kv, projected, qr, layout, inv_freq, cp)
@@ -299,10 +315,9 @@ class DenseMLAttention(HybridAttention):
         rank, rope_dim = c.mla_kv_lora_rank, c.qk_pos_emb_head_dim
         self.local_groups = divide(c.mla_num_query_groups, self.parallel_state.tp_size, "num_query_groups")
         self.linear_kv_down_proj = linear(c.hidden_size, rank + rope_dim, c.init_method_std)
-        self.kv_layernorm = make_norm(rank, c.layernorm_epsilon, c.qk_layernorm, c)
-        self.linear_kv_up_proj = ColumnParallelLinear(
-            rank, c.mla_num_query_groups * (c.mla_qk_head_dim + c.v_head_dim), self.tp_group,
-            c.init_method_std)
+        self.kv_layernorm = self._norm(rank)
+        self.linear_kv_up_proj = self.submodules.build_column(
+            rank, c.mla_num_query_groups * (c.mla_qk_head_dim + c.v_head_dim), self.tp_group, c.init_method_std)
 
     def _proj_in_features(self) -> int:
         return self.config.num_attention_heads * self.config.v_head_dim
@@ -339,10 +354,12 @@ class DenseMLAttention(HybridAttention):
         positions, inv_freq, amplitude = layout.positions, self._angle_freq(x.dtype), self.rope_amplitude
 
         projected = project_rows(x, [self.linear_q_down_proj, self.linear_kv_down_proj])
-        q = self.linear_q_up_proj(self.q_layernorm(projected[self.linear_q_down_proj]))
+        q = output_of(self.linear_q_up_proj(self.q_layernorm(projected[self.linear_q_down_proj])),
+                      self.linear_q_up_proj)
         q = rope(q.view(-1, heads, nope + rope_dim), positions, inv_freq, amplitude=amplitude)
         latent, k_rope = projected[self.linear_kv_down_proj].split((rank, rope_dim), dim=-1)
-        kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(-1, groups, nope + c.v_head_dim)
+        kv = output_of(self.linear_kv_up_proj(self.kv_layernorm(latent)), self.linear_kv_up_proj)
+        kv = kv.view(-1, groups, nope + c.v_head_dim)
         k_nope, v = kv.split((nope, c.v_head_dim), dim=-1)
         # One RoPE key shared by all heads; this rank's heads give part of its gradient.
         k_rope = copy_to_tensor_parallel_region(rope(k_rope, positions, inv_freq, amplitude=amplitude),

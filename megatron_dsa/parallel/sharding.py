@@ -41,8 +41,18 @@ def tensor_parallel_parameter(full_shape: Sequence[int], dim: int, tp_group: Opt
 
 
 def partition_dims(module: nn.Module) -> dict[str, Optional[int]]:
-    """`{state-dict key: split dim, or None when replicated}` for every parameter of `module`."""
-    return {name: getattr(p, PARTITION_ATTR, None) for name, p in module.named_parameters()}
+    """`{state-dict key: split dim, or None when replicated}` for every parameter of `module`.
+
+    Ours carry `tensor_parallel_dim`; Megatron's parallel layers (when a host framework's classes
+    build some projections) carry `tensor_model_parallel` and `partition_dim` instead."""
+    return {name: partition_dim(p) for name, p in module.named_parameters()}
+
+
+def partition_dim(param: nn.Parameter) -> Optional[int]:
+    dim = getattr(param, PARTITION_ATTR, None)
+    if dim is None and getattr(param, "tensor_model_parallel", False):
+        return param.partition_dim
+    return dim
 
 
 def merge_tp_shards(shards: list[Mapping[str, Tensor]], dims: Mapping[str, Optional[int]]
