@@ -233,6 +233,16 @@ def run_user_guide_snippet() -> None:
 
 
 def sequence_parallel_gpt_equals_tp1(rank: int, world: int) -> None:
+    """Both with the package's projections and norms and with Megatron's local classes."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    sequence_parallel_gpt_with_classes_equals_tp1(rank, world, None)
+    sequence_parallel_gpt_with_classes_equals_tp1(rank, world, integration.MegatronHybridAttentionSubmodules(
+        ColumnParallelLinear, RowParallelLinear, WrappedTorchNorm))
+
+
+def sequence_parallel_gpt_with_classes_equals_tp1(rank: int, world: int, submodules) -> None:
     """A TP 2 + SP GPTModel (our SP-capable RMSNorm replaces Megatron's torch norm, which refuses SP)
     and an independently built TP 1 GPTModel of the same seed: same loss, and every gradient equal
     once the SP norms' partial gradients are summed over TP (what finalize_model_grads does).
@@ -253,7 +263,7 @@ def sequence_parallel_gpt_equals_tp1(rank: int, world: int) -> None:
         hybrid = tiny("WCHM", sequence_parallel=sequence_parallel)
         config, overrides = megatron_config(hybrid, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
         torch.manual_seed(0)
-        model = integration.hybrid_gpt_model(config, VOCAB, SEQ, **overrides).cuda()
+        model = integration.hybrid_gpt_model(config, VOCAB, SEQ, attention_submodules=submodules, **overrides).cuda()
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)).cuda()
         loss = model(tokens, None, None, labels=tokens).float().mean()
         loss.backward()
