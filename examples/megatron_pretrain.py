@@ -3,6 +3,7 @@
     pip install -e ".[megatron]"
     python examples/megatron_pretrain.py --config configs/tiny.yaml --steps 20            # 1 process
     torchrun --nproc-per-node 2 examples/megatron_pretrain.py --config configs/tiny.yaml --tp 2
+    torchrun --nproc-per-node 2 examples/megatron_pretrain.py --device cuda --dtype bf16 --tp 2 --sp   # GPUs
     torchrun --nproc-per-node 4 examples/megatron_pretrain.py --tp 2 --cp 2 --steps 20 --save ckpt
     torchrun --nproc-per-node 2 examples/megatron_pretrain.py --cp 2 --steps 40 --load ckpt    # resumes at 20
 
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (processes = tp × cp)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism over the TP group (--tp > 1)")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (overrides train.device)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), help="fp32, or bf16 autocast (overrides train.dtype)")
     parser.add_argument("--save", type=Path, default=None, help="write a distributed checkpoint here at the end")
     parser.add_argument("--load", type=Path, default=None, help="resume from this distributed checkpoint")
     parser.add_argument("--gpu-init", action="store_true",
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     """Train; returns the loss of every step run (all ranks)."""
     args = parse_args(argv)
     require_megatron()
-    job = JobConfig.from_yaml(args.config, steps=args.steps)
+    job = JobConfig.from_yaml(args.config, steps=args.steps, device=args.device, dtype=args.dtype)
     check_arguments(args, job)
     if args.sp:
         job = dataclasses.replace(job, attention=job.attention.replace(sequence_parallel=True))
