@@ -19,6 +19,8 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +34,8 @@ from tqdm import tqdm
 import torch.distributed as dist
 
 from megatron_dsa.backends import call_counts, reset_call_counts
-from megatron_dsa.checkpointing import CheckpointWriter, latest_checkpoint, load_checkpoint
+from megatron_dsa.checkpointing import (CHECKPOINTS_DIR, CheckpointWriter, checkpoint_step, latest_checkpoint,
+                                       load_checkpoint)
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
                                pack_documents, seeded_generator, split_corpus)
@@ -409,9 +412,10 @@ def job_extra(next_step: int, job: JobConfig, history: History) -> dict[str, Any
 
 
 def resume_from(path: Path, model: HybridLM, optimizer: torch.optim.Optimizer, job: JobConfig,
-                state: Optional[ParallelState]) -> tuple[int, History]:
+                state: Optional[ParallelState]) -> tuple[int, History, dict[str, Any]]:
     """Restore model, optimizer (and, at the same world size, RNG) states from the checkpoint
-    directory `path`, resharded to this run's layout; returns `(next_step, history)`."""
+    directory `path`, resharded to this run's layout; returns `(next_step, history, the saved
+    train: section)`."""
     extra = load_checkpoint(path, model, optimizer, state)
     for section in ("attention", "model"):
         saved, wanted = dict(extra["config"][section]), job.to_dict()[section]
@@ -421,7 +425,16 @@ def resume_from(path: Path, model: HybridLM, optimizer: torch.optim.Optimizer, j
             changed = sorted(key for key in wanted if saved.get(key) != wanted[key])
             raise ValueError(f"checkpoint {path} was trained with a different `{section}:` section "
                              f"(fields {changed})")
-    return extra["step"], History.from_dict(extra["history"])
+    return extra["step"], History.from_dict(extra["history"]), extra["config"]["train"]
+
+
+def keep_saved_schedule(train: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
+    """A resumed run follows the saved run's cosine horizon (its `lr_decay_steps`, else its `steps`)
+    unless this run sets `lr_decay_steps`: `--steps 720` after a 700-step run adds 20 steps at the
+    final learning rate instead of re-stretching the schedule under the trained model."""
+    if train.lr_decay_steps is not None:
+        return train
+    return dataclasses.replace(train, lr_decay_steps=saved["lr_decay_steps"] or saved["steps"])
 
 
 def write_history(history: History, out_dir: Path) -> None:
@@ -514,9 +527,11 @@ def setup_parallel(tp: int, cp: int, device: torch.device) -> Optional[ParallelS
     return initialize_parallel_state(tp_size=tp, cp_size=cp)
 
 
-def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1) -> History:
+def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1, overwrite: bool = False,
+        progress_bar: bool = True) -> History:
     """Train to `job.train.steps` (continuing from the checkpoint directory `resume` if given);
-    returns the full history.
+    returns the full history. `overwrite` first deletes the output directory's checkpoints and
+    history; `progress_bar` shows tqdm's bar on a terminal (plain log lines otherwise).
 
     Under torchrun with `tp`/`cp` > 1 every rank trains its shard; rank 0 prints and plots.
     """
@@ -532,6 +547,11 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1)
     say = print if leader else (lambda *args, **kwargs: None)
     out_dir = Path(train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if leader and overwrite:
+        shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)
+        (out_dir / HISTORY_NAME).unlink(missing_ok=True)
+    if state is not None:
+        dist.barrier()  # nobody starts while the leader clears the directory
     if leader:
         (out_dir / "config.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
     corpus = load_corpus(train)
@@ -539,8 +559,14 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1)
 
     model = build_model(job, device, state)
     optimizer = build_optimizer(model, train)
-    start, history = (resume_from(resume, model, optimizer, job, state) if resume is not None
-                      else (0, History()))
+    start, history = 0, History()
+    if resume is not None:
+        start, history, saved_train = resume_from(resume, model, optimizer, job, state)
+        if start >= train.steps:
+            raise ValueError(f"the checkpoint {resume} is at step {start}: --steps {train.steps} leaves nothing "
+                             f"to train (give --steps > {start})")
+        train = keep_saved_schedule(train, saved_train)
+        job = dataclasses.replace(job, train=train)
     layout = "" if state is None else f" | tp {state.tp_size}{' + sp' if job.attention.sequence_parallel else ''}, cp {state.cp_size} ({job.attention.cp_comm_type})"
     say(f"HybridLM: {sum(p.numel() for p in model.parameters()):,} parameters"
         f"{' on this rank' if state is not None else ''}, pattern "
@@ -557,7 +583,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1)
     reset_call_counts()
     began = time.perf_counter()
     progress = tqdm(range(start, train.steps), initial=start, total=train.steps, desc="train",
-                    dynamic_ncols=True, disable=not leader)
+                    dynamic_ncols=True, disable=not (leader and progress_bar and sys.stderr.isatty()))
     write = tqdm.write if leader else (lambda *args, **kwargs: None)
     for step in progress:
         batch, packed = train_batch(job, corpus.train, step)
@@ -611,14 +637,21 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
     parser.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), help="context-parallel communication")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in an output directory that holds a run (deletes its checkpoints)")
+    parser.add_argument("--lr-decay-steps", type=int,
+                        help="cosine horizon (overrides train.lr_decay_steps; a resumed run keeps the saved one)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="plain log lines, no progress bar (the default when stderr is not a terminal)")
     return parser, parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> History:
     parser, args = parse_args(argv)
     try:  # configuration mistakes become a usage message, not a traceback
-        job = JobConfig.from_yaml(args.config, steps=args.steps, out_dir=args.out_dir,
-                                  device=args.device, seed=args.seed, dtype=args.dtype, pack=args.pack)
+        job = JobConfig.from_yaml(args.config, steps=args.steps, out_dir=args.out_dir, device=args.device,
+                                  seed=args.seed, dtype=args.dtype, pack=args.pack,
+                                  lr_decay_steps=args.lr_decay_steps)
         parallel = {"sequence_parallel": args.sp or job.attention.sequence_parallel}
         if args.cp_comm_type:
             parallel["cp_comm_type"] = args.cp_comm_type
@@ -626,14 +659,40 @@ def main(argv: Optional[Sequence[str]] = None) -> History:
         if job.attention.sequence_parallel and args.tp == 1:
             raise ValueError("--sp needs --tp > 1 (sequence parallelism splits over the TP group)")
         resolve_device(job.train.device)
+        if args.out_dir is None:  # the layout names the default directory: layouts never share one
+            job = dataclasses.replace(job, train=dataclasses.replace(
+                job.train, out_dir=job.train.out_dir + layout_suffix(args.tp, job.attention.sequence_parallel, args.cp)))
+        resume = resume_point(args, Path(job.train.out_dir))
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
-    resume = None
+    return run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite, progress_bar=not args.no_progress)
+
+
+def layout_suffix(tp: int, sequence_parallel: bool, cp: int) -> str:
+    """`-tp2-sp-cp2` style suffix of a parallel layout ('' for one process)."""
+    return (f"-tp{tp}" if tp > 1 else "") + ("-sp" if sequence_parallel else "") + (f"-cp{cp}" if cp > 1 else "")
+
+
+def resume_point(args: argparse.Namespace, out_dir: Path) -> Optional[Path]:
+    """The checkpoint to resume from, or None for a fresh run; a fresh run into a directory that
+    holds one is refused unless `--overwrite` (runs never overwrite each other by accident)."""
+    latest = latest_checkpoint(out_dir)
     if args.resume is not None:
-        resume = Path(args.resume) if args.resume else latest_checkpoint(Path(job.train.out_dir))
+        if args.overwrite:
+            raise ValueError("--resume and --overwrite exclude each other")
+        resume = Path(args.resume) if args.resume else latest
         if resume is None:
-            parser.error(f"--resume: no checkpoint in {Path(job.train.out_dir) / 'checkpoints'}")
-    return run(job, resume, tp=args.tp, cp=args.cp)
+            raise ValueError(f"--resume: no checkpoint in {out_dir / CHECKPOINTS_DIR}")
+        saved = checkpoint_step(resume)
+        if saved is not None and args.steps is not None and args.steps <= saved:
+            raise ValueError(f"the checkpoint {resume} is at step {saved}: --steps {args.steps} leaves nothing "
+                             f"to train (give --steps > {saved})")
+        return resume
+    if latest is not None and not args.overwrite:
+        raise ValueError(f"{out_dir} already holds a run (newest checkpoint {latest.name}): --resume continues it, "
+                         f"--out DIR starts a new one elsewhere, --overwrite starts over here (deleting its "
+                         f"checkpoints)")
+    return None
 
 
 if __name__ == "__main__":

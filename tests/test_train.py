@@ -134,3 +134,38 @@ def test_sequence_too_short_for_retrieval_or_model_is_rejected():
 def test_cuda_request_without_cuda_is_a_clear_error():
     with pytest.raises(ValueError, match="CUDA is not available"):
         train.resolve_device("cuda")
+
+
+def test_a_run_directory_with_a_checkpoint_is_never_overwritten_by_accident(tmp_path, capsys):
+    config = str(small_job_yaml(tmp_path, checkpoint_interval=1))
+    train.main(["--config", config, "--steps", "2"])
+    latest = latest_checkpoint(tmp_path / "run")
+    with pytest.raises(SystemExit):
+        train.main(["--config", config, "--steps", "2"])
+    assert "already holds a run" in capsys.readouterr().err
+    assert latest_checkpoint(tmp_path / "run") == latest and (latest / ".metadata").is_file()
+    with pytest.raises(SystemExit):
+        train.main(["--config", config, "--steps", "3", "--resume", "--overwrite"])
+    history = train.main(["--config", config, "--steps", "1", "--overwrite"])
+    assert len(history.steps) == 1 and latest_checkpoint(tmp_path / "run").name == "step-000001"
+
+
+def test_resume_keeps_the_saved_schedule_and_refuses_nothing_to_do(tmp_path, capsys):
+    config = str(small_job_yaml(tmp_path, warmup_steps=1))
+    first = train.main(["--config", config, "--steps", "3"])
+    more = train.main(["--config", config, "--steps", "5", "--resume"])
+    job = train.JobConfig.from_yaml(config, steps=3)
+    assert [s.lr for s in more.steps[:3]] == [s.lr for s in first.steps]
+    assert [s.lr for s in more.steps[3:]] == [train.learning_rate(step, job.train) for step in (3, 4)]
+    assert more.steps[-1].lr == job.train.min_lr  # past the saved horizon: the final rate, not a new cosine
+    stretched = train.main(["--config", config, "--steps", "6", "--resume", "--lr-decay-steps", "8"])
+    assert stretched.steps[-1].lr > job.train.min_lr
+    with pytest.raises(SystemExit):
+        train.main(["--config", config, "--steps", "4", "--resume"])
+    assert "leaves nothing to train" in capsys.readouterr().err
+
+
+def test_default_run_directory_names_the_layout():
+    assert train.layout_suffix(1, False, 1) == ""
+    assert train.layout_suffix(2, True, 1) == "-tp2-sp"
+    assert train.layout_suffix(2, False, 2) == "-tp2-cp2"
