@@ -289,6 +289,12 @@ def train_step(model: HybridLM, optimizer: torch.optim.Optimizer, batch: Batch, 
     parts.total.backward()
     finalize_grads(model)
     grad_norm = clip_grad_norm(model, train.grad_clip or float("inf"))
+    # The norm is global (summed over TP, after the CP reduction): every rank stops together.
+    if not math.isfinite(float(grad_norm)):
+        raise NonFiniteTrainingError(
+            f"step {step + 1}: the gradient norm is {float(grad_norm)} (loss {float(parts.total):.4g} on this rank); "
+            f"stopped before the update, so the parameters and the last checkpoint stay finite. Lower train.lr "
+            f"({lr:.3g} at this step) or set train.grad_clip, then --resume or --overwrite")
     optimizer.step()
     elapsed = time.perf_counter() - started
     loss = parts.total.detach().clone()
@@ -300,6 +306,10 @@ def train_step(model: HybridLM, optimizer: torch.optim.Optimizer, batch: Batch, 
                      retrieval_loss=parts.retrieval, indexer_losses=indexer,
                      grad_norm=float(grad_norm), lr=lr,
                      tokens_per_s=batch.inputs.numel() / elapsed)
+
+
+class NonFiniteTrainingError(FloatingPointError):
+    """A step produced a non-finite loss or gradient; the job stops before applying it."""
 
 
 def all_reduced(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -665,7 +675,10 @@ def main(argv: Optional[Sequence[str]] = None) -> History:
         resume = resume_point(args, Path(job.train.out_dir))
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
-    return run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite, progress_bar=not args.no_progress)
+    try:
+        return run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite, progress_bar=not args.no_progress)
+    except NonFiniteTrainingError as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
 
 
 def layout_suffix(tp: int, sequence_parallel: bool, cp: int) -> str:

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from megatron_dsa import train
-from megatron_dsa.checkpointing import latest_checkpoint
+from megatron_dsa.checkpointing import latest_checkpoint, load_checkpoint
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.data import RetrievalTask, make_batch, seeded_generator
 from megatron_dsa.model import HybridLM, ModelConfig
@@ -169,3 +169,22 @@ def test_default_run_directory_names_the_layout():
     assert train.layout_suffix(1, False, 1) == ""
     assert train.layout_suffix(2, True, 1) == "-tp2-sp"
     assert train.layout_suffix(2, False, 2) == "-tp2-cp2"
+
+
+def test_training_stops_at_a_non_finite_gradient_and_keeps_a_finite_checkpoint(tmp_path, capsys):
+    """lr 1e4 without clipping diverges within a few steps: the job exits with an error naming the
+    step before applying it, and every checkpoint it wrote holds finite tensors."""
+    config = str(small_job_yaml(tmp_path, lr=1e4, min_lr=1e4, grad_clip=0.0, checkpoint_interval=1))
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--config", config, "--steps", "30"])
+    assert stopped.value.code == 1
+    message = capsys.readouterr().err
+    assert "the gradient norm is" in message and "stopped before the update" in message
+    latest = latest_checkpoint(tmp_path / "run")
+    assert latest is not None
+    job = train.JobConfig.from_yaml(config)
+    model = train.build_model(job, torch.device("cpu"))
+    optimizer = train.build_optimizer(model, job.train)
+    load_checkpoint(latest, model, optimizer, None)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(v).all() for state in optimizer.state.values() for v in state.values())
