@@ -127,8 +127,15 @@ TRIGGERS = [
     lambda: hybrid_config_from_megatron(megatron_namespace(add_bias_linear=True)[0], **megatron_namespace()[1]),
     lambda: hybrid_config_from_megatron(megatron_namespace()[0], **{**megatron_namespace()[1], "hidden_size": 256}),
     rotary_into_adapter,
+    lambda: HybridAttention(TINY, kind="W")(torch.randn(8, 1, TINY.hidden_size),
+                                            attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool)),
+    lambda: megatron_position_check(torch.arange(8).expand(1, 8) + 5),
     broken_checkpoint,
 ]
+
+
+def megatron_position_check(position_ids: torch.Tensor) -> None:
+    integration.check_position_ids(position_ids, None, (1, 8))
 
 
 def troubleshooting_messages() -> list[str]:
