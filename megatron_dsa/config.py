@@ -112,6 +112,7 @@ class HybridAttentionConfig:
 
     # ---------------------------------------------------------------- validation
     def __post_init__(self) -> None:
+        check_field_types(self)
         self.layer_pattern = self._expand_pattern(self.layer_pattern)
         _require_positive(self, "hidden_size", "num_attention_heads", "num_layers", "q_lora_rank",
                           "v_head_dim", "o_groups", "o_lora_rank", "csa_window_size",
@@ -143,6 +144,15 @@ class HybridAttentionConfig:
             raise ValueError(f"rope_type must be 'rope' or 'yarn', got {self.rope_type!r}")
         if self.rotary_scaling_factor < 1.0:
             raise ValueError(f"rotary_scaling_factor must be >= 1, got {self.rotary_scaling_factor}")
+        for name in ("rotary_base", "csa_compress_rotary_base", "init_method_std"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(f"original_max_position_embeddings must be > 0, got "
+                             f"{self.original_max_position_embeddings}")
+        if self.beta_fast <= self.beta_slow:
+            raise ValueError(f"beta_fast ({self.beta_fast}) must be greater than beta_slow ({self.beta_slow}): "
+                             f"the YaRN ramp runs from beta_slow to beta_fast rotations")
         if self.dsa_indexer_loss_coeff < 0:
             raise ValueError(f"dsa_indexer_loss_coeff must be >= 0, got {self.dsa_indexer_loss_coeff}")
         if self.layernorm_epsilon <= 0:
@@ -267,12 +277,53 @@ class HybridAttentionConfig:
         return dataclasses.replace(self, **changes)
 
 
-def construct_strict(cls: type, values: dict[str, Any]) -> Any:
-    """`cls(**values)` for a dataclass, rejecting unknown keys by name (a YAML typo is an error)."""
+def construct_strict(cls: type, values: Any) -> Any:
+    """`cls(**values)` for a dataclass, rejecting unknown keys by name (a YAML typo is an error).
+    None (an empty YAML section) gives the defaults; anything but a mapping is a TypeError."""
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise TypeError(f"{cls.__name__} needs a mapping of field: value, got a {type(values).__name__} "
+                        f"({values!r:.60})")
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise ValueError(f"unknown {cls.__name__} field(s): {unknown}")
     return cls(**values)
+
+
+def check_field_types(instance: Any) -> None:
+    """Every `bool`, `int`, `float` and `str` field of a dataclass holds that type (None where the
+    annotation is `Optional`), or ValueError naming the field, the value and the rule.
+
+    YAML makes these easy to get wrong: `'false'` is a string (truthy), `1e-5` without a dot is a
+    string in YAML 1.1. Only unambiguous values are converted: an int to a float field, a numeric
+    string (`'1e-5'`) to a float field. Float fields must be finite."""
+    for spec in dataclasses.fields(instance):
+        annotation = str(spec.type).replace(" ", "")
+        optional = annotation.startswith("Optional[")
+        kind = annotation[len("Optional["):-1] if optional else annotation
+        value = getattr(instance, spec.name)
+        if (optional and value is None) or kind not in _FIELD_TYPES:
+            continue
+        setattr(instance, spec.name, _checked(spec.name, value, kind))
+
+
+_FIELD_TYPES = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}
+
+
+def _checked(name: str, value: Any, kind: str) -> Any:
+    if kind == "float" and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    accepted = {"bool": isinstance(value, bool),
+                "int": isinstance(value, int) and not isinstance(value, bool),
+                "float": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                "str": isinstance(value, str)}[kind]
+    if not accepted:
+        raise ValueError(f"{name} must be {_FIELD_TYPES[kind]}, got {value!r} (a {type(value).__name__})")
+    return float(value) if kind == "float" else value
 
 
 def _require_positive(config: HybridAttentionConfig, *names: str) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron_dsa.config import HybridAttentionConfig, construct_strict
+from megatron_dsa.config import HybridAttentionConfig, check_field_types, construct_strict
 from megatron_dsa.layers.common import RMSNorm, linear, output_init_std
 from megatron_dsa.layers.hybrid_attention import HybridAttention
 from megatron_dsa.packed_seq import PackedSeqParams
@@ -41,6 +41,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # LM head reuses the embedding matrix
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("vocab_size", "ffn_hidden_size", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

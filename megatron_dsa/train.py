@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron_dsa.backends import call_counts, reset_call_counts
 from megatron_dsa.checkpointing import (CHECKPOINTS_DIR, CheckpointWriter, checkpoint_step, latest_checkpoint,
                                        load_checkpoint)
-from megatron_dsa.config import HybridAttentionConfig
+from megatron_dsa.config import HybridAttentionConfig, check_field_types
 from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
                                pack_documents, seeded_generator, split_corpus)
 from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
@@ -80,6 +80,7 @@ class TrainConfig:
     pack: bool = False  # pack documents into one THD sequence per batch (cu_seqlens)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("steps", "batch_size", "seq_len", "retrieval_pairs", "corpus_max_bytes",
                      "log_interval", "eval_interval", "eval_batches", "checkpoint_interval"):
             _require_int(name, getattr(self, name), minimum=1)
@@ -137,10 +138,17 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "JobConfig":
+        if not isinstance(values, dict):
+            raise TypeError(f"a job config is a mapping with sections attention, model and train; got a "
+                            f"{type(values).__name__}")
         unknown = sorted(set(values) - {"attention", "model", "train"})
         if unknown:
             raise ValueError(f"unknown config section(s): {unknown}; expected attention, model, train")
-        train_values = dict(values.get("train") or {})
+        train_values = values.get("train") or {}
+        if not isinstance(train_values, dict):
+            raise TypeError(f"the train: section must be a mapping of field: value, got a "
+                            f"{type(train_values).__name__}")
+        train_values = dict(train_values)
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         if set(train_values) - known:
             raise ValueError(f"unknown TrainConfig field(s): {sorted(set(train_values) - known)}")
@@ -153,8 +161,9 @@ class JobConfig:
         """Load `path`; `train_overrides` (None values skipped) replace `train:` fields."""
         values = yaml.safe_load(Path(path).read_text()) or {}
         overrides = {k: v for k, v in train_overrides.items() if v is not None}
-        values["train"] = {**(values.get("train") or {}), **overrides}
-        return cls.from_dict(values)
+        if isinstance(values, dict) and isinstance(values.get("train") or {}, dict):
+            values["train"] = {**(values.get("train") or {}), **overrides}
+        return cls.from_dict(values)  # it names what is not a mapping
 
     def to_dict(self) -> dict[str, Any]:
         return {"attention": self.attention.to_dict(), "model": self.model.to_dict(),
@@ -673,7 +682,7 @@ def main(argv: Optional[Sequence[str]] = None) -> History:
             job = dataclasses.replace(job, train=dataclasses.replace(
                 job.train, out_dir=job.train.out_dir + layout_suffix(args.tp, job.attention.sequence_parallel, args.cp)))
         resume = resume_point(args, Path(job.train.out_dir))
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, TypeError, FileNotFoundError, yaml.YAMLError) as error:
         parser.error(str(error))
     try:
         return run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite, progress_bar=not args.no_progress)
