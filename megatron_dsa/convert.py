@@ -9,12 +9,15 @@ Several INs are the TP ranks of one checkpoint, in rank order. A file may hold t
 or a dict with a "model" entry (Megatron's and our training checkpoints). With `--tp N > 1`, OUT
 `x.pt` becomes `x_tp0.pt` ... `x_tp{N-1}.pt`. CFG is a YAML with the attention config (a job config
 such as configs/tiny.yaml, or a bare HybridAttentionConfig). Only the attention layers are
-converted; the count of other tensors left out is printed.
+converted; the count of other tensors left out is printed. An output is never an input, an existing
+one is replaced only with --force, and every file is written whole or not at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Optional
@@ -43,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="naming of tp-merge / tp-split files (default ours)")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="load files that hold Python objects besides tensors (only files you trust)")
+    parser.add_argument("--force", action="store_true", help="replace output files that exist")
     return parser
 
 
@@ -57,15 +61,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit("error: tp-merge takes two or more shards and writes one TP = 1 file")
     if args.command == "tp-split" and (len(inputs) != 1 or args.tp < 2):
         raise SystemExit("error: tp-split takes one TP = 1 file and --tp N with N >= 2")
+    targets = output_paths(output, args.tp)
+    check_outputs(inputs, targets, args.force)
     config = HybridAttentionConfig.from_yaml(args.config)
     shards = [load_state_dict(path, args.trust_pickle) for path in inputs]
     try:
         outputs, skipped = convert_attention(shards, config, source, target, args.tp)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    for path, state in zip(output_paths(output, args.tp), outputs):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
+    for path, state in zip(targets, outputs):
+        save_atomically(state, path)
         print(f"wrote {path} ({len(state)} tensors)")
     if skipped:
         print(f"left out {len(skipped)} tensors outside the attention layers (e.g. {skipped[0]!r})")
@@ -78,13 +83,38 @@ def load_state_dict(path: Path, trust_pickle: bool = False) -> dict[str, torch.T
         raise SystemExit(f"error: {path} is not a file")
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
-    except Exception as error:  # noqa: BLE001 - torch raises several types for unsafe pickles
-        raise SystemExit(f"error: cannot load {path} with weights_only=True ({type(error).__name__}); "
+    except pickle.UnpicklingError as error:
+        if trust_pickle or "Weights only load failed" not in str(error):
+            raise SystemExit(f"error: {path} is not a readable checkpoint (corrupt?): {error}") from None
+        raise SystemExit(f"error: {path} holds Python objects besides tensors, which weights_only=True refuses; "
                          f"if you trust the file, pass --trust-pickle") from None
+    except Exception as error:  # noqa: BLE001 - a truncated or damaged file fails in many ways
+        reason = str(error).split(". ")[0] or type(error).__name__
+        raise SystemExit(f"error: {path} is not a readable checkpoint: it is truncated or corrupt "
+                         f"({type(error).__name__}: {reason})") from None
     state = loaded.get("model", loaded) if isinstance(loaded, dict) else None
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise SystemExit(f"error: {path} holds no state dict (a str → tensor dict, or one under 'model')")
     return state
+
+
+def check_outputs(inputs: list[Path], outputs: list[Path], force: bool) -> None:
+    """An output may never be an input (it would be replaced by its attention layers alone), and an
+    existing output is replaced only with `--force`."""
+    sources = {path.resolve() for path in inputs}
+    for path in outputs:
+        if path.resolve() in sources:
+            raise SystemExit(f"error: the output {path} is also an input; write to another file")
+        if path.exists() and not force:
+            raise SystemExit(f"error: {path} exists; pass --force to replace it")
+
+
+def save_atomically(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write `path` whole or not at all: a crash mid-write leaves no torn file behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
 
 
 def output_paths(output: Path, tp_size: int) -> list[Path]:

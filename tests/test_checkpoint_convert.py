@@ -109,3 +109,33 @@ def test_cli_reports_errors_without_a_traceback(tmp_path: Path) -> None:
                       "--config", str(config_path)])
     with pytest.raises(SystemExit, match="tp-split takes one TP = 1 file"):
         convert_main(["tp-split", str(tmp_path / "bad.pt"), str(tmp_path / "o.pt"), "--config", str(config_path)])
+
+
+def test_cli_never_destroys_files(tmp_path: Path) -> None:
+    """in == out is refused, an existing output needs --force, and a truncated, empty or pickled file
+    is named for what it is (a damaged file is not a reason to turn pickle safety off)."""
+    config = ["--config", str(tmp_path / "attention.yaml")]
+    CONFIG.to_yaml(tmp_path / "attention.yaml")
+    ours = tmp_path / "ours.pt"
+    torch.save(join_layers(attention_layers(), "ours"), ours)
+    before = ours.read_bytes()
+    with pytest.raises(SystemExit, match="is also an input"):
+        convert_main(["ours-to-megatron", str(ours), str(ours), *config])
+    assert ours.read_bytes() == before
+    out = tmp_path / "megatron.pt"
+    out.write_bytes(b"keep me")
+    with pytest.raises(SystemExit, match="exists; pass --force"):
+        convert_main(["ours-to-megatron", str(ours), str(out), *config])
+    assert out.read_bytes() == b"keep me"
+    assert convert_main(["ours-to-megatron", str(ours), str(out), *config, "--force"]) == 0
+    assert torch.load(out).keys() == join_layers(attention_layers(), "megatron").keys()
+    assert not list(tmp_path.glob("*.partial"))
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "truncated.pt").write_bytes(before[: len(before) // 2])
+    for damaged in ("empty.pt", "truncated.pt"):
+        with pytest.raises(SystemExit, match="truncated or corrupt") as error:
+            convert_main(["ours-to-megatron", str(tmp_path / damaged), str(tmp_path / "x.pt"), *config])
+        assert "--trust-pickle" not in str(error.value)
+    torch.save({"model": join_layers(attention_layers(), "ours"), "args": Path("x")}, tmp_path / "pickled.pt")
+    with pytest.raises(SystemExit, match="holds Python objects besides tensors.*--trust-pickle"):
+        convert_main(["ours-to-megatron", str(tmp_path / "pickled.pt"), str(tmp_path / "y.pt"), *config])
