@@ -566,11 +566,12 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
     say = print if leader else (lambda *args, **kwargs: None)
     out_dir = Path(train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if leader and overwrite:
-        shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)
-        (out_dir / HISTORY_NAME).unlink(missing_ok=True)
-    if state is not None:
-        dist.barrier()  # nobody starts while the leader clears the directory
+    if overwrite:
+        if leader:
+            shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)
+            (out_dir / HISTORY_NAME).unlink(missing_ok=True)
+        if state is not None:
+            dist.barrier()  # nobody goes on while the leader clears the directory
     if leader:
         (out_dir / "config.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
     corpus = load_corpus(train)
