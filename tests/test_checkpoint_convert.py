@@ -111,6 +111,11 @@ def test_cli_reports_errors_without_a_traceback(tmp_path: Path) -> None:
         convert_main(["tp-split", str(tmp_path / "bad.pt"), str(tmp_path / "o.pt"), "--config", str(config_path)])
 
 
+class TrainingArguments:
+    """A Python object in a checkpoint, as Megatron stores its `args` (weights_only refuses it; a
+    standard type such as a Path may be allow-listed by other packages in the same process)."""
+
+
 def test_cli_never_destroys_files(tmp_path: Path) -> None:
     """in == out is refused, an existing output needs --force, and a truncated, empty or pickled file
     is named for what it is (a damaged file is not a reason to turn pickle safety off)."""
@@ -136,6 +141,6 @@ def test_cli_never_destroys_files(tmp_path: Path) -> None:
         with pytest.raises(SystemExit, match="truncated or corrupt") as error:
             convert_main(["ours-to-megatron", str(tmp_path / damaged), str(tmp_path / "x.pt"), *config])
         assert "--trust-pickle" not in str(error.value)
-    torch.save({"model": join_layers(attention_layers(), "ours"), "args": Path("x")}, tmp_path / "pickled.pt")
+    torch.save({"model": join_layers(attention_layers(), "ours"), "args": TrainingArguments()}, tmp_path / "pickled.pt")
     with pytest.raises(SystemExit, match="holds Python objects besides tensors.*--trust-pickle"):
         convert_main(["ours-to-megatron", str(tmp_path / "pickled.pt"), str(tmp_path / "y.pt"), *config])
