@@ -301,7 +301,7 @@ def train_step(model: HybridLM, optimizer: torch.optim.Optimizer, batch: Batch, 
     # The norm is global (summed over TP, after the CP reduction): every rank stops together.
     if not math.isfinite(float(grad_norm)):
         raise NonFiniteTrainingError(
-            f"step {step + 1}: the gradient norm is {float(grad_norm)} (loss {float(parts.total):.4g} on this rank); "
+            f"step {step + 1}: the gradient norm is {float(grad_norm)} (loss {float(parts.total.detach()):.4g} on this rank); "
             f"stopped before the update, so the parameters and the last checkpoint stay finite. Lower train.lr "
             f"({lr:.3g} at this step) or set train.grad_clip, then --resume or --overwrite")
     optimizer.step()
