@@ -292,7 +292,10 @@ def sparse_attention_oracle(query: Tensor, kv: Tensor, indices: Sequence[Sequenc
             if keys:
                 vec = [dot([e / denom for e in exps], [kvs[k][d] for k in keys]) for d in range(dim)]
                 out_t.append(torch.stack(vec))
-                lse_t.append(shift + torch.log(sum(exps[1:], exps[0])))
+                # The keys' own maximum: shifted by a dominating sink their mass would underflow.
+                key_shift = max(value(s) for s in logits)
+                key_exps = [torch.exp(s - key_shift) for s in logits]
+                lse_t.append(key_shift + torch.log(sum(key_exps[1:], key_exps[0])))
             else:
                 out_t.append(query.new_zeros(dim))
                 lse_t.append(query.new_full((), NEG_INF))

@@ -241,3 +241,24 @@ def test_input_validation():
         sparse_attention(query, kv, indices.double(), sink, 0.5)
     with pytest.raises(ValueError):
         sparse_attention(query, kv[:, :3], indices, sink, 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_logits_near_1e3_and_a_large_sink_stay_finite_and_exact(dtype):
+    """exp(1000) overflows every float type: the op must subtract the row maximum (sink included).
+    fp32 against the fp64 oracle: logits near 1e3 carry ~1e3 · 6e-8 absolute rounding, so 1e-3
+    relative on the outputs; fp64 to the usual tolerance."""
+    query, kv, indices, _ = make_problem(seed=3)
+    with torch.no_grad():
+        query.mul_(300.0)
+    scale = query.shape[-1] ** -0.5
+    sink = torch.tensor([900.0, -900.0], dtype=torch.float32, requires_grad=True)
+    q, k = query.detach().to(dtype).requires_grad_(), kv.detach().to(dtype).requires_grad_()
+    out, lse = sparse_attention(q, k, indices, sink, scale)
+    out_ref, lse_ref = sparse_attention_oracle(query, kv, indices.tolist(), sink.double(), scale)
+    assert torch.isfinite(out).all() and torch.isfinite(lse[torch.isfinite(lse_ref)]).all()
+    tol = dict(rtol=1e-3, atol=1e-3) if dtype == torch.float32 else TOL
+    torch.testing.assert_close(out.double(), out_ref, **tol)
+    torch.testing.assert_close(lse.double(), lse_ref, **tol)
+    (out.double().sum() + finite_lse(lse).double().sum()).backward()
+    assert all(torch.isfinite(g).all() for g in (q.grad, k.grad, sink.grad))

@@ -188,3 +188,15 @@ def test_training_stops_at_a_non_finite_gradient_and_keeps_a_finite_checkpoint(t
     load_checkpoint(latest, model, optimizer, None)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.isfinite(v).all() for state in optimizer.state.values() for v in state.values())
+
+
+def test_learning_rate_schedule_values():
+    """Warm-up starts above zero and reaches lr at its last step; the cosine ends at min_lr on the
+    horizon and stays there (an off-by-one in either shows here)."""
+    config = train.TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, steps=10)
+    assert train.learning_rate(0, config) == pytest.approx(0.25)
+    assert train.learning_rate(3, config) == pytest.approx(1.0)
+    assert train.learning_rate(4, config) == pytest.approx(1.0)  # cosine at progress 0
+    assert train.learning_rate(7, config) == pytest.approx(0.55)  # half way: (lr + min_lr) / 2
+    assert train.learning_rate(10, config) == pytest.approx(0.1)
+    assert train.learning_rate(25, config) == pytest.approx(0.1)

@@ -50,7 +50,9 @@ def _forward_chunk(q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: floa
     key_mass = unnormalised.sum(-1)
     probs = unnormalised / (key_mass + torch.exp(sink - row_max)).unsqueeze(-1)
     out = torch.einsum("nhk,nkd->nhd", probs, keys)
-    return out, row_max + torch.log(key_mass)
+    # The LSE over the keys alone, from their own maximum: shifted by a dominating sink, the keys'
+    # mass would underflow to 0 (LSE −inf) although the row has keys.
+    return out, torch.logsumexp(logits, dim=-1)
 
 
 def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
