@@ -74,15 +74,15 @@ def close(actual, expected, what):
 
 
 def cp_parity_body(rank: int, world: int, partition: str, comm: str, packed: bool, kinds: str,
-                   tp: int = 1) -> None:
+                   tp: int = 1, window: int = 8, seqlen: int = 48) -> None:
     state = initialize_parallel_state(tp_size=tp, cp_size=world // tp)
     cp, cp_rank = state.cp_size, state.cp_rank
     chunks = 2 * cp if partition == "zigzag" else cp
     for kind in kinds:
         for sparse in ((True, False) if kind == "C" else (True,)):
-            config = cp_config(kind, partition, comm, dsa_indexer_use_sparse_loss=sparse)
+            config = cp_config(kind, partition, comm, dsa_indexer_use_sparse_loss=sparse, csa_window_size=window)
             torch.manual_seed(17)
-            batch = make_batch(config, chunks, packed)
+            batch = make_batch(config, chunks, packed, seqlen)
             ref, x, ref_out = reference(config, kind, batch)
             if packed:
                 mine = lambda t: shard_packed(t, batch.cu_padded, cp, cp_rank, partition)  # noqa: E731
@@ -136,6 +136,13 @@ def assert_same_selection(layer, ref, mine, packed: bool) -> None:
 ])
 def test_context_parallel_matches_single_process(world, partition, comm, packed):
     run_distributed(cp_parity_body, world, partition, comm, packed, "WCHM", timeout_s=300)
+
+
+def test_context_parallel_with_a_window_shorter_than_two_compression_groups():
+    """Window 4 against ratio 4 (C) and 8 (H): the halo a rank borrows is set by the compressor's
+    groups, not by the window. S = 44 makes zigzag chunks of 11 rows, so chunk starts fall inside
+    compressor groups: a halo one row short changes the first rows of a chunk."""
+    run_distributed(cp_parity_body, 2, "zigzag", "p2p", False, "CH", 1, 4, 44, timeout_s=300)
 
 
 def test_tensor_and_context_parallel_grid():
