@@ -3,12 +3,14 @@ their checkpoints resume at another layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from megatron_dsa.train import read_history
@@ -63,3 +65,55 @@ def test_parallel_job_follows_single_process_losses_and_reshards(reference, tmp_
     got = losses(out)
     assert len(got) == STEPS
     assert max(abs(a - b) for a, b in zip(got, expected)) < TOLERANCE, (got, expected)
+
+
+def sequence_parallel_training_body(rank: int, world: int, cp: int) -> None:
+    """Two optimizer steps of the main job's model at TP 2 + SP (± CP 2) and at TP 1, on the same
+    batches: after each step every gradient, gathered to TP = 1, equals TP 1's (the SP norms' partial
+    gradients summed over TP, the CP parts over CP), and every replicated parameter is identical on
+    all ranks. fp64, so the only differences are summation order."""
+    import torch.distributed as dist
+
+    from megatron_dsa import train as job_module
+    from megatron_dsa.config import HybridAttentionConfig
+    from megatron_dsa.data import RetrievalTask, make_batch, seeded_generator
+    from megatron_dsa.model import ModelConfig
+    from megatron_dsa.parallel import initialize_parallel_state
+    from megatron_dsa.parallel.sharding import partition_dims
+
+    state = initialize_parallel_state(tp_size=world // cp, cp_size=cp)
+    attention = HybridAttentionConfig.from_preset("tiny", num_layers=2, layer_pattern="CW", csa_window_size=8,
+                                                  dsa_indexer_topk=3, dsa_indexer_loss_coeff=0.1)
+    job = job_module.JobConfig(attention.replace(sequence_parallel=True), ModelConfig(ffn_hidden_size=64, max_seq_len=32),
+                               job_module.TrainConfig(seq_len=32, batch_size=2, retrieval_pairs=2, warmup_steps=1, seed=5))
+    text = torch.randint(32, 127, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    task = RetrievalTask(seq_len=32, num_pairs=2, min_distance=8)
+    models = {"parallel": job_module.build_model(job, torch.device("cpu"), state).double(),
+              "single": job_module.build_model(dataclasses.replace(job, attention=attention), torch.device("cpu")).double()}
+    optimizers = {name: job_module.build_optimizer(model, job.train) for name, model in models.items()}
+    for step in range(2):
+        batch = make_batch(text, task, 2, 0, seeded_generator(5, "sp-test", step))
+        grads = {}
+        for name, model in models.items():
+            job_module.train_step(model, optimizers[name], batch, step, job.train, torch.device("cpu"))
+            grads[name] = {n: p.grad for n, p in model.named_parameters()}
+        dims = partition_dims(models["parallel"])
+        for name, param in models["parallel"].named_parameters():
+            grad, dim = grads["parallel"][name], dims[name]
+            if dim is not None:
+                parts = [torch.empty_like(grad) for _ in range(state.tp_size)]
+                dist.all_gather(parts, grad.contiguous(), group=state.tp_group)
+                grad = torch.cat(parts, dim)
+            else:
+                copies = [torch.empty_like(param) for _ in range(world)]
+                dist.all_gather(copies, param.detach().contiguous())
+                worst = max((copies[0] - c).abs().max().item() for c in copies)
+                assert worst == 0, f"step {step}: {name} differs between ranks by {worst:.3e}"
+            torch.testing.assert_close(grad, grads["single"][name], rtol=1e-9, atol=1e-12, msg=f"step {step}: {name}")
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_sequence_parallel_training_keeps_every_gradient_and_replica(cp: int) -> None:
+    from distributed import run_distributed
+
+    run_distributed(sequence_parallel_training_body, 2 * cp, cp)
