@@ -52,7 +52,7 @@ from megatron_dsa.integrations.megatron import (hybrid_gpt_model, tracked_indexe
                                                 save_dist_checkpoint, set_indexer_loss_scale)
 from megatron_dsa.integrations.megatron_config import to_megatron_kwargs  # noqa: E402
 from megatron_dsa.parallel.context import chunks_per_sequence, shard_sequence  # noqa: E402
-from megatron_dsa.train import JobConfig, learning_rate, resolve_device  # noqa: E402
+from megatron_dsa.train import JobConfig, context_parallel_batch, learning_rate, resolve_device  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,8 +137,7 @@ def context_parallel_part(batch: Batch, positions: torch.Tensor, partition: str)
     cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     if cp == 1:
         return batch, positions
-    part = lambda t: shard_sequence(t, cp, rank, partition, dim=1)  # noqa: E731
-    return Batch(part(batch.inputs), part(batch.targets), part(batch.loss_mask), batch.is_retrieval), part(positions)
+    return context_parallel_batch(batch, cp, rank, partition), shard_sequence(positions, cp, rank, partition, dim=1)
 
 
 def batch_loss(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

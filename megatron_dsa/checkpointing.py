@@ -37,18 +37,10 @@ from megatron_dsa.parallel.state import ParallelState
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_NAME = "latest"
 PARTIAL_SUFFIX = ".partial"
-STEP_PREFIX = "step-"
 
 
 def checkpoint_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:06d}"
-
-
-def checkpoint_step(path: Path) -> Optional[int]:
-    """The step a checkpoint directory named by `CheckpointWriter` holds (None for other names)."""
-    name = Path(path).name
-    digits = name[len(STEP_PREFIX):]
-    return int(digits) if name.startswith(STEP_PREFIX) and digits.isdigit() else None
+    return f"step-{step:06d}"
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:

@@ -161,8 +161,6 @@ class HybridAttentionConfig:
             raise ValueError(f"cp_comm_type must be 'p2p' or 'all_gather', got {self.cp_comm_type!r}")
         if self.cp_partition not in ("zigzag", "contiguous"):
             raise ValueError(f"cp_partition must be 'zigzag' or 'contiguous', got {self.cp_partition!r}")
-        if not isinstance(self.recompute_attention, bool):
-            raise ValueError(f"recompute_attention must be true or false, got {self.recompute_attention!r}")
         if self.add_bias_linear:
             raise ValueError("add_bias_linear=True is not supported: the DSv4 layer has no biases")
         self._validate_backend_fields()

@@ -34,8 +34,7 @@ from tqdm import tqdm
 import torch.distributed as dist
 
 from megatron_dsa.backends import call_counts, reset_call_counts
-from megatron_dsa.checkpointing import (CHECKPOINTS_DIR, CheckpointWriter, checkpoint_step, latest_checkpoint,
-                                       load_checkpoint)
+from megatron_dsa.checkpointing import CHECKPOINTS_DIR, CheckpointWriter, latest_checkpoint, load_checkpoint
 from megatron_dsa.config import HybridAttentionConfig, check_field_types
 from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
                                pack_documents, seeded_generator, split_corpus)
@@ -317,7 +316,11 @@ def train_step(model: HybridLM, optimizer: torch.optim.Optimizer, batch: Batch, 
                      tokens_per_s=batch.inputs.numel() / elapsed)
 
 
-class NonFiniteTrainingError(FloatingPointError):
+class JobStopped(Exception):
+    """The job cannot go on for a reason the user can act on; the CLI prints it as one line."""
+
+
+class NonFiniteTrainingError(JobStopped):
     """A step produced a non-finite loss or gradient; the job stops before applying it."""
 
 
@@ -329,10 +332,16 @@ def all_reduced(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def shard_for_context_parallel(batch: Batch, model: HybridLM) -> Batch:
     """This CP rank's part of every row (the model's partition); the whole batch without CP."""
-    state, config = model.parallel_state, model.attention_config
-    if state.cp_size == 1:
+    state = model.parallel_state
+    return context_parallel_batch(batch, state.cp_size, state.cp_rank, model.attention_config.cp_partition)
+
+
+def context_parallel_batch(batch: Batch, cp_size: int, cp_rank: int, partition: str) -> Batch:
+    """CP rank `cp_rank`'s part of every row `[B, S]` → `[B, S/cp]` in `partition` (the batch itself
+    for one rank)."""
+    if cp_size == 1:
         return batch
-    shard = lambda t: shard_sequence(t, state.cp_size, state.cp_rank, config.cp_partition, dim=1)  # noqa: E731
+    shard = lambda t: shard_sequence(t, cp_size, cp_rank, partition, dim=1)  # noqa: E731
     return Batch(shard(batch.inputs), shard(batch.targets), shard(batch.loss_mask), batch.is_retrieval)
 
 
@@ -583,7 +592,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
     if resume is not None:
         start, history, saved_train = resume_from(resume, model, optimizer, job, state)
         if start >= train.steps:
-            raise ValueError(f"the checkpoint {resume} is at step {start}: --steps {train.steps} leaves nothing "
+            raise JobStopped(f"the checkpoint {resume} is at step {start}: --steps {train.steps} leaves nothing "
                              f"to train (give --steps > {start})")
         train = keep_saved_schedule(train, saved_train)
         job = dataclasses.replace(job, train=train)
@@ -687,7 +696,7 @@ def main(argv: Optional[Sequence[str]] = None) -> History:
         parser.error(str(error))
     try:
         return run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite, progress_bar=not args.no_progress)
-    except NonFiniteTrainingError as error:
+    except JobStopped as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
 
 
@@ -706,10 +715,6 @@ def resume_point(args: argparse.Namespace, out_dir: Path) -> Optional[Path]:
         resume = Path(args.resume) if args.resume else latest
         if resume is None:
             raise ValueError(f"--resume: no checkpoint in {out_dir / CHECKPOINTS_DIR}")
-        saved = checkpoint_step(resume)
-        if saved is not None and args.steps is not None and args.steps <= saved:
-            raise ValueError(f"the checkpoint {resume} is at step {saved}: --steps {args.steps} leaves nothing "
-                             f"to train (give --steps > {saved})")
         return resume
     if latest is not None and not args.overwrite:
         raise ValueError(f"{out_dir} already holds a run (newest checkpoint {latest.name}): --resume continues it, "

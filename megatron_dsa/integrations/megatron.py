@@ -40,7 +40,7 @@ from megatron_dsa.layers.hybrid_attention import DenseMLAttention, HybridAttenti
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel.sharding import partition_dims
-from megatron_dsa.parallel.state import ParallelState, group_size
+from megatron_dsa.parallel.state import ParallelState, group_rank, group_size
 
 INDEXER_LOSS_NAME = "indexer loss"  # key in Megatron's auxiliary-loss tracker
 INSTALL_HINT = 'this needs megatron-core: pip install "megatron_dsa[megatron]"'
@@ -136,10 +136,7 @@ class MegatronHybridAttention(HybridAttention):
         built = (submodules or MegatronHybridAttentionSubmodules()).builders(config)
         super().__init__(own, layer_number=layer_number, parallel_state=state, submodules=built)
         self._mark_megatron_tensor_parallel()
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
-                  else torch.device("cpu"))
-        self.to(device=device, dtype=getattr(config, "params_dtype", torch.float32))
+        self.to(**megatron_placement(config))
 
     def _mark_megatron_tensor_parallel(self) -> None:
         """Megatron's TP attributes on our split parameters (grad-norm de-duplication, checkpoints)."""
@@ -446,10 +443,15 @@ class MegatronRMSNorm(RMSNorm):
                              f"{config.normalization!r}")
         super().__init__(hidden_size, eps, "auto")
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
-                  else torch.device("cpu"))
-        self.to(device=device, dtype=getattr(config, "params_dtype", torch.float32))
+        self.to(**megatron_placement(config))
+
+
+def megatron_placement(config: Any) -> dict[str, Any]:
+    """Where Megatron puts a module's parameters: the current CUDA device unless
+    `use_cpu_initialization` (or no CUDA), in `params_dtype`."""
+    cuda = torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
+    return {"device": torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+            "dtype": getattr(config, "params_dtype", torch.float32)}
 
 
 def hybrid_gpt_model(megatron_config: Any, vocab_size: int, max_sequence_length: int,
@@ -530,8 +532,6 @@ def _sharded_tensors(state: dict[str, Tensor], prefix: str, dims: dict[str, Opti
 def _data_and_context_rank(parallel_state: ParallelState) -> int:
     """This rank's index in its data-and-context-parallel group (CP fastest, as Megatron orders it):
     0 only on the first CP rank of the first DP replica, distinct on every other rank."""
-    from megatron_dsa.parallel.state import group_rank
-
     return group_rank(parallel_state.dp_group) * parallel_state.cp_size + parallel_state.cp_rank
 
 

@@ -24,7 +24,7 @@ from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.rope import plain_inv_freq, yarn_inv_freq
 from megatron_dsa.packed_seq import PackedSeqParams, documents_from_attention_mask, validate_packed_seq_params
-from megatron_dsa.layers.submodules import HybridAttentionSubmodules, output_of
+from megatron_dsa.layers.submodules import HybridAttentionSubmodules, apply
 from megatron_dsa.parallel.linear import divide
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from megatron_dsa.parallel.context import ContextParallelPlan
@@ -171,7 +171,7 @@ class HybridAttention(HighPrecisionModule):
         return self._project_out(latent), None
 
     def _project_out(self, latent: Tensor) -> Tensor:
-        return output_of(self.linear_proj(latent), self.linear_proj)
+        return apply(self.linear_proj, latent)
 
     def _documents(self, attention_mask: Optional[Tensor], full: Tensor,
                    packed: Optional[PackedSeqParams]) -> Optional[Tensor]:
@@ -248,7 +248,7 @@ class HybridAttention(HighPrecisionModule):
         core_attached, core_detached = self.core_attention.projections()
         projected = project_rows(x, [self.linear_q_down_proj, self.linear_kv_proj, *core_attached], core_detached)
         qr = self.q_layernorm(projected[self.linear_q_down_proj])  # [T, Rq], also the indexer's input
-        q = output_of(self.linear_q_up_proj(qr), self.linear_q_up_proj).view(-1, self.local_heads, c.v_head_dim)
+        q = apply(self.linear_q_up_proj, qr).view(-1, self.local_heads, c.v_head_dim)
         q = norm_rope(q, positions, inv_freq, c.layernorm_epsilon)  # weightless per-head RMSNorm, then RoPE
         kv = self._kv_rows(projected[self.linear_kv_proj], positions, inv_freq, rope, norm_rope)  # K = V, [T, D]
         o = self.core_attention(q, kv, projected, qr, layout, inv_freq, cp)
@@ -354,12 +354,10 @@ class DenseMLAttention(HybridAttention):
         positions, inv_freq, amplitude = layout.positions, self._angle_freq(x.dtype), self.rope_amplitude
 
         projected = project_rows(x, [self.linear_q_down_proj, self.linear_kv_down_proj])
-        q = output_of(self.linear_q_up_proj(self.q_layernorm(projected[self.linear_q_down_proj])),
-                      self.linear_q_up_proj)
+        q = apply(self.linear_q_up_proj, self.q_layernorm(projected[self.linear_q_down_proj]))
         q = rope(q.view(-1, heads, nope + rope_dim), positions, inv_freq, amplitude=amplitude)
         latent, k_rope = projected[self.linear_kv_down_proj].split((rank, rope_dim), dim=-1)
-        kv = output_of(self.linear_kv_up_proj(self.kv_layernorm(latent)), self.linear_kv_up_proj)
-        kv = kv.view(-1, groups, nope + c.v_head_dim)
+        kv = apply(self.linear_kv_up_proj, self.kv_layernorm(latent)).view(-1, groups, nope + c.v_head_dim)
         k_nope, v = kv.split((nope, c.v_head_dim), dim=-1)
         # One RoPE key shared by all heads; this rank's heads give part of its gradient.
         k_rope = copy_to_tensor_parallel_region(rope(k_rope, positions, inv_freq, amplitude=amplitude),

@@ -19,7 +19,7 @@ compressors' and indexer's) stay the package's: they run as one stacked GEMM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -52,9 +52,10 @@ class HybridAttentionSubmodules:
         return self.row_parallel_linear(in_features, out_features, tp_group, std, sequence_parallel)
 
 
-def output_of(result: Any, module: nn.Module) -> Tensor:
-    """A module's output: the tensor itself, or the first of Megatron's `(output, bias)` pair. A bias
-    returned separately (`skip_bias_add`) would be dropped: rejected, the layer has no biases."""
+def apply(module: nn.Module, x: Tensor) -> Tensor:
+    """`module(x)`, taking the output out of Megatron's `(output, bias)` pair. A bias returned
+    separately (`skip_bias_add`) would be dropped: rejected, the layer has no biases."""
+    result = module(x)
     if not isinstance(result, tuple):
         return result
     output, bias = result

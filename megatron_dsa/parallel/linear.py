@@ -18,15 +18,9 @@ from megatron_dsa.parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron_dsa.parallel.sharding import tensor_parallel_parameter
+from megatron_dsa.parallel.sharding import divide, tensor_parallel_parameter
 
-
-def divide(numerator: int, denominator: int, what: str) -> int:
-    """`numerator / denominator`, or a ValueError naming what must be divisible."""
-    if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) must be divisible by the tensor-parallel size "
-                         f"({denominator})")
-    return numerator // denominator
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "divide"]
 
 
 class ColumnParallelLinear(nn.Module):

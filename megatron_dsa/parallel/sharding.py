@@ -23,6 +23,14 @@ def mark_tensor_parallel(param: nn.Parameter, dim: int) -> nn.Parameter:
     return param
 
 
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """`numerator / denominator`, or a ValueError naming what must be divisible."""
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by the tensor-parallel size "
+                         f"({denominator})")
+    return numerator // denominator
+
+
 def tensor_parallel_parameter(full_shape: Sequence[int], dim: int, tp_group: Optional[ProcessGroup],
                               init: Callable[[Tensor], Tensor], dtype: Optional[torch.dtype] = None,
                               what: str = "the split dim") -> nn.Parameter:
@@ -33,8 +41,7 @@ def tensor_parallel_parameter(full_shape: Sequence[int], dim: int, tp_group: Opt
     (the contract of Megatron's CPU initialisation). Drawing only the local block would give every
     rank the same values: duplicated heads."""
     size = group_size(tp_group)
-    if full_shape[dim] % size:
-        raise ValueError(f"{what} ({full_shape[dim]}) must be divisible by the tensor-parallel size ({size})")
+    divide(full_shape[dim], size, what)
     full = init(torch.empty(tuple(full_shape), dtype=dtype))
     local = full.chunk(size, dim=dim)[group_rank(tp_group)].clone() if size > 1 else full
     return mark_tensor_parallel(nn.Parameter(local), dim)
