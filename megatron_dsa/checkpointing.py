@@ -1,29 +1,40 @@
-"""The main job's checkpoints: sharded, resharding on load, asynchronous and atomic.
+"""The main job's checkpoints: sharded, resharding on load, asynchronous, atomic and verified.
 
     <out_dir>/checkpoints/step-000100/   one torch.distributed.checkpoint directory per saved step
     <out_dir>/checkpoints/latest         the name of the newest complete checkpoint
 
 Every rank writes its own shards. Tensor-parallel parameters and their optimizer moments are saved
 as DTensors sharded over the TP group, so a checkpoint saved at one TP / CP size loads at another
-(replicas, e.g. the CP ranks' copies, are written once). `save` copies the state to host memory and
-returns; the files are written by a background thread while training goes on, over a gloo group of
-their own so the writer's collectives never interleave with the training's NCCL ones. A save is
-committed (`step-N.partial` renamed to `step-N`, `latest` replaced, the older checkpoint removed)
-only after every rank finished writing, so a crash mid-save leaves the previous checkpoint intact.
+(replicas, e.g. the CP ranks' copies, are written once).
+
+`save` refuses non-finite state, then starts copying the state into host buffers that are reused
+from save to save (pinned, filled on a side CUDA stream) and returns: the next forward and backward
+overlap the copy, and only the next optimizer update waits for it. A background thread writes the
+files once the copy is done, over a gloo group of its own so the writer's collectives never
+interleave with the training's NCCL ones, and hashes what this rank wrote. A save is committed
+(`manifest.json` written, `step-N.partial` renamed to `step-N`, `latest` replaced, the older
+checkpoint removed) only after every rank finished writing, so a crash mid-save leaves the previous
+checkpoint intact.
+
+`manifest.json` holds the step, the config's fingerprint, the saving layout (world, TP and CP sizes,
+each rank's TP / CP rank) and every file's size and SHA-256. `load_checkpoint` checks the files
+against it (each rank a share of them) and that every rank loads the same checkpoint before any
+state is read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
 import shutil
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +48,12 @@ from megatron_dsa.parallel.state import ParallelState
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_NAME = "latest"
 PARTIAL_SUFFIX = ".partial"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or read safely (the message names the file or tensor)."""
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -51,33 +68,67 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
     return pointer.parent / pointer.read_text().strip()
 
 
+def fingerprint(value: Any) -> str:
+    """SHA-256 of `value`'s canonical JSON (key order does not matter)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
 def _world_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-class _Sharding:
-    """Wraps a rank's TP-split tensors as DTensors over the TP group (identity without TP)."""
+def _group_rank_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
-    def __init__(self, model: nn.Module, state: Optional[ParallelState]):
+
+def _all_gather(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """`value` of every rank of `group`, in rank order (`[value]` without a group)."""
+    if group is None:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+def _map_tensors(value: Any, function: Callable[[str, Tensor], Any], path: str = "") -> Any:
+    """`value` (nested dicts) with every tensor `t` at key path `path` replaced by `function(path, t)`."""
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, function, f"{path}/{key}") for key, item in value.items()}
+    return function(path, value) if isinstance(value, Tensor) else value
+
+
+def _tensors(value: Any) -> dict[str, Tensor]:
+    """`{key path: tensor}` of a nested dict."""
+    found: dict[str, Tensor] = {}
+    _map_tensors(value, found.__setitem__)
+    return found
+
+
+def _local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's model and optimizer state (its TP shards), the optimizer's keyed by parameter name."""
+    return {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+class _Sharding:
+    """Wraps a rank's TP-split tensors (and the moments shaped like them) as DTensors over the TP
+    group; the identity without TP."""
+
+    def __init__(self, model: nn.Module, state: Optional[ParallelState], device_type: str):
         self.dims = partition_dims(model)
         self.mesh = None
         if state is not None and state.tp_size > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
-            device = next(model.parameters()).device.type
-            self.mesh = DeviceMesh.from_group(state.tp_group, device)
+            self.mesh = DeviceMesh.from_group(state.tp_group, device_type)
 
-    def model_state(self, model: nn.Module) -> dict[str, Any]:
-        return {key: self._dtensor(value, self.dims.get(key)) for key, value in model.state_dict().items()}
-
-    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Optimizer state keyed by parameter name; moments shaped like their parameter are split with it."""
-        state = get_optimizer_state_dict(model, optimizer)
-        state["state"] = {name: {key: self._dtensor(value, self.dims.get(name))
-                                 if isinstance(value, Tensor) and value.dim() > 0 else value
-                                 for key, value in moments.items()}
-                          for name, moments in state["state"].items()}
-        return state
+    def wrap(self, local: dict[str, Any]) -> dict[str, Any]:
+        optimizer = dict(local["optimizer"])
+        optimizer["state"] = {name: {key: self._dtensor(value, self.dims.get(name))
+                                     if isinstance(value, Tensor) and value.dim() > 0 else value
+                                     for key, value in moments.items()}
+                              for name, moments in optimizer["state"].items()}
+        return {"model": {key: self._dtensor(value, self.dims.get(key)) for key, value in local["model"].items()},
+                "optimizer": optimizer}
 
     def _dtensor(self, value: Any, dim: Optional[int]) -> Any:
         if self.mesh is None or dim is None or not isinstance(value, Tensor):
@@ -97,47 +148,137 @@ def _local(value: Any) -> Any:
     return value.to_local() if hasattr(value, "to_local") else value
 
 
+def check_finite(state: dict[str, Any], what: str) -> None:
+    """Raise `CheckpointError` naming the tensors of `state` that hold NaN or inf."""
+    floating = {path: tensor for path, tensor in _tensors(state).items() if tensor.is_floating_point()}
+    if not floating:
+        return
+    # One host sync per device: a sum is non-finite when any element is (or, rarely, when it overflows).
+    sums: dict[torch.device, list[Tensor]] = {}
+    for tensor in floating.values():
+        sums.setdefault(tensor.device, []).append(tensor.detach().sum(dtype=torch.float64))
+    if all(bool(torch.stack(values).isfinite().all()) for values in sums.values()):
+        return
+    bad = [path.strip("/") for path, tensor in floating.items() if not torch.isfinite(tensor).all()]
+    if bad:
+        raise CheckpointError(f"refusing to checkpoint {what}: non-finite values in {bad[:3]}"
+                              + (f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""))
+
+
+class _HostStaging:
+    """Host copies of the state's tensors, allocated once and reused (pinned for CUDA tensors).
+
+    CUDA tensors are copied on a side stream: `copied` is recorded after the last copy; the writer
+    waits for it on the host, and an optimizer update waits for it on the GPU (`hold_updates`)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, Tensor] = {}
+        self.copied: Optional[torch.cuda.Event] = None
+        self.allocated_bytes = 0
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        cuda = [tensor for tensor in _tensors(state).values() if tensor.is_cuda]
+        if not cuda:
+            return _map_tensors(state, self._copy)
+        stream = torch.cuda.Stream(cuda[0].device)
+        stream.wait_stream(torch.cuda.current_stream(cuda[0].device))
+        for tensor in cuda:  # the allocator must not hand their memory out while the side stream reads
+            tensor.record_stream(stream)
+        with torch.cuda.stream(stream):
+            staged = _map_tensors(state, self._copy)
+        self.copied = torch.cuda.Event()
+        self.copied.record(stream)
+        return staged
+
+    def _copy(self, path: str, tensor: Tensor) -> Tensor:
+        buffer = self.buffers.get(path)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self.buffers[path] = buffer
+            self.allocated_bytes += buffer.numel() * buffer.element_size()
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        return buffer
+
+    def hold_updates(self, *unused: Any) -> None:
+        """Optimizer step pre-hook: the update waits (on the GPU) until the copy has read the state."""
+        if self.copied is not None:
+            torch.cuda.current_stream().wait_event(self.copied)
+            self.copied = None
+
+
 class CheckpointWriter:
     """Saves `{model, optimizer, extra}` under `<out_dir>/checkpoints` (see the module docstring).
 
-    `save` returns once the state is copied to host memory; `wait` finishes the pending save and
-    commits it (every rank calls both, in the same order)."""
+    `save` returns once the copy to host memory is under way; `wait` finishes the pending save and
+    commits it (every rank calls both, in the same order). `extra` must be JSON; its `config` entry,
+    if any, is fingerprinted into the manifest."""
 
     def __init__(self, out_dir: Path, state: Optional[ParallelState]):
         self.root = Path(out_dir) / CHECKPOINTS_DIR
         self.state = state
         # The background writer's collectives run on their own gloo group (every rank takes part).
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.pending: Optional[tuple[Future, Path, float]] = None
+        self.staging = _HostStaging()
+        self.hooked: set[int] = set()  # optimizers whose updates wait for the staging copy
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.pending: Optional[tuple[Future, Path, dict[str, Any], float]] = None
+        self.last_staging_seconds: Optional[float] = None  # host time `save` took
         self.last_save_seconds: Optional[float] = None  # wall time of the last committed save
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
         self.wait()
         started = time.perf_counter()
+        local = _local_state(model, optimizer)
+        check_finite(local, f"step {step}")
         partial = self.root / (checkpoint_dir_name(step) + PARTIAL_SUFFIX)
         if _world_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crashed earlier attempt
             partial.mkdir(parents=True)
         if self.group is not None:
             dist.barrier(group=self.group)
-        sharding = _Sharding(model, self.state)
+        if id(optimizer) not in self.hooked:
+            optimizer.register_step_pre_hook(self.staging.hold_updates)
+            self.hooked.add(id(optimizer))
+        staged = _Sharding(model, self.state, "cpu").wrap(self.staging.stage(local))
         # `extra` travels as one JSON string: nested lists would be flattened into per-item keys.
-        state = {"model": sharding.model_state(model), "optimizer": sharding.optimizer_state(model, optimizer),
-                 "extra": json.dumps(extra)}
-        torch.save(_rng_state(), partial / f"rng-rank{_world_rank()}.pt")
+        staged["extra"] = json.dumps(extra)
+        torch.save(_rng_state(), partial / _rng_name(_world_rank()))
+        manifest = {"format": MANIFEST_FORMAT, "step": step,
+                    "config_fingerprint": fingerprint(extra["config"]) if "config" in extra else None,
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    "tp_size": self.state.tp_size if self.state else 1,
+                    "cp_size": self.state.cp_size if self.state else 1}
+        layout = {"rank": _world_rank(), "tp_rank": self.state.tp_rank if self.state else 0,
+                  "cp_rank": self.state.cp_rank if self.state else 0}
+        future = self.executor.submit(self._write, staged, partial, self.staging.copied)
+        self.pending = (future, partial, {"manifest": manifest, "layout": layout}, started)
+        self.last_staging_seconds = time.perf_counter() - started
+
+    def _write(self, staged: dict[str, Any], partial: Path, copied: Optional[torch.cuda.Event]) -> dict[str, Any]:
+        """Background thread: write this rank's shards, then hash the files it wrote."""
+        if copied is not None:
+            copied.synchronize()
         with _single_process_quiet():
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
-        self.pending = (getattr(future, "upload_completion", future), partial, started)
+            dcp.save(staged, checkpoint_id=str(partial), process_group=self.group)
+        rank = _world_rank()
+        mine = sorted(partial.glob(f"__{rank}_*.distcp")) + [partial / _rng_name(rank)]
+        if rank == 0:
+            mine.append(partial / ".metadata")  # written by the coordinator once every rank's shards are
+        return {path.name: _file_digest(path) for path in mine}
 
     def wait(self) -> Optional[Path]:
         """Finish the pending save (if any) and commit it; returns the committed directory."""
         if self.pending is None:
             return None
-        future, partial, started = self.pending
+        future, partial, described, started = self.pending
         self.pending = None
-        future.result()  # on rank 0 this includes the metadata, written after every rank's shards
+        written = _all_gather({"files": future.result(), **described["layout"]}, self.group)
         final = partial.with_name(partial.name[:-len(PARTIAL_SUFFIX)])
         if _world_rank() == 0:
+            manifest = dict(described["manifest"], ranks=[{key: value for key, value in rank.items() if key != "files"}
+                                                           for rank in written],
+                            files={name: digest for rank in written for name, digest in rank["files"].items()})
+            _write_atomically(partial / MANIFEST_NAME, json.dumps(manifest, indent=1))
             self._commit(partial, final)
         if self.group is not None:
             dist.barrier(group=self.group)  # nobody looks for `latest` before it names this save
@@ -148,35 +289,91 @@ class CheckpointWriter:
         previous = latest_checkpoint(self.root.parent)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        pointer = self.root / LATEST_NAME
-        staged = pointer.with_suffix(PARTIAL_SUFFIX)
-        staged.write_text(final.name + "\n")
-        os.replace(staged, pointer)
+        _write_atomically(self.root / LATEST_NAME, final.name + "\n")
         if previous is not None and previous != final:
             shutil.rmtree(previous, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: Optional[ParallelState]) -> dict[str, Any]:
-    """Load a checkpoint directory into `model` and `optimizer` at this run's TP / CP layout and
-    return the `extra` it was saved with (JSON: dict keys come back as strings). The RNG state is
-    restored when this rank saved one and the world size is the same."""
+def _rng_name(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    staged = path.with_name(path.name + PARTIAL_SUFFIX)
+    staged.write_text(text)
+    os.replace(staged, path)
+
+
+def _file_digest(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def verify_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
+    """Check the files of the checkpoint directory `path` against its manifest, each rank of `group`
+    a share of them, and that every rank names the same checkpoint; returns the manifest. Raises
+    `CheckpointError` naming the damaged files (on every rank)."""
     path = Path(path)
+    manifest_path = path / MANIFEST_NAME
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path} (a checkpoint directory holds "
                                 f"'.metadata'; the newest is named in <out>/{CHECKPOINTS_DIR}/{LATEST_NAME})")
-    sharding = _Sharding(model, state)
-    model_state = sharding.model_state(model)
-    optimizer_state = sharding.optimizer_state(model, optimizer)
-    loaded = {"model": model_state, "optimizer": optimizer_state, "extra": ""}
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"checkpoint {path}: its {MANIFEST_NAME} is missing or damaged ({error}); "
+                              f"it cannot be verified") from error
+    rank, size = _group_rank_size(group)
+    problems = [problem for name in sorted(files)[rank::size]
+                if (problem := _file_problem(path / name, files[name])) is not None]
+    problems = [problem for share in _all_gather(problems, group) for problem in share]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems[:3])
+                              + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
+    readers = _all_gather((str(path.resolve()), fingerprint(manifest)), group)
+    if len(set(readers)) > 1:
+        raise CheckpointError("the ranks resume from different checkpoints: "
+                              + ", ".join(f"rank {index}: {where}" for index, (where, _) in enumerate(readers)))
+    return manifest
+
+
+def _file_problem(path: Path, expected: dict[str, Any]) -> Optional[str]:
+    if not path.is_file():
+        return f"{path.name} is missing"
+    found = _file_digest(path)
+    if found["bytes"] != expected["bytes"]:
+        return f"{path.name} has {found['bytes']} bytes, the manifest says {expected['bytes']} (truncated?)"
+    if found["sha256"] != expected["sha256"]:
+        return f"{path.name} does not match its SHA-256 in the manifest (corrupted)"
+    return None
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    state: Optional[ParallelState]) -> dict[str, Any]:
+    """Verify the checkpoint directory `path` (see `verify_checkpoint`), load it into `model` and
+    `optimizer` at this run's TP / CP layout and return the `extra` it was saved with (JSON: dict
+    keys come back as strings). The RNG state is restored when this rank saved one and the world
+    size is the same."""
+    path = Path(path)
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    manifest = verify_checkpoint(path, group)
+    device_type = next(model.parameters()).device.type
+    loaded = dict(_Sharding(model, state, device_type).wrap(_local_state(model, optimizer)), extra="")
     with _single_process_quiet():
         dcp.load(loaded, checkpoint_id=str(path), process_group=group)
+    extra = json.loads(loaded["extra"])
+    if extra.get("step", manifest["step"]) != manifest["step"] or (
+            "config" in extra and fingerprint(extra["config"]) != manifest["config_fingerprint"]):
+        raise CheckpointError(f"checkpoint {path}: its state does not match its manifest (step "
+                              f"{extra.get('step')} vs {manifest['step']}, or another config)")
     model.load_state_dict(_local(loaded["model"]))
     set_optimizer_state_dict(model, optimizer, _local(loaded["optimizer"]))
-    extra = json.loads(loaded["extra"])
-    rng = path / f"rng-rank{_world_rank()}.pt"
-    if rng.is_file() and extra.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
+    rng = path / _rng_name(_world_rank())
+    if rng.is_file() and manifest["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
         _set_rng_state(torch.load(rng, weights_only=True))
     return extra
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -34,19 +35,23 @@ from tqdm import tqdm
 import torch.distributed as dist
 
 from megatron_dsa.backends import call_counts, reset_call_counts
-from megatron_dsa.checkpointing import CHECKPOINTS_DIR, CheckpointWriter, latest_checkpoint, load_checkpoint
+from megatron_dsa.checkpointing import (CHECKPOINTS_DIR, CheckpointError, CheckpointWriter, latest_checkpoint,
+                                        load_checkpoint)
 from megatron_dsa.config import HybridAttentionConfig, check_field_types
 from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
                                pack_documents, seeded_generator, split_corpus)
 from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import ParallelState, initialize_parallel_state
+from megatron_dsa.parallel.consistency import (MissingRanksError, RankMismatchError, check_same_on_all_ranks,
+                                               wait_for_all_ranks)
 from megatron_dsa.parallel.context import shard_sequence
 from megatron_dsa.parallel.sharding import partition_dim
 
 HISTORY_NAME = "history.json"
 PLOT_NAME = "loss_curve.png"
 DTYPES = ("fp32", "bf16")
+DIST_TIMEOUT_S = 600.0  # Megatron-LM's default distributed timeout (10 minutes)
 
 
 # ---------------------------------------------------------------- configuration
@@ -537,8 +542,10 @@ def load_corpus(train: TrainConfig) -> CorpusSplit:
     return split_corpus(load_stdlib_corpus(train.corpus_max_bytes))
 
 
-def setup_parallel(tp: int, cp: int, device: torch.device) -> Optional[ParallelState]:
-    """Process groups for a torchrun launch (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA."""
+def setup_parallel(tp: int, cp: int, device: torch.device,
+                   timeout_s: float = DIST_TIMEOUT_S) -> Optional[ParallelState]:
+    """Process groups for a torchrun launch (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA; a
+    collective that waits longer than `timeout_s` for a failed or stalled rank ends the job."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         if tp * cp != 1:
@@ -551,12 +558,13 @@ def setup_parallel(tp: int, cp: int, device: torch.device) -> Optional[ParallelS
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return initialize_parallel_state(tp_size=tp, cp_size=cp)
 
 
 def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1, overwrite: bool = False,
-        progress_bar: bool = True) -> History:
+        progress_bar: bool = True, dist_timeout_s: float = DIST_TIMEOUT_S) -> History:
     """Train to `job.train.steps` (continuing from the checkpoint directory `resume` if given);
     returns the full history. `overwrite` first deletes the output directory's checkpoints and
     history; `progress_bar` shows tqdm's bar on a terminal (plain log lines otherwise).
@@ -567,7 +575,11 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
     device = resolve_device(train.device)
     if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    state = setup_parallel(tp, cp, device)
+    state = setup_parallel(tp, cp, device, dist_timeout_s)
+    if state is not None:  # every rank is here and runs the same job, or the error names who is not
+        checks = dist.new_group(backend="gloo")
+        wait_for_all_ranks(checks, dist_timeout_s, "job start")
+        check_same_on_all_ranks("the job's configuration", job.to_dict(), checks)
     if train.pack and cp > 1:
         raise ValueError("--pack with --cp is not supported by the training job yet "
                          "(the layer supports it: pass global PackedSeqParams with host cu_seqlens)")
@@ -630,10 +642,10 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
             history.evals.append(evaluate(model, job, validation_text, device, completed))
             write(format_eval(history.evals[-1]))
         if completed % train.checkpoint_interval == 0 or completed == train.steps:
-            staging = time.perf_counter()
             checkpoints.save(completed, model, optimizer, job_extra(completed, job, history))
-            write(f"checkpoint of step {completed}: state staged in {time.perf_counter() - staging:.2f} s, "
-                  f"writing in the background")
+            write(f"checkpoint of step {completed}: the save took {checkpoints.last_staging_seconds:.2f} s of "
+                  f"this step (host buffers: {checkpoints.staging.allocated_bytes / 2**30:.2f} GiB, allocated "
+                  f"once); copying and writing go on in the background")
             if leader:
                 write_history(history, out_dir)
     progress.close()
@@ -670,6 +682,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, 
                         help="start over in an output directory that holds a run (deletes its checkpoints)")
     parser.add_argument("--lr-decay-steps", type=int,
                         help="cosine horizon (overrides train.lr_decay_steps; a resumed run keeps the saved one)")
+    parser.add_argument("--dist-timeout", type=float, default=DIST_TIMEOUT_S, metavar="SECONDS",
+                        help=f"how long a collective waits for a failed or stalled rank before the job ends "
+                             f"(default {DIST_TIMEOUT_S:g})")
     parser.add_argument("--no-progress", action="store_true",
                         help="plain log lines, no progress bar (the default when stderr is not a terminal)")
     return parser, parser.parse_args(argv)
@@ -695,8 +710,9 @@ def main(argv: Optional[Sequence[str]] = None) -> History:
     except (ValueError, TypeError, FileNotFoundError, yaml.YAMLError) as error:
         parser.error(str(error))
     try:
-        return run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite, progress_bar=not args.no_progress)
-    except JobStopped as error:
+        return run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite, progress_bar=not args.no_progress,
+                   dist_timeout_s=args.dist_timeout)
+    except (JobStopped, CheckpointError, RankMismatchError, MissingRanksError) as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
 
 

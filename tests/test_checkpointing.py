@@ -1,4 +1,4 @@
-"""The main job's checkpoints (`megatron_dsa.checkpointing`): resharding, atomic commits.
+"""The main job's checkpoints (`megatron_dsa.checkpointing`): resharding, atomic commits, verified loads.
 
 Resharding is checked against the saving run's own tensors gathered to TP = 1 (model and AdamW
 moments, exactly); atomicity by a process that dies while its save is in flight.
@@ -6,6 +6,11 @@ moments, exactly); atomicity by a process that dies while its save is in flight.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,7 +22,7 @@ import torch.distributed as dist
 
 from distributed import run_distributed
 from megatron_dsa import HybridAttentionConfig
-from megatron_dsa.checkpointing import CheckpointWriter, latest_checkpoint, load_checkpoint
+from megatron_dsa.checkpointing import CheckpointError, CheckpointWriter, fingerprint, latest_checkpoint, load_checkpoint
 from megatron_dsa.model import HybridLM, ModelConfig
 from megatron_dsa.parallel import initialize_parallel_state
 from megatron_dsa.parallel.sharding import gather_full_state_dict, partition_dims
@@ -116,3 +121,115 @@ def test_an_incomplete_checkpoint_directory_is_a_clear_error(tmp_path) -> None:
     model, optimizer = trained(None, seed=3)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_checkpoint(tmp_path / "step-000007.partial", model, optimizer, None)
+
+
+def saved_run(out: Path, seed: int = 3, step: int = 1) -> Path:
+    model, optimizer = trained(None, seed=seed)
+    writer = CheckpointWriter(out, None)
+    writer.save(step, model, optimizer, {"step": step, "config": {"seed": seed}})
+    return writer.wait()
+
+
+def test_the_manifest_names_step_config_layout_and_every_file(tmp_path) -> None:
+    path = saved_run(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["step"] == 1 and manifest["config_fingerprint"] == fingerprint({"seed": 3})
+    assert (manifest["world_size"], manifest["tp_size"], manifest["cp_size"]) == (1, 1, 1)
+    assert manifest["ranks"] == [{"rank": 0, "tp_rank": 0, "cp_rank": 0}]
+    on_disk = {p.name for p in path.iterdir() if p.name != "manifest.json"}
+    assert set(manifest["files"]) == on_disk
+    for name, entry in manifest["files"].items():
+        assert entry["bytes"] == (path / name).stat().st_size
+        assert entry["sha256"] == hashlib.sha256((path / name).read_bytes()).hexdigest()
+
+
+def flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 200] = bytes(255 - b for b in data[middle:middle + 200])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda path: flip_bytes(path / "__0_0.distcp"), "__0_0.distcp does not match its SHA-256"),
+    (lambda path: os.truncate(path / "__0_0.distcp", 100), "__0_0.distcp has 100 bytes"),
+    (lambda path: (path / "rng-rank0.pt").unlink(), "rng-rank0.pt is missing"),
+    (lambda path: (path / "manifest.json").unlink(), "manifest.json is missing or damaged"),
+    (lambda path: (path / "manifest.json").write_text("{"), "manifest.json is missing or damaged"),
+], ids=["200-bytes-flipped", "truncated", "rng-missing", "no-manifest", "manifest-garbage"])
+def test_a_damaged_checkpoint_is_refused_before_loading(tmp_path, damage, words) -> None:
+    path = saved_run(tmp_path)
+    damage(path)
+    model, optimizer = trained(None, seed=5)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        load_checkpoint(path, model, optimizer, None)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed by a refused load"
+
+
+def test_a_shard_from_another_step_is_refused(tmp_path) -> None:
+    first, second = saved_run(tmp_path / "a", seed=3, step=1), saved_run(tmp_path / "b", seed=4, step=2)
+    shutil.copy(first / "__0_0.distcp", second / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match="__0_0.distcp"):
+        load_checkpoint(second, *trained(None, seed=5), None)
+
+
+def test_non_finite_state_is_never_checkpointed(tmp_path) -> None:
+    model, optimizer = trained(None, seed=3)
+    writer = CheckpointWriter(tmp_path, None)
+    writer.save(1, model, optimizer, {"step": 1})
+    writer.wait()
+    name, param = next(iter(model.named_parameters()))
+    with torch.no_grad():
+        param.view(-1)[3] = float("nan")
+    with pytest.raises(CheckpointError, match=f"non-finite values in .*model/{re.escape(name)}"):
+        writer.save(2, model, optimizer, {"step": 2})
+    assert latest_checkpoint(tmp_path).name == "step-000001"
+
+
+def different_checkpoints_body(rank: int, world: int, root: str) -> None:
+    path = Path(root) / f"rank{rank}" / "checkpoints" / "step-000001"
+    with pytest.raises(CheckpointError, match="the ranks resume from different checkpoints: rank 0: .*rank0.*rank 1: .*rank1"):
+        load_checkpoint(path, *trained(None, seed=5), None)
+
+
+def test_ranks_resuming_from_different_checkpoints_are_refused(tmp_path) -> None:
+    for rank in range(2):
+        saved_run(tmp_path / f"rank{rank}")
+    run_distributed(different_checkpoints_body, 2, str(tmp_path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path) -> None:
+    """`save` returns with the copy to host still running on a side stream; the next updates must
+    not reach the checkpoint (they wait for the copy), and the buffers are reused by the next save."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        model(torch.randn(64, 2048, device="cuda")).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    writer = CheckpointWriter(tmp_path, None)
+    for saved_step in (1, 2):
+        expected = {key: value.clone() for key, value in model.state_dict().items()}
+        moments = {name: optimizer.state[param]["exp_avg"].clone() for name, param in model.named_parameters()}
+        writer.save(saved_step, model, optimizer, {"step": saved_step})
+        for _ in range(3):  # updates issued right away, while the copy runs
+            step()
+        assert writer.wait().name == f"step-00000{saved_step}"
+        fresh = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        fresh(torch.randn(1, 2048, device="cuda")).sum().backward()
+        fresh_optimizer.step()
+        load_checkpoint(latest_checkpoint(tmp_path), fresh, fresh_optimizer, None)
+        for key, value in fresh.state_dict().items():
+            assert torch.equal(value, expected[key]), f"save {saved_step}: {key}"
+        for name, param in fresh.named_parameters():
+            assert torch.equal(fresh_optimizer.state[param]["exp_avg"], moments[name]), f"save {saved_step}: {name}"
+    assert all(buffer.is_pinned() for buffer in writer.staging.buffers.values() if buffer.numel() > 1)
