@@ -7,7 +7,7 @@
     torchrun --nproc-per-node 4 examples/megatron_pretrain.py --tp 2 --cp 2 --steps 20 --save ckpt
     torchrun --nproc-per-node 2 examples/megatron_pretrain.py --cp 2 --steps 40 --load ckpt    # resumes at 20
 
-The job YAML (attention / model / train sections, as for `python -m megatron_dsa.train`) becomes a
+The job YAML (attention / model / train sections, as for `megatron-dsa train`) becomes a
 Megatron `MLATransformerConfig` plus the hybrid fields released megatron-core lacks. Megatron
 supplies embeddings, RMSNorms, the SwiGLU MLP and the output layer (local, non-Transformer-Engine
 spec); every `self_attention` is ours, its kind read from `attention.layer_pattern`. CPU runs use
