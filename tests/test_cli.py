@@ -83,11 +83,13 @@ def test_python_m_runs_the_commands_from_another_directory(tmp_path: Path) -> No
 def test_train_preset_trains_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)  # no configs/ here: the preset is the packaged tiny.yaml
-    code, out, _ = exit_of(["train", "--preset", "tiny", "--steps", "2", "--out", "run", "--no-progress"], capsys)
+    code, out, err = exit_of(["train", "--preset", "tiny", "--steps", "2", "--out", "run"], capsys)
     assert code == 0
     history = json.loads((tmp_path / "run" / "history.json").read_text())
     assert [step["step"] for step in history["steps"]] == [0, 1]
     assert "done: 2 steps" in out and (tmp_path / "run" / "checkpoints").is_dir()
+    # stderr is not a terminal here: plain log lines on stdout, no progress bar anywhere
+    assert re.search(r"^step +1 \| loss", out, re.M) and "it/s" not in out + err and "\r" not in out + err
 
 
 def test_unknown_preset_lists_the_packaged_ones(capsys: pytest.CaptureFixture) -> None:
