@@ -20,10 +20,12 @@ import torch
 import megatron_dsa
 
 PROG = "megatron-dsa"
-WIDTH = 100  # `info` fits a 100-column terminal unless --verbose
+WIDTH = 100  # `info` lines fit a 100-column terminal (--verbose wraps its long reasons)
 
 
 class Command(NamedTuple):
+    """A subcommand; it imports its module when it runs, so one command never loads another's."""
+
     help: str
     run: Callable[[list[str], str], int]  # (arguments after the command, prog) → exit status
 
