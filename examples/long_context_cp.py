@@ -22,18 +22,20 @@ import torch.distributed as dist
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing the package
 
+from megatron_dsa.packaged_configs import resolve_config  # noqa: E402
 from megatron_dsa.train import (JobConfig, build_model, build_optimizer, format_step, load_corpus,  # noqa: E402
                                 resolve_device, setup_parallel, train_batch, train_step)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=REPO_ROOT / "configs" / "tiny_cp2.yaml")
+    parser.add_argument("--config", type=Path, default=Path("configs/tiny_cp2.yaml"),
+                        help="job YAML; a packaged config's name (configs/tiny_cp2.yaml) works from any directory")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args(argv)
 
     cp = int(os.environ.get("WORLD_SIZE", "1"))
-    job = JobConfig.from_yaml(args.config, steps=args.steps)
+    job = JobConfig.from_yaml(resolve_config(args.config), steps=args.steps)
     train = job.train
     device = resolve_device(train.device)
     if device.type == "cuda":

@@ -15,17 +15,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing the package
 
 from megatron_dsa.data import load_stdlib_corpus, make_batch, seeded_generator, split_corpus  # noqa: E402
+from megatron_dsa.packaged_configs import resolve_config  # noqa: E402
 from megatron_dsa.train import (JobConfig, build_model, build_optimizer, compute_loss,  # noqa: E402
                                 learning_rate)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", type=Path, default=REPO_ROOT / "configs" / "tiny.yaml")
+    parser.add_argument("--config", type=Path, default=Path("configs/tiny.yaml"),
+                        help="job YAML; a packaged config's name (configs/tiny.yaml) works from any directory")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
 
-    job = JobConfig.from_yaml(args.config, steps=args.steps)
+    job = JobConfig.from_yaml(resolve_config(args.config), steps=args.steps)
     train = job.train
     model = build_model(job, torch.device("cpu"))  # seeded from train.seed
     optimizer = build_optimizer(model, train)

@@ -1,4 +1,4 @@
-"""Convert attention checkpoints: `python -m megatron_dsa.convert COMMAND ...`.
+"""Convert attention checkpoints: `megatron-dsa convert COMMAND ...` (or `python -m megatron_dsa.convert`).
 
     megatron-to-ours  IN [IN ...] OUT --config CFG [--tp N]   Megatron GPTModel → HybridLM names
     ours-to-megatron  IN [IN ...] OUT --config CFG [--tp N]   HybridLM → Megatron GPTModel names
@@ -8,9 +8,10 @@
 Several INs are the TP ranks of one checkpoint, in rank order. A file may hold the state dict itself
 or a dict with a "model" entry (Megatron's and our training checkpoints). With `--tp N > 1`, OUT
 `x.pt` becomes `x_tp0.pt` ... `x_tp{N-1}.pt`. CFG is a YAML with the attention config (a job config
-such as configs/tiny.yaml, or a bare HybridAttentionConfig). Only the attention layers are
-converted; the count of other tensors left out is printed. An output is never an input, an existing
-one is replaced only with --force, and every file is written whole or not at all.
+such as configs/tiny.yaml, which a packaged config's name finds from any directory, or a bare
+HybridAttentionConfig). Only the attention layers are converted; the count of other tensors left
+out is printed. An output is never an input, an existing one is replaced only with --force, and
+every file is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.integrations.checkpoint import LAYOUTS, convert_attention
+from megatron_dsa.packaged_configs import resolve_config
 
 COMMANDS = {  # command → (source layout, target layout); None = from --layout
     "megatron-to-ours": ("megatron", "ours"),
@@ -35,8 +37,8 @@ COMMANDS = {  # command → (source layout, target layout); None = from --layout
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_dsa.convert", description=__doc__,
+def build_parser(prog: str = "python -m megatron_dsa.convert") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=sorted(COMMANDS))
     parser.add_argument("paths", nargs="+", type=Path, help="input file(s) in TP-rank order, then OUT")
@@ -50,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Optional[list[str]] = None, prog: str = "python -m megatron_dsa.convert") -> int:
+    args = build_parser(prog).parse_args(argv)
     if len(args.paths) < 2:
         raise SystemExit("error: give at least one input file and the output file")
     *inputs, output = args.paths
@@ -63,7 +65,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit("error: tp-split takes one TP = 1 file and --tp N with N >= 2")
     targets = output_paths(output, args.tp)
     check_outputs(inputs, targets, args.force)
-    config = HybridAttentionConfig.from_yaml(args.config)
+    try:
+        config = HybridAttentionConfig.from_yaml(resolve_config(args.config))
+    except FileNotFoundError as error:
+        raise SystemExit(f"error: {error}") from None
     shards = [load_state_dict(path, args.trust_pickle) for path in inputs]
     try:
         outputs, skipped = convert_attention(shards, config, source, target, args.tp)

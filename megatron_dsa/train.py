@@ -1,8 +1,11 @@
 """Train `HybridLM` on stdlib bytes plus the long-range retrieval task.
 
-    python -m megatron_dsa.train --config configs/tiny.yaml [--steps N] [--out DIR] [--device cuda]
-                                 [--resume [CKPT]] [--seed S] [--dtype fp32|bf16]
+    megatron-dsa train --preset tiny [--steps N] [--out DIR] [--device cuda] [--resume [CKPT]]
+    megatron-dsa train --config my_job.yaml [--seed S] [--dtype fp32|bf16] ...
 
+`python -m megatron_dsa.train` is the same command. `--preset NAME` reads a packaged job config
+(the list is in `--help`); a `--config` path that does not exist but names a packaged config
+(`configs/tiny.yaml`, `tiny.yaml`) reads the packaged copy, so both work from any directory.
 The YAML file has three sections: `attention:` (`HybridAttentionConfig`), `model:` (`ModelConfig`)
 and `train:` (`TrainConfig`); CLI flags override it. The output directory receives
 `checkpoints/step-N/` (sharded model and optimizer, step, config, history and per-rank RNG states,
@@ -41,6 +44,7 @@ from megatron_dsa.config import HybridAttentionConfig, check_field_types
 from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
                                pack_documents, seeded_generator, split_corpus)
 from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
+from megatron_dsa.packaged_configs import packaged_configs, preset_config, resolve_config
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import ParallelState, initialize_parallel_state
 from megatron_dsa.parallel.consistency import (MissingRanksError, RankMismatchError, check_same_on_all_ranks,
@@ -518,7 +522,8 @@ def format_backends(counts: dict[tuple[str, str], int]) -> str:
     by_op: dict[str, list[str]] = {}
     for (backend, op), calls in sorted(counts.items()):
         by_op.setdefault(op, []).append(f"{backend} ({calls} calls)")
-    return "\n".join(f"  {op:<18} {', '.join(uses)}" for op, uses in by_op.items())
+    width = max(map(len, by_op), default=0)
+    return "\n".join(f"  {op:<{width}}  {', '.join(uses)}" for op, uses in by_op.items())
 
 
 def format_step(stats: StepStats) -> str:
@@ -660,10 +665,13 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
     return history
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="python -m megatron_dsa.train", description=__doc__,
+def parse_args(argv: Optional[Sequence[str]], prog: str = "python -m megatron_dsa.train"
+               ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, type=Path, help="job YAML (attention/model/train)")
+    job = parser.add_mutually_exclusive_group(required=True)
+    job.add_argument("--config", type=Path, help="job YAML (attention/model/train), or a packaged one by name")
+    job.add_argument("--preset", help=f"a packaged job config: {', '.join(packaged_configs())}")
     parser.add_argument("--steps", type=int, help="total optimizer steps (overrides train.steps)")
     parser.add_argument("--out", dest="out_dir", help="output directory (overrides train.out_dir)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (overrides train.device)")
@@ -690,10 +698,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, 
     return parser, parser.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> History:
-    parser, args = parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_dsa.train") -> History:
+    parser, args = parse_args(argv, prog)
     try:  # configuration mistakes become a usage message, not a traceback
-        job = JobConfig.from_yaml(args.config, steps=args.steps, out_dir=args.out_dir, device=args.device,
+        config = preset_config(args.preset) if args.preset else resolve_config(args.config)
+        job = JobConfig.from_yaml(config, steps=args.steps, out_dir=args.out_dir, device=args.device,
                                   seed=args.seed, dtype=args.dtype, pack=args.pack,
                                   lr_decay_steps=args.lr_decay_steps)
         parallel = {"sequence_parallel": args.sp or job.attention.sequence_parallel}

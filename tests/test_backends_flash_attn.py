@@ -294,7 +294,7 @@ def test_info_shows_the_importable_generations_and_the_one_that_serves(vendors, 
     assert line_of(text, "FlashAttention-3 (flash_attn_3 ").endswith("): importable, serves here")
     assert line_of(text, "FlashAttention-2 (flash-attn ").endswith("): importable, FlashAttention-3 goes first")
     on_gpu_generation(vendors, (8, 0))
-    assert main(["info"]) == 0
+    assert main(["info", "--verbose"]) == 0
     text = capsys.readouterr().out
     assert line_of(text, "FlashAttention-3").endswith("): importable, FlashAttention-3 needs SM9x, this GPU is SM80")
     assert line_of(text, "FlashAttention-2").endswith("): importable, serves here")

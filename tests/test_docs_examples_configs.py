@@ -65,14 +65,14 @@ def test_every_example_imports_and_has_a_main(path: Path) -> None:
     assert callable(module.main) and module.__doc__
 
 
-def run_example(*command: str) -> str:
+def run_example(*command: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step\s+2:?\s+\|?\s*loss (\d+\.\d+)", result.stdout)]
     assert losses and all(0 < loss < 10 for loss in losses), result.stdout[-2000:]
-    return result.stdout
+    return result
 
 
 def test_train_tiny_example_runs() -> None:
@@ -81,14 +81,15 @@ def test_train_tiny_example_runs() -> None:
 
 def test_long_context_cp_example_runs_on_two_gloo_ranks() -> None:
     out = run_example("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/long_context_cp.py",
-                      "--config", "configs/tiny_cp2.yaml", "--steps", "2")
+                      "--config", "configs/tiny_cp2.yaml", "--steps", "2").stdout
     assert "CP 2: 4 rows of 1024 tokens, 512 per rank" in out
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason='megatron-core is not installed (pip install -e ".[megatron]")')
 def test_megatron_pretrain_example_runs() -> None:
-    out = run_example("examples/megatron_pretrain.py", "--config", "configs/tiny.yaml", "--steps", "2")
-    assert "indexer KL (C layers)" in out
+    result = run_example("examples/megatron_pretrain.py", "--config", "configs/tiny.yaml", "--steps", "2")
+    assert "indexer KL (C layers)" in result.stdout
+    assert "Warning" not in result.stderr, result.stderr  # megatron-core's notes are filtered, ours fixed
 
 
 def test_config_reference_in_the_guide_is_current() -> None:

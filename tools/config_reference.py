@@ -45,7 +45,6 @@ _MEANINGS = {
     "dsa_indexer_loss_coeff": "weight of the indexer KL loss (0 = no loss, indexer grads exactly 0)",
     "dsa_indexer_use_sparse_loss": "KL over the top-k (True) or over all visible entries",
     "calculate_per_token_loss": "KL summed over tokens instead of averaged",
-    "attention_backend": "'auto' or a backend name (python -m megatron_dsa info lists them)",
     "init_method_std": "N(0, std) init; output projection std / sqrt(2·num_layers)",
     "add_bias_linear": "must stay False (no biases)",
     "recompute_attention": "recompute the attention in backward; only the input rows are kept",

@@ -381,7 +381,7 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
 
 def describe_generations() -> str:
     """Which FlashAttention generations import here and which one serves `flash_attn` on the current
-    device (for `python -m megatron_dsa info`)."""
+    device (for `megatron-dsa info --verbose`)."""
     serving, _ = serving_generation(ShapeClass.of_call({}))
     lines = ["flash_attn dense attention, FlashAttention generations in the order tried "
              "(FA3/FA2 pass a one-time self-test per call class before serving):"]

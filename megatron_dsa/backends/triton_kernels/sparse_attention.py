@@ -239,7 +239,7 @@ def hopper_shape_decline(capability: tuple[int, int], dtype: torch.dtype, heads:
 
 def describe_hopper_kernels() -> str:
     """Which Triton sparse-attention kernels serve dsv4 calls (bf16, 64 heads, D = 512) on this machine's
-    current CUDA device, for `python -m megatron_dsa info`."""
+    current CUDA device, for `megatron-dsa info --verbose`."""
     prefix = "triton sparse attention forward and backward (bf16, 64 heads, D = 512):"
     reason = triton_decline_reason(None)
     if reason is None and not torch.cuda.is_available():
