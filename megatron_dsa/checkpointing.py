@@ -8,7 +8,8 @@ as DTensors sharded over the TP group, so a checkpoint saved at one TP / CP size
 (replicas, e.g. the CP ranks' copies, are written once).
 
 `save` refuses non-finite state, then starts copying the state into host buffers that are reused
-from save to save (pinned, filled on a side CUDA stream) and returns: the next forward and backward
+from save to save (pinned, filled on a side CUDA stream; `prepare` allocates them in the
+background ahead of the first save) and returns: the next forward and backward
 overlap the copy, and only the next optimizer update waits for it. A background thread writes the
 files once the copy is done, over a gloo group of its own so the writer's collectives never
 interleave with the training's NCCL ones, and hashes what this rank wrote. A save is committed
@@ -190,12 +191,17 @@ class _HostStaging:
         self.copied.record(stream)
         return staged
 
+    def allocate(self, specs: dict[str, tuple[torch.Size, torch.dtype, bool]]) -> None:
+        """Make the buffers for `{key path: (shape, dtype, pinned)}` (pinning gigabytes takes seconds)."""
+        for path, (shape, dtype, pinned) in specs.items():
+            buffer = self.buffers.get(path)
+            if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+                self.buffers[path] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+                self.allocated_bytes += self.buffers[path].numel() * self.buffers[path].element_size()
+
     def _copy(self, path: str, tensor: Tensor) -> Tensor:
-        buffer = self.buffers.get(path)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-            self.buffers[path] = buffer
-            self.allocated_bytes += buffer.numel() * buffer.element_size()
+        self.allocate({path: (tensor.shape, tensor.dtype, tensor.is_cuda)})
+        buffer = self.buffers[path]
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         return buffer
 
@@ -221,13 +227,24 @@ class CheckpointWriter:
         self.staging = _HostStaging()
         self.hooked: set[int] = set()  # optimizers whose updates wait for the staging copy
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.preparing: Optional[Future] = None  # the background allocation of `prepare`
         self.pending: Optional[tuple[Future, Path, dict[str, Any], float]] = None
         self.last_staging_seconds: Optional[float] = None  # host time `save` took
         self.last_save_seconds: Optional[float] = None  # wall time of the last committed save
 
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Allocate the host buffers for this state in the background (call it once the optimizer
+        has its state, e.g. after the first step), so the first `save` does not wait for them."""
+        specs = {path: (tensor.shape, tensor.dtype, tensor.is_cuda)
+                 for path, tensor in _tensors(_local_state(model, optimizer)).items()}
+        self.preparing = self.executor.submit(self.staging.allocate, specs)
+
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
         self.wait()
         started = time.perf_counter()
+        if self.preparing is not None:
+            self.preparing.result()
+            self.preparing = None
         local = _local_state(model, optimizer)
         check_finite(local, f"step {step}")
         partial = self.root / (checkpoint_dir_name(step) + PARTIAL_SUFFIX)

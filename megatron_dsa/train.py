@@ -640,6 +640,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
         progress.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}")
         if step == start:
             write("backend per op (first step):\n" + format_backends(call_counts()))
+            checkpoints.prepare(model, optimizer)  # the optimizer has its state now
         completed = step + 1
         if completed % train.log_interval == 0 or step == start:
             write(format_step(stats))
@@ -650,7 +651,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
             checkpoints.save(completed, model, optimizer, job_extra(completed, job, history))
             write(f"checkpoint of step {completed}: the save took {checkpoints.last_staging_seconds:.2f} s of "
                   f"this step (host buffers: {checkpoints.staging.allocated_bytes / 2**30:.2f} GiB, allocated "
-                  f"once); copying and writing go on in the background")
+                  f"in the background after the first step); copying and writing go on in the background")
             if leader:
                 write_history(history, out_dir)
     progress.close()

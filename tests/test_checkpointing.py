@@ -216,6 +216,7 @@ def test_cuda_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path) 
 
     step()
     writer = CheckpointWriter(tmp_path, None)
+    writer.prepare(model, optimizer)  # pinned buffers allocated in the background
     for saved_step in (1, 2):
         expected = {key: value.clone() for key, value in model.state_dict().items()}
         moments = {name: optimizer.state[param]["exp_avg"].clone() for name, param in model.named_parameters()}
@@ -233,3 +234,16 @@ def test_cuda_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path) 
         for name, param in fresh.named_parameters():
             assert torch.equal(fresh_optimizer.state[param]["exp_avg"], moments[name]), f"save {saved_step}: {name}"
     assert all(buffer.is_pinned() for buffer in writer.staging.buffers.values() if buffer.numel() > 1)
+
+
+def test_prepared_host_buffers_are_the_ones_the_saves_fill(tmp_path) -> None:
+    model, optimizer = trained(None, seed=3)
+    writer = CheckpointWriter(tmp_path, None)
+    writer.prepare(model, optimizer)
+    writer.save(1, model, optimizer, {"step": 1})
+    writer.wait()
+    buffers = {path: buffer.data_ptr() for path, buffer in writer.staging.buffers.items()}
+    assert len(buffers) == len(model.state_dict()) + 3 * len(list(model.parameters()))  # AdamW: step, 2 moments
+    writer.save(2, model, optimizer, {"step": 2})
+    writer.wait()
+    assert {path: buffer.data_ptr() for path, buffer in writer.staging.buffers.items()} == buffers
