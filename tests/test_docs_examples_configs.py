@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +23,9 @@ from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.integrations import megatron as integration
 from megatron_dsa.integrations.checkpoint import convert_attention, join_layers
 from megatron_dsa.integrations.megatron_config import hybrid_config_from_megatron, to_megatron_kwargs
+from megatron_dsa.checkpointing import CheckpointWriter, load_checkpoint
 from megatron_dsa.packed_seq import PackedSeqParams
+from megatron_dsa.parallel import consistency
 from megatron_dsa.parallel.context import ContextParallelPlan
 from megatron_dsa.parallel.linear import divide
 from megatron_dsa.train import JobConfig
@@ -116,6 +119,31 @@ def rotary_into_adapter() -> None:
     layer = integration.MegatronHybridAttention(namespace, 1, hybrid_config=TINY, pg_collection=SimpleNamespace())
     layer(torch.randn(8, 1, TINY.hidden_size), rotary_pos_emb=torch.zeros(1))
 
+def damaged_checkpoint() -> None:
+    """A saved checkpoint with 16 bytes of its shard file flipped, loaded from a relative path."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with tempfile.TemporaryDirectory() as root:
+        previous = os.getcwd()
+        os.chdir(root)
+        try:
+            writer = CheckpointWriter(Path("run"), None)
+            writer.save(1, model, optimizer, {"step": 1})
+            shard = writer.wait() / "__0_0.distcp"
+            data = bytearray(shard.read_bytes())
+            data[:16] = bytes(255 - b for b in data[:16])
+            shard.write_bytes(bytes(data))
+            load_checkpoint(Path("run/checkpoints/step-000001"), model, optimizer, None)
+        finally:
+            os.chdir(previous)
+
+
+def different_configs_on_two_ranks() -> None:
+    """What `check_same_on_all_ranks` raises when rank 1 of 2 has another window (gathered values given)."""
+    gathered = [{"attention.csa_window_size": 16}, {"attention.csa_window_size": 8}]
+    raise consistency.mismatch_error("the job's configuration", gathered, [0, 1])
+
+
 
 TRIGGERS = [
     lambda: HybridAttentionConfig.from_dict({"o_group": 2}),
@@ -132,6 +160,8 @@ TRIGGERS = [
                                             attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool)),
     lambda: megatron_position_check(torch.arange(8).expand(1, 8) + 5),
     broken_checkpoint,
+    damaged_checkpoint,
+    different_configs_on_two_ranks,
 ]
 
 

@@ -8,7 +8,7 @@ never arrives otherwise leaves the others waiting until some collective times ou
 from __future__ import annotations
 
 import datetime
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -36,17 +36,24 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def check_same_on_all_ranks(what: str, values: Mapping[str, Any],
                             group: Optional[dist.ProcessGroup] = None) -> None:
-    """Raise `RankMismatchError` (on every rank) when `values` (a nested mapping) differs between the ranks
-    of `group`; the message names each differing field and which ranks hold which value."""
+    """Raise `RankMismatchError` (on every rank) when `values` (a nested mapping) differs between the
+    ranks of `group`; the message names each differing field and which ranks hold which value."""
     if not dist.is_initialized():
         return
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, flatten(values), group=group)
-    keys = sorted(set().union(*gathered))
-    differing = [key for key in keys if len({repr(rank.get(key, _ABSENT)) for rank in gathered}) > 1]
-    if not differing:
-        return
     ranks = [dist.get_global_rank(group, index) if group is not None else index for index in range(len(gathered))]
+    error = mismatch_error(what, gathered, ranks)
+    if error is not None:
+        raise error
+
+
+def mismatch_error(what: str, gathered: Sequence[Mapping[str, Any]], ranks: Sequence[int]) -> Optional[RankMismatchError]:
+    """The error for flat `gathered[i]` held by rank `ranks[i]`, or None when all agree."""
+    keys = sorted(set().union(*gathered))
+    differing = [key for key in keys if len({repr(values.get(key, _ABSENT)) for values in gathered}) > 1]
+    if not differing:
+        return None
 
     def holders(key: str) -> str:
         by_value: dict[str, list[int]] = {}
@@ -57,7 +64,7 @@ def check_same_on_all_ranks(what: str, values: Mapping[str, Any],
 
     shown = "; ".join(f"{key}: {holders(key)}" for key in differing[:5])
     more = f" (and {len(differing) - 5} more fields)" if len(differing) > 5 else ""
-    raise RankMismatchError(f"{what} differs between ranks: {shown}{more}")
+    return RankMismatchError(f"{what} differs between ranks: {shown}{more}")
 
 
 def wait_for_all_ranks(group: dist.ProcessGroup, timeout_s: float, what: str) -> None:
