@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import yaml
 
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.integrations.checkpoint import LAYOUTS, convert_attention
@@ -63,7 +64,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit("error: tp-split takes one TP = 1 file and --tp N with N >= 2")
     targets = output_paths(output, args.tp)
     check_outputs(inputs, targets, args.force)
-    config = HybridAttentionConfig.from_yaml(args.config)
+    try:
+        config = HybridAttentionConfig.from_yaml(args.config)
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as error:
+        raise SystemExit(f"error: --config {args.config}: {error}") from None
     shards = [load_state_dict(path, args.trust_pickle) for path in inputs]
     try:
         outputs, skipped = convert_attention(shards, config, source, target, args.tp)
