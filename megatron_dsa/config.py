@@ -113,10 +113,11 @@ class HybridAttentionConfig:
     # ---------------------------------------------------------------- validation
     def __post_init__(self) -> None:
         check_field_types(self)
-        self.layer_pattern = self._expand_pattern(self.layer_pattern)
+        # Sizes first: num_layers = 0 is that mistake, not a layer_pattern of the wrong length.
         _require_positive(self, "hidden_size", "num_attention_heads", "num_layers", "q_lora_rank",
                           "v_head_dim", "o_groups", "o_lora_rank", "csa_window_size",
                           "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+        self.layer_pattern = self._expand_pattern(self.layer_pattern)
         if self.qk_pos_emb_head_dim <= 0 or self.qk_pos_emb_head_dim % 2:
             raise ValueError(f"qk_pos_emb_head_dim must be a positive even number (rotary pairs), "
                              f"got {self.qk_pos_emb_head_dim}")
@@ -261,7 +262,7 @@ class HybridAttentionConfig:
     @classmethod
     def from_yaml(cls, path: Union[str, Path]) -> "HybridAttentionConfig":
         values = yaml.safe_load(Path(path).read_text()) or {}
-        if "attention" in values:  # a full job config: take its attention section
+        if isinstance(values, dict) and "attention" in values:  # a full job config: its attention section
             values = values["attention"]
         return cls.from_dict(values)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import yaml
 
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.integrations.checkpoint import LAYOUTS, convert_attention
@@ -67,8 +68,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m megatron_dsa.c
     check_outputs(inputs, targets, args.force)
     try:
         config = HybridAttentionConfig.from_yaml(resolve_config(args.config))
-    except FileNotFoundError as error:
-        raise SystemExit(f"error: {error}") from None
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as error:
+        raise SystemExit(f"error: --config {args.config}: {error}") from None
     shards = [load_state_dict(path, args.trust_pickle) for path in inputs]
     try:
         outputs, skipped = convert_attention(shards, config, source, target, args.tp)

@@ -9,11 +9,14 @@ produce zero output, get exactly zero input gradient and contribute to nothing.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from megatron_dsa.ops.device_cache import capturing_now
 
 
 @dataclass
@@ -23,7 +26,8 @@ class PackedSeqParams:
     cu_seqlens_q / cu_seqlens_kv: `[nseg + 1]` int32 cumulative real lengths, starting at 0.
     cu_seqlens_q_padded / cu_seqlens_kv_padded: `[nseg + 1]` int32 physical boundaries (optional).
     max_seqlen_q / max_seqlen_kv: host ints bounding every (padded) segment length. Give them on
-    CUDA: without them the layer reads the boundaries back from the device (a sync).
+    CUDA: without them the layer reads the boundaries back from the device (a sync). The values of CUDA
+    boundaries are checked on the device (see `validate_packed_seq_params`).
     """
 
     cu_seqlens_q: Tensor
@@ -35,50 +39,59 @@ class PackedSeqParams:
     qkv_format: str = "thd"
 
 
-def validate_packed_seq_params(params: PackedSeqParams, num_rows: int) -> None:
+# Set to 1 to read CUDA packed metadata back to the host (one sync per call) and check its values with
+# the same clear errors as CPU metadata; without it, CUDA values are checked by device-side asserts.
+VALIDATE_PACKED_ENV = "MEGATRON_DSA_VALIDATE_PACKED"
+
+_CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+
+
+def validate_packed_seq_params(params: PackedSeqParams, num_rows: int,
+                               read_device_values: Optional[bool] = None) -> None:
     """Raise `ValueError`/`TypeError` naming the field and the rule it breaks.
 
-    Structure (dtype, rank, length) is always checked. Values are checked only for tensors on the
-    host, so CUDA metadata never forces a device sync (pass CPU copies to get the value checks).
+    Structure (types, dtype, rank, length, host ints) is always checked, and the values of host tensors.
+    Values of device (CUDA) tensors: with `read_device_values` (default: the environment variable
+    `MEGATRON_DSA_VALIDATE_PACKED=1`) they are read back, one host sync, and checked like host values;
+    otherwise the same rules run as one device-side assert (no sync; a violation stops the process with
+    "device-side assert triggered", and the variable then names the rule). Nothing is checked on the
+    device during a CUDA-graph capture: a graphed layer checks its inputs before each replay.
     """
     if params.qkv_format != "thd":
         raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {params.qkv_format!r}")
-    named = {"cu_seqlens_q": params.cu_seqlens_q, "cu_seqlens_kv": params.cu_seqlens_kv,
-             "cu_seqlens_q_padded": params.cu_seqlens_q_padded,
-             "cu_seqlens_kv_padded": params.cu_seqlens_kv_padded}
+    named = {name: getattr(params, name) for name in _CU_FIELDS}
     for name, cu in named.items():
         if cu is not None:
-            _check_cu_seqlens(name, cu, num_rows)
+            _check_cu_structure(name, cu)
     segments = params.cu_seqlens_q.numel()
     for name, cu in named.items():
         if cu is not None and cu.numel() != segments:
             raise ValueError(f"{name} has {cu.numel()} entries but cu_seqlens_q has {segments}: "
                              f"every boundary tensor describes the same segments")
-    _check_self_attention_pair("cu_seqlens_kv", params.cu_seqlens_kv, params.cu_seqlens_q)
-    # Without q padding the physical layout is cu_seqlens_q, so kv padding must equal that.
-    _check_self_attention_pair("cu_seqlens_kv_padded", params.cu_seqlens_kv_padded,
-                               params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None
-                               else params.cu_seqlens_q)
-    padded = params.cu_seqlens_q_padded
-    if padded is not None and _on_host(padded, params.cu_seqlens_q):
-        short = (padded[1:] - padded[:-1]) < (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1])
-        if bool(short.any()):
-            segment = int(short.nonzero()[0])
-            raise ValueError(f"cu_seqlens_q_padded must give every segment at least its real length; "
-                             f"segment {segment} is shorter padded than unpadded")
     for name in ("max_seqlen_q", "max_seqlen_kv"):
         value = getattr(params, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise TypeError(f"{name} must be a non-negative host int, got {value!r}")
-    physical = padded if padded is not None else params.cu_seqlens_q
-    if params.max_seqlen_q is not None and _on_host(physical):
-        longest = int((physical[1:] - physical[:-1]).max()) if physical.numel() > 1 else 0
-        if params.max_seqlen_q < longest:
-            raise ValueError(f"max_seqlen_q ({params.max_seqlen_q}) is smaller than the longest "
-                             f"(padded) segment ({longest})")
+    tensors = [cu for cu in named.values() if cu is not None]
+    if all(cu.device.type == "cpu" for cu in tensors):
+        _check_values(named, params.max_seqlen_q, num_rows)
+    elif _reads_device_values(read_device_values):
+        _check_values({name: None if cu is None else cu.cpu() for name, cu in named.items()},
+                      params.max_seqlen_q, num_rows)
+    elif not capturing_now():
+        torch._assert_async(packed_values_hold(params, num_rows))
 
 
-def _check_cu_seqlens(name: str, cu: Tensor, num_rows: int) -> None:
+def _reads_device_values(requested: Optional[bool]) -> bool:
+    if requested is None:
+        requested = os.environ.get(VALIDATE_PACKED_ENV, "0") not in ("", "0")
+    if requested and capturing_now():
+        raise RuntimeError(f"packed metadata values cannot be read back during a CUDA-graph capture; unset "
+                           f"{VALIDATE_PACKED_ENV} for the capture (graphed layers check before each replay)")
+    return requested
+
+
+def _check_cu_structure(name: str, cu: Tensor) -> None:
     if not isinstance(cu, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -86,27 +99,70 @@ def _check_cu_seqlens(name: str, cu: Tensor, num_rows: int) -> None:
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-D with nseg + 1 >= 2 entries (at least one segment), "
                          f"got shape {tuple(cu.shape)}")
-    if not _on_host(cu):
-        return
-    if int(cu[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(cu[0])} (non-canonical offsets: "
-                         f"use megatron_dsa.packed_seq.canonicalize_cu_seqlens to narrow K/V first)")
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
-    if int(cu[-1]) > num_rows:
-        raise ValueError(f"{name}[-1] = {int(cu[-1])} exceeds the number of rows T = {num_rows}")
 
 
-def _check_self_attention_pair(name: str, kv: Optional[Tensor], q: Optional[Tensor]) -> None:
-    """Self-attention: kv boundaries, when given, must equal the q boundaries."""
-    if kv is None or q is None or kv is q:
-        return
-    if _on_host(kv, q) and not torch.equal(kv, q):
-        raise ValueError(f"{name} must equal its cu_seqlens_q counterpart in self-attention")
+def _check_values(named: dict[str, Optional[Tensor]], max_seqlen_q: Optional[int], num_rows: int) -> None:
+    """The value rules on host tensors, each with its own message."""
+    for name, cu in named.items():
+        if cu is None:
+            continue
+        if int(cu[0]) != 0:
+            raise ValueError(f"{name} must start at 0, got {int(cu[0])} (non-canonical offsets: "
+                             f"use megatron_dsa.packed_seq.canonicalize_cu_seqlens to narrow K/V first)")
+        if bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+        if int(cu[-1]) > num_rows:
+            raise ValueError(f"{name}[-1] = {int(cu[-1])} exceeds the number of rows T = {num_rows}")
+    for kv_name, q_name in _SELF_ATTENTION_PAIRS:
+        kv, q = named[kv_name], _q_counterpart(named, q_name)
+        if kv is not None and not torch.equal(kv, q):
+            raise ValueError(f"{kv_name} must equal its {q_name} counterpart in self-attention "
+                             f"(got {kv.tolist()} and {q.tolist()})")
+    real, padded = named["cu_seqlens_q"], named["cu_seqlens_q_padded"]
+    if padded is not None:
+        short = (padded[1:] - padded[:-1]) < (real[1:] - real[:-1])
+        if bool(short.any()):
+            segment = int(short.nonzero()[0])
+            raise ValueError(f"cu_seqlens_q_padded must give every segment at least its real length; "
+                             f"segment {segment} is shorter padded than unpadded")
+    physical = padded if padded is not None else real
+    if max_seqlen_q is not None:
+        longest = int((physical[1:] - physical[:-1]).max())
+        if max_seqlen_q < longest:
+            raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is smaller than the longest "
+                             f"(padded) segment ({longest})")
 
 
-def _on_host(*tensors: Tensor) -> bool:
-    return all(t.device.type == "cpu" for t in tensors)
+# Self-attention: kv boundaries, when given, equal the q ones. Without q padding the physical layout is
+# cu_seqlens_q, so kv padding must equal that.
+_SELF_ATTENTION_PAIRS = (("cu_seqlens_kv", "cu_seqlens_q"), ("cu_seqlens_kv_padded", "cu_seqlens_q_padded"))
+
+
+def _q_counterpart(named: dict[str, Optional[Tensor]], q_name: str) -> Tensor:
+    return named[q_name] if named[q_name] is not None else named["cu_seqlens_q"]
+
+
+def packed_values_hold(params: PackedSeqParams, num_rows: int) -> Tensor:
+    """A bool scalar on the metadata's device: every value rule of `validate_packed_seq_params` holds
+    (starts at 0, non-decreasing, within `num_rows`, kv equal to q, padded segments at least their real
+    length, `max_seqlen_q` bounding them). Computed without reading anything back; the structure must
+    already be valid."""
+    named = {name: getattr(params, name) for name in _CU_FIELDS}
+    real = named["cu_seqlens_q"]
+    checks = []
+    for cu in (t for t in named.values() if t is not None):
+        steps = cu[1:] - cu[:-1]
+        checks += [cu[0] == 0, (steps >= 0).all(), cu[-1] <= num_rows]
+    for kv_name, q_name in _SELF_ATTENTION_PAIRS:
+        if named[kv_name] is not None:
+            checks.append((named[kv_name] == _q_counterpart(named, q_name).to(named[kv_name].device)).all())
+    physical = named["cu_seqlens_q_padded"] if named["cu_seqlens_q_padded"] is not None else real
+    lengths = physical[1:] - physical[:-1]
+    if named["cu_seqlens_q_padded"] is not None:
+        checks.append((lengths >= (real[1:] - real[:-1]).to(lengths.device)).all())
+    if params.max_seqlen_q is not None:
+        checks.append((lengths <= params.max_seqlen_q).all())
+    return torch.stack([check.to(real.device) for check in checks]).all()
 
 
 def canonicalize_cu_seqlens(key: Tensor, value: Tensor, cu_seqlens_kv: Tensor

@@ -547,19 +547,24 @@ def load_corpus(train: TrainConfig) -> CorpusSplit:
     return split_corpus(load_stdlib_corpus(train.corpus_max_bytes))
 
 
+def check_launch(tp: int, cp: int) -> int:
+    """The world size (WORLD_SIZE, 1 without torchrun) after checking that it fits `tp × cp`."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and tp * cp != 1:
+        raise ValueError(f"--tp {tp} --cp {cp} needs {tp * cp} processes: launch with "
+                         f"torchrun --nproc-per-node {tp * cp} -m megatron_dsa.train ...")
+    if world != tp * cp:
+        raise ValueError(f"WORLD_SIZE={world} but --tp {tp} × --cp {cp} = {tp * cp} (no data parallelism "
+                         f"in this job)")
+    return world
+
+
 def setup_parallel(tp: int, cp: int, device: torch.device,
                    timeout_s: float = DIST_TIMEOUT_S) -> Optional[ParallelState]:
     """Process groups for a torchrun launch (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA; a
     collective that waits longer than `timeout_s` for a failed or stalled rank ends the job."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        if tp * cp != 1:
-            raise ValueError(f"--tp {tp} --cp {cp} needs {tp * cp} processes: launch with "
-                             f"torchrun --nproc-per-node {tp * cp} -m megatron_dsa.train ...")
+    if check_launch(tp, cp) == 1:
         return None
-    if world != tp * cp:
-        raise ValueError(f"WORLD_SIZE={world} but --tp {tp} × --cp {cp} = {tp * cp} (no data parallelism "
-                         f"in this job)")
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -713,6 +718,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_d
         if job.attention.sequence_parallel and args.tp == 1:
             raise ValueError("--sp needs --tp > 1 (sequence parallelism splits over the TP group)")
         resolve_device(job.train.device)
+        check_launch(args.tp, args.cp)  # before any work: a wrong launch is a usage error, not a traceback
         if args.out_dir is None:  # the layout names the default directory: layouts never share one
             job = dataclasses.replace(job, train=dataclasses.replace(
                 job.train, out_dir=job.train.out_dir + layout_suffix(args.tp, job.attention.sequence_parallel, args.cp)))

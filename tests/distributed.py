@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import shutil
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -19,19 +20,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
+def _rank_main(rank: int, world_size: int, store_file: str, backend: str, timeout_s: float,
                body: Callable[..., Any], args: tuple, errors: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
+    # A file store, not a TCP port: a port probed free and released before rank 0 binds it (seconds later,
+    # after spawning and importing torch) can be taken meanwhile by any other process's socket.
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     failure = ""
     try:
@@ -54,9 +50,17 @@ def run_distributed(body: Callable[..., Any], world_size: int, *args: Any, backe
     """Run `body` on `world_size` ranks; raise AssertionError listing every failing rank."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="megatron_dsa_store_")
+    try:
+        _run_ranks(ctx, errors, os.path.join(store_dir, "store"), body, world_size, args, backend, timeout_s)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _run_ranks(ctx: Any, errors: Any, store_file: str, body: Callable[..., Any], world_size: int,
+               args: tuple, backend: str, timeout_s: float) -> None:
     procs = [ctx.Process(target=_rank_main,
-                         args=(rank, world_size, port, backend, timeout_s, body, args, errors))
+                         args=(rank, world_size, store_file, backend, timeout_s, body, args, errors))
              for rank in range(world_size)]
     for p in procs:
         p.start()

@@ -24,11 +24,11 @@ from megatron_dsa.integrations import megatron as integration
 from megatron_dsa.integrations.checkpoint import convert_attention, join_layers
 from megatron_dsa.integrations.megatron_config import hybrid_config_from_megatron, to_megatron_kwargs
 from megatron_dsa.checkpointing import CheckpointWriter, load_checkpoint
-from megatron_dsa.packed_seq import PackedSeqParams
+from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
 from megatron_dsa.parallel import consistency
 from megatron_dsa.parallel.context import ContextParallelPlan
 from megatron_dsa.parallel.linear import divide
-from megatron_dsa.train import JobConfig
+from megatron_dsa.train import JobConfig, check_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
@@ -160,6 +160,9 @@ TRIGGERS = [
                                             attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool)),
     lambda: megatron_position_check(torch.arange(8).expand(1, 8) + 5),
     broken_checkpoint,
+    lambda: validate_packed_seq_params(PackedSeqParams(cu_seqlens_q=torch.tensor([0, 6, 6, 15], dtype=torch.int32),
+                                                       cu_seqlens_kv=torch.tensor([0, 6, 7, 15], dtype=torch.int32)), 15),
+    lambda: check_launch(2, 1),
     damaged_checkpoint,
     different_configs_on_two_ranks,
 ]

@@ -16,6 +16,7 @@ import yaml
 from megatron_dsa.train import read_history
 
 STEPS = 3
+LAUNCH_TIMEOUT_S = 600
 TOLERANCE = 1e-4  # fp32; the parallel runs reorder sums (all-reduce, split GEMMs): ~1e-6 seen
 
 
@@ -38,7 +39,13 @@ def launch(args: list[str], nproc: int) -> None:
                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                 "--standalone", "-m", "megatron_dsa.train"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command + args, capture_output=True, text=True, timeout=240, env=env)
+    # Generous: on a CPU shared with other jobs two ranks plus the launcher can take minutes, and a
+    # tight limit failed a correct run now and then.
+    try:
+        done = subprocess.run(command + args, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired as error:
+        output = (error.stdout or b"")[-3000:], (error.stderr or b"")[-3000:]
+        raise AssertionError(f"{' '.join(args)} did not finish within {LAUNCH_TIMEOUT_S} s: {output}") from None
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 

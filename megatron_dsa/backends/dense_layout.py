@@ -17,10 +17,17 @@ every non-uniform layout (`cover_tail`; a uniform layout has no tail).
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from torch import Tensor
 
+from megatron_dsa.ops.dense_attention import finite_stand_in, non_finite_heads
 from megatron_dsa.ops.layout import TokenLayout
+
+# (q [T, H, Dqk], k [T, G, Dqk], v [T, G, Dv], layout, scale) -> (out [T, H, Dv], lse [T, H])
+DenseAttention = Callable[[Tensor, Tensor, Tensor, TokenLayout, float], tuple[Tensor, Tensor]]
 
 
 def varlen_boundaries(layout: TokenLayout, cover_tail: bool = False) -> tuple[Tensor, int]:
@@ -55,3 +62,33 @@ def to_batch(t: Tensor, batch: int, seqlen: int) -> Tensor:
 def from_batch(t: Tensor) -> Tensor:
     """`[B, H, S, D]` → `[B·S, H, D]`."""
     return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+
+def isolate_non_finite(attend: DenseAttention) -> DenseAttention:
+    """`attend` with the reference's handling of NaN and infinity: a row whose visible set (its query
+    and the keys and values of its segment up to it) holds a non-finite element gets NaN `out` and
+    `lse`; every other row is exactly what it is without that element.
+
+    Fused kernels multiply masked probabilities (0) with every key row of a tile, and 0·NaN = NaN: a
+    NaN at a later token of the tile, or (kernels that load whole tiles across a varlen boundary) in
+    the next sequence, would reach rows that cannot see it. So the kernel runs on finite stand-ins (0
+    per non-finite element) and the rows that do see one are set to NaN afterwards, from per-segment
+    prefix counts: a few elementwise kernels, no host synchronisation. The NaN rows pass no gradient.
+    """
+
+    @functools.wraps(attend)
+    def isolated(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale: float) -> tuple[Tensor, Tensor]:
+        heads = q.shape[1]
+        bad_key = expand_groups((non_finite_heads(k) | non_finite_heads(v)).unsqueeze(-1), heads)[..., 0]
+        out, lse = attend(finite_stand_in(q), finite_stand_in(k), finite_stand_in(v), layout, scale)
+        dead = non_finite_heads(q) | _sees_earlier_in_segment(bad_key, layout)
+        return torch.where(dead.unsqueeze(-1), float("nan"), out), torch.where(dead, float("nan"), lse)
+
+    return isolated
+
+
+def _sees_earlier_in_segment(flagged: Tensor, layout: TokenLayout) -> Tensor:
+    """`[T, H]` bool: some row of the same segment at or before this one is `flagged [T, H]`."""
+    counts = flagged.to(torch.int32).cumsum(0)
+    before = torch.cat((torch.zeros_like(counts[:1]), counts))[layout.segment_starts]
+    return counts > before

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends import probes
-from megatron_dsa.backends.dense_layout import rows_first_lse, varlen_boundaries
+from megatron_dsa.backends.dense_layout import isolate_non_finite, rows_first_lse, varlen_boundaries
 from megatron_dsa.backends.registry import (
     Backend,
     BackendUnavailableError,
@@ -325,9 +325,11 @@ def _relative_error(got: Tensor, expected: Tensor) -> float:
 
 
 # ---------------------------------------------------------------- the backend
+@isolate_non_finite
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale: float) -> tuple[Tensor, Tensor]:
     """The `dense_attention` contract on the best generation for these tensors (the one the probe
-    accepted for their call): `out [T, H, Dv]`, natural-log `lse [T, H]` float32."""
+    accepted for their call): `out [T, H, Dv]`, natural-log `lse [T, H]` float32; NaN and infinity
+    isolated per row as in the reference (`isolate_non_finite`)."""
     generation, declined = serving_generation(ShapeClass.of_tensors(q, k, v))
     if generation is None:
         raise BackendUnavailableError(f"backend 'flash_attn' cannot run dense_attention: {'; '.join(declined)}")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_dsa.backends import probes
-from megatron_dsa.backends.dense_layout import expand_groups, from_batch, to_batch
+from megatron_dsa.backends.dense_layout import expand_groups, from_batch, isolate_non_finite, to_batch
 from megatron_dsa.backends.flash_attn import dense_problem
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.layout import TokenLayout
@@ -28,8 +28,10 @@ BatchedKernel = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
 
 
 def batched_dense_attention(kernel: BatchedKernel) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The `dense_attention` contract on a batched causal kernel that returns its LSE."""
+    """The `dense_attention` contract on a batched causal kernel that returns its LSE (NaN and
+    infinity isolated per row as in the reference, `isolate_non_finite`)."""
 
+    @isolate_non_finite
     def dense_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout,
                         scale: float) -> tuple[Tensor, Tensor]:
         shape = layout.uniform_shape

@@ -55,18 +55,45 @@ def _query_chunks(rows: int, keys: int, heads: int, longest: int, causal: bool, 
         yield (start, stop, max(0, start - longest + 1), stop) if causal else (start, stop, 0, keys)
 
 
-def _chunk_logits(q: Tensor, k: Tensor, segments: Optional[Tensor], bounds: tuple, scale: float) -> Tensor:
-    """Logits `[n, H, m]` of query rows `[start, stop)` over key rows `[first_key, stop_key)`,
-    masked to the same segment and to keys at or before the query when `segments` is given."""
+def _chunk_logits(q: Tensor, k: Tensor, segments: Optional[Tensor], bounds: tuple, scale: float
+                  ) -> tuple[Tensor, Optional[Tensor]]:
+    """Logits `[n, H, m]` of query rows `[start, stop)` over key rows `[first_key, stop_key)`, masked
+    to −inf outside the same segment and after the query when `segments` is given; and that
+    visibility `[n, m]` (None: every key is visible)."""
     start, stop, first_key, stop_key = bounds
     logits = torch.einsum("nhd,mhd->nhm", q[start:stop], k[first_key:stop_key]) * scale
     if segments is None:
-        return logits
+        return logits, None
     query_rows = torch.arange(start, stop, device=q.device)
     key_rows = torch.arange(first_key, stop_key, device=q.device)
     allowed = (segments[start:stop].unsqueeze(1) == segments[first_key:stop_key].unsqueeze(0)) & (
         key_rows <= query_rows.unsqueeze(1))
-    return logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    return logits.masked_fill(~allowed.unsqueeze(1), float("-inf")), allowed
+
+
+# Non-finite values and the chunk's key window. A chunk multiplies its probabilities with every key
+# row of its window, and a masked probability is 0 but 0·NaN = NaN: a NaN value at a later token or in
+# another segment would reach rows that cannot see it. So the products run on finite stand-ins (0 in
+# place of each non-finite element) and the rows whose visible set holds a non-finite q/k/v element
+# are set to NaN afterwards: such a row's output and LSE are NaN, every other row is exactly what it
+# would be without the bad value. A NaN row's output is a constant (it passes no gradient); a
+# non-finite output gradient of a live row reaches exactly that row's visible keys.
+def finite_stand_in(t: Tensor) -> Tensor:
+    """`t` with 0 in place of every NaN and infinity."""
+    return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def non_finite_heads(t: Tensor) -> Tensor:
+    """`[rows, H]` bool: the head vector `t[row, h, :]` holds a NaN or an infinity."""
+    return ~torch.isfinite(t).all(-1)
+
+
+def _sees(allowed: Optional[Tensor], flagged: Tensor, rows: int) -> Tensor:
+    """`[n, H]` bool: some key visible to the query row (per `allowed [n, m]`, None = all) is
+    `flagged [m, H]`."""
+    if allowed is None:
+        return flagged.any(0).expand(rows, -1)
+    return (allowed.to(torch.float32) @ flagged.to(torch.float32)) > 0
 
 
 def _expanded(k: Tensor, v: Tensor, heads: int, compute: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -82,22 +109,28 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tensor
     compute dtype (float32, float64 for float64 input).
 
     `segments` given: causal within segments (q and k share rows, segments at most `longest` rows).
-    `segments=None`: every key is visible. A row without keys gets `out = 0`, `lse = −inf`.
+    `segments=None`: every key is visible. A row without keys gets `out = 0`, `lse = −inf`; a row whose
+    visible set (its query, its visible keys and values) holds a NaN or infinity gets NaN `out` and
+    `lse`, and no other row is touched by it.
     """
     compute = compute_dtype(q.dtype)
     q_c = q.to(compute)
     k_c, v_c = _expanded(k, v, q.shape[1], compute)
+    bad_query, bad_key = non_finite_heads(q_c), non_finite_heads(k_c) | non_finite_heads(v_c)
+    q_c, k_c, v_c = finite_stand_in(q_c), finite_stand_in(k_c), finite_stand_in(v_c)
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=compute, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=compute, device=q.device)
     with _tensor_core_matmuls(q.dtype, q.device):
         for bounds in _query_chunks(q.shape[0], k.shape[0], q.shape[1], longest, segments is not None,
                                     _chunk_budget(q.device)):
             start, stop, first_key, stop_key = bounds
-            logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
-            lse[start:stop] = torch.logsumexp(logits, dim=-1)
-            safe = torch.where(torch.isfinite(lse[start:stop]), lse[start:stop], 0.0)
-            probs = torch.exp(logits - safe.unsqueeze(-1))
-            out[start:stop] = torch.einsum("nhm,mhd->nhd", probs, v_c[first_key:stop_key])
+            logits, allowed = _chunk_logits(q_c, k_c, segments, bounds, scale)
+            row_lse = torch.logsumexp(logits, dim=-1)
+            probs = torch.exp(logits - torch.where(torch.isfinite(row_lse), row_lse, 0.0).unsqueeze(-1))
+            row_out = torch.einsum("nhm,mhd->nhd", probs, v_c[first_key:stop_key])
+            poisoned = bad_query[start:stop] | _sees(allowed, bad_key[first_key:stop_key], stop - start)
+            out[start:stop] = torch.where(poisoned.unsqueeze(-1), float("nan"), row_out)
+            lse[start:stop] = torch.where(poisoned, float("nan"), row_lse)
     return out, lse
 
 
@@ -115,19 +148,29 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tenso
     compute = compute_dtype(q.dtype)
     q_c = q.to(compute)
     k_c, v_c = _expanded(k, v, q.shape[1], compute)
+    q_c, k_c, v_c = finite_stand_in(q_c), finite_stand_in(k_c), finite_stand_in(v_c)
     grad_q = torch.empty_like(q_c)
     grad_k, grad_v = torch.zeros_like(k_c), torch.zeros_like(v_c)
     with _tensor_core_matmuls(q.dtype, q.device):
         for bounds in _query_chunks(q.shape[0], k.shape[0], q.shape[1], longest, segments is not None,
                                     _chunk_budget(q.device)):
             start, stop, first_key, stop_key = bounds
-            logits = _chunk_logits(q_c, k_c, segments, bounds, scale)
+            logits, allowed = _chunk_logits(q_c, k_c, segments, bounds, scale)
             row_lse = lse[start:stop]
+            dead = torch.isnan(row_lse)  # a NaN row (its output is a constant): no gradient from it
             probs = torch.exp(logits - torch.where(torch.isfinite(row_lse), row_lse, 0.0).unsqueeze(-1))
-            d_out = grad_out[start:stop].to(compute)
+            probs = torch.where(dead.unsqueeze(-1), 0.0, probs)
+            raw_d_out = grad_out[start:stop].to(compute)
+            d_out = finite_stand_in(raw_d_out)
             d_probs = torch.einsum("nhd,mhd->nhm", d_out, v_c[first_key:stop_key])
             row_delta = (probs * d_probs).sum(-1) if delta is None else delta[start:stop]
             shift = row_delta if grad_lse is None else row_delta - grad_lse[start:stop].to(compute)
+            # A live row with a non-finite output gradient (or LSE gradient) gives NaN to its visible
+            # keys only, not (through 0·NaN) to the rest of the window.
+            live_bad = ~dead & (non_finite_heads(raw_d_out) | ~torch.isfinite(shift))
+            shift = torch.where(torch.isfinite(shift), shift, 0.0)
+            visible = live_bad.unsqueeze(-1) if allowed is None else live_bad.unsqueeze(-1) & allowed.unsqueeze(1)
+            probs = torch.where(visible, float("nan"), probs)
             d_logits = probs * (d_probs - shift.unsqueeze(-1))
             grad_q[start:stop] = torch.einsum("nhm,mhd->nhd", d_logits, k_c[first_key:stop_key]) * scale
             grad_k[first_key:stop_key] += torch.einsum("nhm,nhd->mhd", d_logits, q_c[start:stop]) * scale
