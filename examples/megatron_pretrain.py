@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import os
 import sys
 import warnings
@@ -59,8 +60,10 @@ from megatron_dsa.integrations.megatron import (hybrid_gpt_model, tracked_indexe
                                                 save_dist_checkpoint, set_indexer_loss_scale)
 from megatron_dsa.integrations.megatron_config import to_megatron_kwargs  # noqa: E402
 from megatron_dsa.packaged_configs import resolve_config  # noqa: E402
+from megatron_dsa.parallel.consistency import check_same_on_all_ranks  # noqa: E402
 from megatron_dsa.parallel.context import chunks_per_sequence, shard_sequence  # noqa: E402
-from megatron_dsa.train import JobConfig, context_parallel_batch, learning_rate, resolve_device  # noqa: E402
+from megatron_dsa.train import (DIST_TIMEOUT_S, JobConfig, context_parallel_batch, learning_rate,  # noqa: E402
+                                resolve_device)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="fp32, or bf16 autocast (overrides train.dtype)")
     parser.add_argument("--save", type=Path, default=None, help="write a distributed checkpoint here at the end")
     parser.add_argument("--load", type=Path, default=None, help="resume from this distributed checkpoint")
+    parser.add_argument("--dist-timeout", type=float, default=DIST_TIMEOUT_S, metavar="SECONDS",
+                        help="how long a collective waits for a failed or stalled rank before the job ends")
     parser.add_argument("--gpu-init", action="store_true",
                         help="initialise Megatron's own layers on the GPU with its per-TP-rank RNG streams "
                              "(faster for big models; the initial weights then depend on --tp)")
@@ -97,9 +102,10 @@ def check_arguments(args: argparse.Namespace, job: JobConfig) -> None:
         raise ValueError(f"--load {args.load}: no such checkpoint directory")
 
 
-def init_distributed(tp: int, cp: int, device: torch.device) -> bool:
-    """The default process group over tp·cp ranks; True when this call created it (then the caller
-    destroys it). An already initialised group (a test harness, an outer launcher) is used as is."""
+def init_distributed(tp: int, cp: int, device: torch.device, timeout_s: float = DIST_TIMEOUT_S) -> bool:
+    """The default process group over tp·cp ranks (its collectives give up on a failed or stalled
+    rank after `timeout_s`); True when this call created it (then the caller destroys it). An already
+    initialised group (a test harness, an outer launcher) is used as is."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world != tp * cp:
         raise ValueError(f"WORLD_SIZE={world} but --tp {tp} × --cp {cp} = {tp * cp}: launch with "
@@ -110,7 +116,7 @@ def init_distributed(tp: int, cp: int, device: torch.device) -> bool:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1")
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
 
@@ -233,8 +239,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     if args.sp:
         job = dataclasses.replace(job, attention=job.attention.replace(sequence_parallel=True))
     device = resolve_device(job.train.device)
-    owns_group = init_distributed(args.tp, args.cp, device)
+    owns_group = init_distributed(args.tp, args.cp, device, args.dist_timeout)
     try:
+        check_same_on_all_ranks("the job's configuration", {**job.to_dict(), "flags": vars(args)})
         return run(job, args, device)
     finally:
         from megatron.core import parallel_state

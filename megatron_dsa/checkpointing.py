@@ -260,7 +260,7 @@ class CheckpointWriter:
         # `extra` travels as one JSON string: nested lists would be flattened into per-item keys.
         staged["extra"] = json.dumps(extra)
         torch.save(_rng_state(), partial / _rng_name(_world_rank()))
-        manifest = {"format": MANIFEST_FORMAT, "step": step,
+        manifest = {"format": MANIFEST_FORMAT, "step": step, "config": extra.get("config"),
                     "config_fingerprint": fingerprint(extra["config"]) if "config" in extra else None,
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                     "tp_size": self.state.tp_size if self.state else 1,
@@ -334,16 +334,8 @@ def verify_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None) -> 
     a share of them, and that every rank names the same checkpoint; returns the manifest. Raises
     `CheckpointError` naming the damaged files (on every rank)."""
     path = Path(path)
-    manifest_path = path / MANIFEST_NAME
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"no complete checkpoint at {path} (a checkpoint directory holds "
-                                f"'.metadata'; the newest is named in <out>/{CHECKPOINTS_DIR}/{LATEST_NAME})")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"checkpoint {path}: its {MANIFEST_NAME} is missing or damaged ({error}); "
-                              f"it cannot be verified") from error
+    manifest = read_manifest(path)
+    files = manifest["files"]
     rank, size = _group_rank_size(group)
     problems = [problem for name in sorted(files)[rank::size]
                 if (problem := _file_problem(path / name, files[name])) is not None]
@@ -355,6 +347,22 @@ def verify_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None) -> 
     if len(set(readers)) > 1:
         raise CheckpointError("the ranks resume from different checkpoints: "
                               + ", ".join(f"rank {index}: {where}" for index, (where, _) in enumerate(readers)))
+    return manifest
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint directory `path` (step, config, layout, files), unverified."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"no complete checkpoint at {path} (a checkpoint directory holds "
+                                f"'.metadata'; the newest is named in <out>/{CHECKPOINTS_DIR}/{LATEST_NAME})")
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+        if not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("step"), int):
+            raise ValueError("no 'files' or 'step' entry")
+    except (OSError, ValueError, AttributeError) as error:
+        raise CheckpointError(f"checkpoint {path}: its {MANIFEST_NAME} is missing or damaged ({error}); "
+                              f"it cannot be verified") from error
     return manifest
 
 

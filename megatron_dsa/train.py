@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from megatron_dsa.backends import call_counts, reset_call_counts
 from megatron_dsa.checkpointing import (CHECKPOINTS_DIR, CheckpointError, CheckpointWriter, latest_checkpoint,
-                                        load_checkpoint)
+                                        load_checkpoint, read_manifest)
 from megatron_dsa.config import HybridAttentionConfig, check_field_types
 from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
                                pack_documents, seeded_generator, split_corpus)
@@ -453,15 +453,16 @@ def resume_from(path: Path, model: HybridLM, optimizer: torch.optim.Optimizer, j
     """Restore model, optimizer (and, at the same world size, RNG) states from the checkpoint
     directory `path`, resharded to this run's layout; returns `(next_step, history, the saved
     train: section)`."""
-    extra = load_checkpoint(path, model, optimizer, state)
+    saved_config = read_manifest(path)["config"]  # compared before any tensor is read
     for section in ("attention", "model"):
-        saved, wanted = dict(extra["config"][section]), job.to_dict()[section]
+        saved, wanted = dict(saved_config[section]), job.to_dict()[section]
         if section == "attention":
             saved.update({key: wanted[key] for key in LAYOUT_FIELDS})
         if saved != wanted:
             changed = sorted(key for key in wanted if saved.get(key) != wanted[key])
-            raise ValueError(f"checkpoint {path} was trained with a different `{section}:` section "
-                             f"(fields {changed})")
+            raise CheckpointError(f"checkpoint {path} was trained with a different `{section}:` section "
+                                  f"(fields {changed}); resume it with its own config ({path.parent.parent}/config.yaml)")
+    extra = load_checkpoint(path, model, optimizer, state)
     return extra["step"], History.from_dict(extra["history"]), extra["config"]["train"]
 
 

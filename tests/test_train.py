@@ -200,3 +200,15 @@ def test_learning_rate_schedule_values():
     assert train.learning_rate(7, config) == pytest.approx(0.55)  # half way: (lr + min_lr) / 2
     assert train.learning_rate(10, config) == pytest.approx(0.1)
     assert train.learning_rate(25, config) == pytest.approx(0.1)
+
+
+def test_resuming_with_another_architecture_names_the_fields_before_reading_tensors(tmp_path, capsys):
+    config = small_job_yaml(tmp_path)
+    train.main(["--config", str(config), "--steps", "2"])
+    job = yaml.safe_load(config.read_text())
+    job["attention"]["hidden_size"] = 64  # every tensor's shape changes: reading one would fail obscurely
+    config.write_text(yaml.safe_dump(job))
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--config", str(config), "--steps", "4", "--resume"])
+    assert stopped.value.code == 1
+    assert "was trained with a different `attention:` section (fields ['hidden_size'])" in capsys.readouterr().err
