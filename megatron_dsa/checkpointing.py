@@ -4,8 +4,10 @@
     <out_dir>/checkpoints/latest         the name of the newest complete checkpoint
 
 Every rank writes its own shards. Tensor-parallel parameters and their optimizer moments are saved
-as DTensors sharded over the TP group, so a checkpoint saved at one TP / CP size loads at another
-(replicas, e.g. the CP ranks' copies, are written once). `save` copies the state to host memory and
+as DTensors sharded over the TP group, so a checkpoint saved at one TP / CP / DP size loads at another
+(replicas, e.g. the CP and replicated DP ranks' copies, are written once). Under FSDP2 (sharded data
+parallelism) the parameters and moments are DTensors split over DP already; a TP-split one is saved
+as a DTensor over the (TP, DP) mesh, so the files do not depend on the DP mode either. `save` copies the state to host memory and
 returns; the files are written by a background thread while training goes on, over a gloo group of
 their own so the writer's collectives never interleave with the training's NCCL ones. A save is
 committed (`step-N.partial` renamed to `step-N`, `latest` replaced, the older checkpoint removed)
@@ -60,6 +62,7 @@ class _Sharding:
 
     def __init__(self, model: nn.Module, state: Optional[ParallelState]):
         self.dims = partition_dims(model)
+        self.state = state
         self.mesh = None
         if state is not None and state.tp_size > 1:
             from torch.distributed.device_mesh import DeviceMesh
@@ -84,17 +87,50 @@ class _Sharding:
             return value
         from torch.distributed.tensor import DTensor, Shard
 
+        if isinstance(value, DTensor):  # FSDP2's DP shard of this rank's TP part
+            return self._over_tp_and_dp(value, dim)
         shape = list(value.shape)
         shape[dim] *= self.mesh.size()
         return DTensor.from_local(value, self.mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
 
 
-def _local(value: Any) -> Any:
-    """A DTensor's local shard, any other value unchanged (recursing into dicts)."""
+    def _over_tp_and_dp(self, value: Any, dim: int) -> Any:
+        """`value` (FSDP2: dim 0 of this rank's TP part split over DP) as one DTensor over the
+        (TP, DP) mesh: TP splits `dim` first, DP then splits dim 0 of each TP part, in mesh order."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not hasattr(self, "tp_dp_mesh"):
+            rank = dist.get_rank()
+            tp_ranks = dist.get_process_group_ranks(self.state.tp_group)
+            dp_ranks = dist.get_process_group_ranks(self.state.dp_group)
+            # Megatron order: rank = dp_rank·cp·tp + cp_rank·tp + tp_rank, so offsets add up.
+            grid = torch.tensor([[t + d - rank for d in dp_ranks] for t in tp_ranks])
+            self.tp_dp_mesh = DeviceMesh.from_group([self.state.tp_group, self.state.dp_group],
+                                                    value.device_mesh.device_type, mesh=grid, mesh_dim_names=("tp", "dp"))
+        shape = list(value.shape)
+        shape[dim] *= self.state.tp_size
+        return DTensor.from_local(value.to_local(), self.tp_dp_mesh, [Shard(dim), *value.placements],
+                                  run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+
+
+def _local(value: Any, like: Any) -> Any:
+    """`value` as the model / optimizer hold it (`like`, recursing into dicts): a DTensor's local
+    shard, or under FSDP2 that shard as a DTensor over DP again."""
     if isinstance(value, dict):
-        return {key: _local(item) for key, item in value.items()}
-    return value.to_local() if hasattr(value, "to_local") else value
+        return {key: _local(item, like[key]) for key, item in value.items()}
+    if not hasattr(value, "to_local"):
+        return value
+    if hasattr(like, "to_local"):
+        if value.device_mesh == like.device_mesh:
+            return value
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(value.to_local(), like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+    return value.to_local()
 
 
 class CheckpointWriter:
@@ -172,8 +208,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
     with _single_process_quiet():
         dcp.load(loaded, checkpoint_id=str(path), process_group=group)
-    model.load_state_dict(_local(loaded["model"]))
-    set_optimizer_state_dict(model, optimizer, _local(loaded["optimizer"]))
+    model.load_state_dict(_local(loaded["model"], model.state_dict()))
+    set_optimizer_state_dict(model, optimizer, _local(loaded["optimizer"], get_optimizer_state_dict(model, optimizer)))
     extra = json.loads(loaded["extra"])
     rng = path / f"rng-rank{_world_rank()}.pt"
     if rng.is_file() and extra.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
