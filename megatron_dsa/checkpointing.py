@@ -4,8 +4,8 @@
     <out_dir>/checkpoints/latest         the name of the newest complete checkpoint
 
 Every rank writes its own shards. Tensor-parallel parameters and their optimizer moments are saved
-as DTensors sharded over the TP group, so a checkpoint saved at one TP / CP / DP size loads at another
-(replicas, e.g. the CP and replicated DP ranks' copies, are written once). Under FSDP2 (sharded data
+as DTensors sharded over the TP group, so a checkpoint saved at one TP / CP / DP size loads at
+another (replicas, e.g. the CP and replicated DP ranks' copies, are written once). Under FSDP2 (sharded data
 parallelism) the parameters and moments are DTensors split over DP already; a TP-split one is saved
 as a DTensor over the (TP, DP) mesh, so the files do not depend on the DP mode either. `save` copies the state to host memory and
 returns; the files are written by a background thread while training goes on, over a gloo group of
@@ -108,7 +108,8 @@ class _Sharding:
             # Megatron order: rank = dp_rank·cp·tp + cp_rank·tp + tp_rank, so offsets add up.
             grid = torch.tensor([[t + d - rank for d in dp_ranks] for t in tp_ranks])
             self.tp_dp_mesh = DeviceMesh.from_group([self.state.tp_group, self.state.dp_group],
-                                                    value.device_mesh.device_type, mesh=grid, mesh_dim_names=("tp", "dp"))
+                                                    value.device_mesh.device_type, mesh=grid,
+                                                    mesh_dim_names=("tp", "dp"))
         shape = list(value.shape)
         shape[dim] *= self.state.tp_size
         return DTensor.from_local(value.to_local(), self.tp_dp_mesh, [Shard(dim), *value.placements],

@@ -447,8 +447,9 @@ def clip_grad_norm(model: HybridLM, max_norm: float) -> torch.Tensor:
         return torch.tensor(0.0)
     device = grads[0][0].device
     dtype = torch.promote_types(grads[0][0].dtype, torch.float32)  # bf16 gradients add up in fp32
-    split = sum((g.to(dtype).pow(2).sum() for g, is_split in grads if is_split), torch.zeros((), device=device, dtype=dtype))
-    whole = sum((g.to(dtype).pow(2).sum() for g, is_split in grads if not is_split), torch.zeros((), device=device, dtype=dtype))
+    zero = torch.zeros((), device=device, dtype=dtype)
+    split = sum((g.to(dtype).pow(2).sum() for g, is_split in grads if is_split), zero)
+    whole = sum((g.to(dtype).pow(2).sum() for g, is_split in grads if not is_split), zero)
     if state.tp_size > 1:
         dist.all_reduce(split, group=state.tp_group)
     squares = split + whole
