@@ -4,8 +4,11 @@
     <out_dir>/checkpoints/latest         the name of the newest complete checkpoint
 
 Every rank writes its own shards. Tensor-parallel parameters and their optimizer moments are saved
-as DTensors sharded over the TP group, so a checkpoint saved at one TP / CP size loads at another
-(replicas, e.g. the CP ranks' copies, are written once).
+as DTensors sharded over the TP group, so a checkpoint saved at one TP / CP / DP size loads at
+another (replicas, e.g. the CP and replicated DP ranks' copies, are written once). Under FSDP2
+(sharded data parallelism) the parameters and moments are DTensors split over DP already; a
+TP-split one is saved as a DTensor over the (TP, DP) mesh, so the files do not depend on the DP
+mode either.
 
 `save` refuses non-finite state, then starts copying the state into host buffers that are reused
 from save to save (pinned, filled on a side CUDA stream; `prepare` allocates them in the
@@ -17,10 +20,10 @@ interleave with the training's NCCL ones, and hashes what this rank wrote. A sav
 checkpoint removed) only after every rank finished writing, so a crash mid-save leaves the previous
 checkpoint intact.
 
-`manifest.json` holds the step, the config's fingerprint, the saving layout (world, TP and CP sizes,
-each rank's TP / CP rank) and every file's size and SHA-256. `load_checkpoint` checks the files
-against it (each rank a share of them) and that every rank loads the same checkpoint before any
-state is read.
+`manifest.json` holds the step, the config and its fingerprint, the saving layout (world, TP and
+CP sizes, each rank's TP / CP rank) and every file's size and SHA-256. `load_checkpoint` checks the
+files against it (each rank a share of them) and that every rank loads the same checkpoint before
+any state is read.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from megatron_dsa.parallel.sharding import partition_dims
 from megatron_dsa.parallel.state import ParallelState
@@ -116,10 +121,9 @@ class _Sharding:
 
     def __init__(self, model: nn.Module, state: Optional[ParallelState], device_type: str):
         self.dims = partition_dims(model)
+        self.state = state
         self.mesh = None
         if state is not None and state.tp_size > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
             self.mesh = DeviceMesh.from_group(state.tp_group, device_type)
 
     def wrap(self, local: dict[str, Any]) -> dict[str, Any]:
@@ -134,51 +138,80 @@ class _Sharding:
     def _dtensor(self, value: Any, dim: Optional[int]) -> Any:
         if self.mesh is None or dim is None or not isinstance(value, Tensor):
             return value
-        from torch.distributed.tensor import DTensor, Shard
-
+        if isinstance(value, DTensor):  # FSDP2's DP shard of this rank's TP part
+            return self._over_tp_and_dp(value, dim)
         shape = list(value.shape)
         shape[dim] *= self.mesh.size()
         return DTensor.from_local(value, self.mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
 
+    def _over_tp_and_dp(self, value: Any, dim: int) -> Any:
+        """`value` (FSDP2: dim 0 of this rank's TP part split over DP) as one DTensor over the
+        (TP, DP) mesh: TP splits `dim` first, DP then splits dim 0 of each TP part, in mesh order."""
+        if not hasattr(self, "tp_dp_mesh"):
+            rank = dist.get_rank()
+            tp_ranks = dist.get_process_group_ranks(self.state.tp_group)
+            dp_ranks = dist.get_process_group_ranks(self.state.dp_group)
+            # Megatron order: rank = dp_rank·cp·tp + cp_rank·tp + tp_rank, so offsets add up.
+            grid = torch.tensor([[t + d - rank for d in dp_ranks] for t in tp_ranks])
+            self.tp_dp_mesh = DeviceMesh.from_group([self.state.tp_group, self.state.dp_group],
+                                                    value.device_mesh.device_type, mesh=grid,
+                                                    mesh_dim_names=("tp", "dp"))
+        shape = list(value.shape)
+        shape[dim] *= self.state.tp_size
+        return DTensor.from_local(value.to_local(), self.tp_dp_mesh, [Shard(dim), *value.placements],
+                                  run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
 
-def _local(value: Any) -> Any:
-    """A DTensor's local shard, any other value unchanged (recursing into dicts)."""
+
+def _local(value: Any, like: Any) -> Any:
+    """`value` as the model / optimizer hold it (`like`, recursing into dicts): a DTensor's local
+    shard, or under FSDP2 that shard as a DTensor over DP again."""
     if isinstance(value, dict):
-        return {key: _local(item) for key, item in value.items()}
-    return value.to_local() if hasattr(value, "to_local") else value
+        return {key: _local(item, like[key]) for key, item in value.items()}
+    if not hasattr(value, "to_local"):
+        return value
+    if hasattr(like, "to_local"):
+        if value.device_mesh == like.device_mesh:
+            return value
+        return DTensor.from_local(value.to_local(), like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+    return value.to_local()
 
 
-def check_finite(state: dict[str, Any], what: str) -> None:
-    """Raise `CheckpointError` naming the tensors of `state` that hold NaN or inf."""
-    floating = {path: tensor for path, tensor in _tensors(state).items() if tensor.is_floating_point()}
-    if not floating:
-        return
+def _local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's part of `tensor` (a DTensor's local shard, a plain tensor itself)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def non_finite_tensors(state: dict[str, Any]) -> list[str]:
+    """Key paths of the tensors of `state` whose local part holds NaN or inf."""
+    floating = {path: _local_tensor(tensor) for path, tensor in _tensors(state).items() if tensor.is_floating_point()}
     # One host sync per device: a sum is non-finite when any element is (or, rarely, when it overflows).
     sums: dict[torch.device, list[Tensor]] = {}
     for tensor in floating.values():
         sums.setdefault(tensor.device, []).append(tensor.detach().sum(dtype=torch.float64))
     if all(bool(torch.stack(values).isfinite().all()) for values in sums.values()):
-        return
-    bad = [path.strip("/") for path, tensor in floating.items() if not torch.isfinite(tensor).all()]
-    if bad:
-        raise CheckpointError(f"refusing to checkpoint {what}: non-finite values in {bad[:3]}"
-                              + (f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""))
+        return []
+    return [path.strip("/") for path, tensor in floating.items() if not torch.isfinite(tensor).all()]
 
 
 class _HostStaging:
     """Host copies of the state's tensors, allocated once and reused (pinned for CUDA tensors).
 
     CUDA tensors are copied on a side stream: `copied` is recorded after the last copy; the writer
-    waits for it on the host, and an optimizer update waits for it on the GPU (`hold_updates`)."""
+    waits for it on the host, and an optimizer update waits for it on the GPU (`hold_updates`).
+    A DTensor (FSDP2's DP shard) is staged as its local shard, wrapped again over a host mesh of the
+    same ranks (a DTensor's local tensor lives on its mesh's device type)."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, Tensor] = {}
+        self.host_meshes: dict[int, DeviceMesh] = {}
         self.copied: Optional[torch.cuda.Event] = None
         self.allocated_bytes = 0
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        cuda = [tensor for tensor in _tensors(state).values() if tensor.is_cuda]
+        cuda = [local for local in map(_local_tensor, _tensors(state).values()) if local.is_cuda]
         if not cuda:
             return _map_tensors(state, self._copy)
         stream = torch.cuda.Stream(cuda[0].device)
@@ -200,10 +233,23 @@ class _HostStaging:
                 self.allocated_bytes += self.buffers[path].numel() * self.buffers[path].element_size()
 
     def _copy(self, path: str, tensor: Tensor) -> Tensor:
-        self.allocate({path: (tensor.shape, tensor.dtype, tensor.is_cuda)})
+        local = _local_tensor(tensor)
+        self.allocate({path: (local.shape, local.dtype, local.is_cuda)})
         buffer = self.buffers[path]
-        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-        return buffer
+        buffer.copy_(local.detach(), non_blocking=local.is_cuda)
+        if not isinstance(tensor, DTensor):
+            return buffer
+        return DTensor.from_local(buffer, self._host_mesh(tensor.device_mesh), tensor.placements, run_check=False,
+                                  shape=tensor.shape, stride=tensor.stride())
+
+    def _host_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        if mesh.device_type == "cpu":
+            return mesh
+        if mesh.ndim != 1:
+            raise NotImplementedError(f"staging a DTensor over a {mesh.ndim}-D device mesh")
+        if id(mesh) not in self.host_meshes:
+            self.host_meshes[id(mesh)] = DeviceMesh.from_group(mesh.get_group(), "cpu")
+        return self.host_meshes[id(mesh)]
 
     def hold_updates(self, *unused: Any) -> None:
         """Optimizer step pre-hook: the update waits (on the GPU) until the copy has read the state."""
@@ -235,8 +281,9 @@ class CheckpointWriter:
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Allocate the host buffers for this state in the background (call it once the optimizer
         has its state, e.g. after the first step), so the first `save` does not wait for them."""
-        specs = {path: (tensor.shape, tensor.dtype, tensor.is_cuda)
-                 for path, tensor in _tensors(_local_state(model, optimizer)).items()}
+        specs = {path: (local.shape, local.dtype, local.is_cuda)
+                 for path, local in ((path, _local_tensor(tensor))
+                                     for path, tensor in _tensors(_local_state(model, optimizer)).items())}
         self.preparing = self.executor.submit(self.staging.allocate, specs)
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
@@ -246,7 +293,7 @@ class CheckpointWriter:
             self.preparing.result()
             self.preparing = None
         local = _local_state(model, optimizer)
-        check_finite(local, f"step {step}")
+        self._check_finite(local, step)
         partial = self.root / (checkpoint_dir_name(step) + PARTIAL_SUFFIX)
         if _world_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crashed earlier attempt
@@ -270,6 +317,15 @@ class CheckpointWriter:
         future = self.executor.submit(self._write, staged, partial, self.staging.copied)
         self.pending = (future, partial, {"manifest": manifest, "layout": layout}, started)
         self.last_staging_seconds = time.perf_counter() - started
+
+    def _check_finite(self, local: dict[str, Any], step: int) -> None:
+        """Every rank raises when any rank's shards hold NaN or inf (no rank is left in a barrier)."""
+        bad = non_finite_tensors(local)
+        everyone = _all_gather(bad, self.group)
+        if any(everyone):
+            named = [f"{path} (rank {rank})" for rank, paths in enumerate(everyone) for path in paths]
+            raise CheckpointError(f"refusing to checkpoint step {step}: non-finite values in {named[:3]}"
+                                  + (f" and {len(named) - 3} more tensors" if len(named) > 3 else ""))
 
     def _write(self, staged: dict[str, Any], partial: Path, copied: Optional[torch.cuda.Event]) -> dict[str, Any]:
         """Background thread: write this rank's shards, then hash the files it wrote."""
@@ -395,8 +451,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             "config" in extra and fingerprint(extra["config"]) != manifest["config_fingerprint"]):
         raise CheckpointError(f"checkpoint {path}: its state does not match its manifest (step "
                               f"{extra.get('step')} vs {manifest['step']}, or another config)")
-    model.load_state_dict(_local(loaded["model"]))
-    set_optimizer_state_dict(model, optimizer, _local(loaded["optimizer"]))
+    model.load_state_dict(_local(loaded["model"], model.state_dict()))
+    set_optimizer_state_dict(model, optimizer, _local(loaded["optimizer"], get_optimizer_state_dict(model, optimizer)))
     rng = path / _rng_name(_world_rank())
     if rng.is_file() and manifest["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
         _set_rng_state(torch.load(rng, weights_only=True))

@@ -12,7 +12,12 @@ and `train:` (`TrainConfig`); CLI flags override it. The output directory receiv
 written asynchronously and atomically; see `megatron_dsa.checkpointing`), `history.json`,
 `config.yaml` and `loss_curve.png`. Batches are pure functions of (seed, step), so `--resume`
 continues exactly: the resumed run's losses equal those of an uninterrupted one (at another
---tp / --cp the checkpoint is resharded and the losses follow to rounding).
+--tp / --cp / --dp the checkpoint is resharded and the losses follow to rounding).
+
+Under torchrun the processes form a DP × CP × TP grid (TP fastest): `--tp`, `--cp`, and DP =
+WORLD_SIZE / (tp · cp). `train.batch_size` is the global batch; each DP rank runs its rows in
+micro-batches of `train.micro_batch_size` (gradient accumulation), replicated or, with `--dp-shard`,
+FSDP2-sharded over DP (see `megatron_dsa.data_parallel`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from megatron_dsa.backends import call_counts, reset_call_counts
 from megatron_dsa.checkpointing import (CHECKPOINTS_DIR, CheckpointError, CheckpointWriter, latest_checkpoint,
                                         load_checkpoint, read_manifest)
 from megatron_dsa.config import HybridAttentionConfig, check_field_types
+from megatron_dsa.data_parallel import (DATA_PARALLEL_MODES, data_parallel_size, is_sharded, local_grad,
+                                        reduce_data_parallel_grads, reshard_after_evaluation,
+                                        shard_over_data_parallel)
 from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
                                pack_documents, seeded_generator, split_corpus)
 from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
@@ -86,6 +94,10 @@ class TrainConfig:
     device: str = "cpu"
     dtype: str = "fp32"
     pack: bool = False  # pack documents into one THD sequence per batch (cu_seqlens)
+    # Rows one DP rank runs per forward/backward; None = batch_size / DP size (no accumulation).
+    # batch_size stays the global batch: accumulation steps = batch_size / (micro_batch_size × DP).
+    micro_batch_size: Optional[int] = None
+    data_parallel: str = "replicate"  # replicate (all-reduced gradients) or shard (FSDP2 over DP)
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -96,6 +108,13 @@ class TrainConfig:
         _require_int("seed", self.seed, minimum=0)
         if self.lr_decay_steps is not None:
             _require_int("lr_decay_steps", self.lr_decay_steps, minimum=1)
+        if self.micro_batch_size is not None:
+            _require_int("micro_batch_size", self.micro_batch_size, minimum=1)
+            if self.batch_size % self.micro_batch_size:
+                raise ValueError(f"train.micro_batch_size ({self.micro_batch_size}) must divide train.batch_size "
+                                 f"({self.batch_size}, the global batch)")
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            raise ValueError(f"train.data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
@@ -119,6 +138,28 @@ class TrainConfig:
     @property
     def decay_horizon(self) -> int:
         return self.lr_decay_steps if self.lr_decay_steps is not None else self.steps
+
+    def accumulation_steps(self, dp_size: int) -> int:
+        """Micro-batches per optimizer step on each of `dp_size` DP ranks."""
+        micro = self.micro_batch_size
+        if micro is None:
+            if self.batch_size % dp_size:
+                raise ValueError(f"train.batch_size ({self.batch_size}, the global batch) must be divisible by "
+                                 f"the DP size {dp_size} (or set train.micro_batch_size)")
+            return 1
+        if self.batch_size % (micro * dp_size):
+            raise ValueError(f"train.batch_size ({self.batch_size}) must be divisible by train.micro_batch_size "
+                             f"({micro}) × DP size ({dp_size}) = {micro * dp_size}: the global batch is "
+                             f"micro-batch × DP size × accumulation steps")
+        return self.batch_size // (micro * dp_size)
+
+    def micro_batch_rows(self, dp_size: int, dp_rank: int) -> list[slice]:
+        """The rows of the global batch DP rank `dp_rank` runs, one slice per micro-batch: rank r
+        takes the r-th contiguous block of `batch_size / dp_size` rows."""
+        accumulation = self.accumulation_steps(dp_size)
+        micro = self.batch_size // (dp_size * accumulation)
+        first = dp_rank * micro * accumulation
+        return [slice(first + i * micro, first + (i + 1) * micro) for i in range(accumulation)]
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:
@@ -251,9 +292,13 @@ def learning_rate(step: int, train: TrainConfig) -> float:
 
 @dataclass(frozen=True)
 class LossParts:
-    total: torch.Tensor  # scalar, carries gradient
-    lm: Optional[float]
-    retrieval: Optional[float]
+    """`total` (scalar) carries the gradient. `row_losses` `[2]` (detached) sums the per-row losses of
+    the LM rows and of the retrieval rows, `row_counts` `[2]` counts those rows: both add up over
+    micro-batches and DP ranks (`row_losses` over CP ranks too) to the global batch's."""
+
+    total: torch.Tensor
+    row_losses: torch.Tensor
+    row_counts: torch.Tensor
 
 
 def compute_loss(logits: torch.Tensor, batch: Batch, cp_group: Optional[dist.ProcessGroup] = None
@@ -270,16 +315,13 @@ def compute_loss(logits: torch.Tensor, batch: Batch, cp_group: Optional[dist.Pro
     if cp_group is not None:
         dist.all_reduce(counts, group=cp_group)
     per_row = sums / counts.clamp_min(1)
+    kinds = torch.stack((~batch.is_retrieval, batch.is_retrieval)).to(per_row.dtype)  # [2, B]
+    return LossParts(per_row.mean(), kinds @ per_row.detach(), kinds.sum(1))
 
-    def mean_over(rows: torch.Tensor) -> Optional[float]:
-        if not bool(rows.any()):
-            return None
-        value = per_row[rows].detach().mean().clone()
-        if cp_group is not None:
-            dist.all_reduce(value, group=cp_group)
-        return float(value)
 
-    return LossParts(per_row.mean(), mean_over(~batch.is_retrieval), mean_over(batch.is_retrieval))
+def row_mean(row_losses: torch.Tensor, row_counts: torch.Tensor) -> Optional[float]:
+    """Mean per-row loss of a kind of rows (None when the batch has none of them)."""
+    return float(row_losses / row_counts) if float(row_counts) > 0 else None
 
 
 def autocast(device: torch.device, dtype: str) -> torch.autocast:
@@ -290,37 +332,54 @@ def autocast(device: torch.device, dtype: str) -> torch.autocast:
 def train_step(model: HybridLM, optimizer: torch.optim.Optimizer, batch: Batch, step: int,
                train: TrainConfig, device: torch.device,
                packed: Optional[PackedSeqParams] = None) -> StepStats:
-    """One optimizer step on `batch`; the indexer KL joins the backward inside the C layers."""
+    """One optimizer step on the global `batch` (the same `[B, S]` rows on every rank; with
+    `packed`, its documents' host `cu_seqlens`): this DP rank's rows in micro-batches, gradients
+    accumulated and made the global batch's, clipped, applied. The indexer KL joins the backward
+    inside the C layers. The statistics are the global batch's, identical on every rank."""
     started = time.perf_counter()
     state = model.parallel_state
     lr = learning_rate(step, train)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    local = shard_for_context_parallel(batch, model)
-    with autocast(device, train.dtype):
-        logits = model(local.inputs, packed)
-    # A packed batch is one [1, B·S] sequence: view its logits as the [B, S] rows it was made of.
-    parts = compute_loss(logits.reshape(*local.targets.shape, -1), local,
-                         state.cp_group if state.cp_size > 1 else None)
+    micro_batches = train.micro_batch_rows(state.dp_size, state.dp_rank)
     optimizer.zero_grad(set_to_none=True)
-    parts.total.backward()
-    finalize_grads(model)
+    # Summed over micro-batches: the loss, the LM and retrieval rows' losses, then each C layer's KL.
+    losses, counts, indexer = torch.zeros(3, device=device, dtype=torch.float64), 0, {}
+    for rows in micro_batches:
+        part, part_packed = batch_rows(batch, packed, rows, device)
+        local = shard_for_context_parallel(part, model)
+        with autocast(device, train.dtype):
+            logits = model(local.inputs, part_packed)
+        # A packed batch is one [1, B·S] sequence: view its logits as the [B, S] rows it was made of.
+        parts = compute_loss(logits.reshape(*local.targets.shape, -1), local,
+                             state.cp_group if state.cp_size > 1 else None)
+        parts.total.backward()
+        losses += torch.cat((parts.total.detach().reshape(1), parts.row_losses)).double()
+        counts = counts + parts.row_counts.double()
+        for layer, value in model.indexer_losses().items():
+            indexer[layer] = indexer.get(layer, 0.0) + value
+    finalize_grads(model, len(micro_batches))
     grad_norm = clip_grad_norm(model, train.grad_clip or float("inf"))
-    # The norm is global (summed over TP, after the CP reduction): every rank stops together.
+    # The norm is global (summed over TP, after the CP and DP reductions): every rank stops together.
     if not math.isfinite(float(grad_norm)):
         raise NonFiniteTrainingError(
-            f"step {step + 1}: the gradient norm is {float(grad_norm)} (loss {float(parts.total.detach()):.4g} on this rank); "
-            f"stopped before the update, so the parameters and the last checkpoint stay finite. Lower train.lr "
-            f"({lr:.3g} at this step) or set train.grad_clip, then --resume or --overwrite")
+            f"step {step + 1}: the gradient norm is {float(grad_norm)} (loss {float(losses[0]) / len(micro_batches):.4g} "
+            f"on this rank); stopped before the update, so the parameters and the last checkpoint stay finite. Lower "
+            f"train.lr ({lr:.3g} at this step) or set train.grad_clip, then --resume or --overwrite")
     optimizer.step()
     elapsed = time.perf_counter() - started
-    loss = parts.total.detach().clone()
-    indexer = model.indexer_losses()
+    layers = sorted(indexer)
+    sums = torch.cat((losses, torch.tensor([indexer[n] for n in layers], dtype=torch.float64, device=device)))
     if state.cp_size > 1:  # each CP rank holds part of every row: the pieces add up
-        dist.all_reduce(loss, group=state.cp_group)
-        indexer = {k: float(all_reduced(torch.tensor(v, device=device), state.cp_group)) for k, v in indexer.items()}
-    return StepStats(step=step, loss=float(loss), lm_loss=parts.lm,
-                     retrieval_loss=parts.retrieval, indexer_losses=indexer,
+        dist.all_reduce(sums, group=state.cp_group)
+    totals = torch.cat((sums, counts))
+    if state.dp_size > 1:
+        dist.all_reduce(totals, group=state.dp_group)
+    # Every micro-batch of every DP rank has the same number of rows: the global mean is the mean of means.
+    summands = state.dp_size * len(micro_batches)
+    return StepStats(step=step, loss=float(totals[0]) / summands, lm_loss=row_mean(totals[1], totals[-2]),
+                     retrieval_loss=row_mean(totals[2], totals[-1]),
+                     indexer_losses={n: float(totals[3 + i]) / summands for i, n in enumerate(layers)},
                      grad_norm=float(grad_norm), lr=lr,
                      tokens_per_s=batch.inputs.numel() / elapsed)
 
@@ -331,12 +390,6 @@ class JobStopped(Exception):
 
 class NonFiniteTrainingError(JobStopped):
     """A step produced a non-finite loss or gradient; the job stops before applying it."""
-
-
-def all_reduced(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    value = value.clone()
-    dist.all_reduce(value, group=group)
-    return value
 
 
 def shard_for_context_parallel(batch: Batch, model: HybridLM) -> Batch:
@@ -354,36 +407,64 @@ def context_parallel_batch(batch: Batch, cp_size: int, cp_rank: int, partition: 
     return Batch(shard(batch.inputs), shard(batch.targets), shard(batch.loss_mask), batch.is_retrieval)
 
 
-def finalize_grads(model: HybridLM) -> None:
-    """Make every rank's gradients the full-batch gradients of its parameters.
+def batch_rows(batch: Batch, packed: Optional[PackedSeqParams], rows: slice, device: torch.device
+               ) -> tuple[Batch, Optional[PackedSeqParams]]:
+    """Rows `rows` of the `[B, S]` batch, on `device`. Of a packed batch (`inputs [1, B·S]`): those
+    rows' documents, with `cu_seqlens` rebased to them (documents never cross rows)."""
+    count, seq_len = batch.targets.shape
+    inputs = batch.inputs.reshape(count, seq_len)[rows]
+    part = Batch(inputs if packed is None else inputs.reshape(1, -1), batch.targets[rows], batch.loss_mask[rows],
+                 batch.is_retrieval[rows]).to(device)
+    if packed is None:
+        return part, None
+    boundaries = packed.cu_seqlens_q.cpu()
+    first, last = rows.start * seq_len, rows.stop * seq_len
+    cu_seqlens = boundaries[(boundaries >= first) & (boundaries <= last)] - first
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    cu_seqlens = cu_seqlens.to(device)
+    return part, PackedSeqParams(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)
+
+
+def finalize_grads(model: HybridLM, accumulation_steps: int = 1) -> None:
+    """Make every rank's gradients the global batch's gradients of its parameters (of its DP shard
+    of them under FSDP2), from the gradients summed over `accumulation_steps` micro-batches.
 
     CP: each rank saw part of every sequence, so gradients are summed over CP. SP: norm weights saw
     only this rank's rows, so their gradients are summed over TP (the rest is already complete).
+    DP: see `data_parallel.reduce_data_parallel_grads`.
     """
     state = model.parallel_state
     for param in model.parameters():
-        if param.grad is None:
+        grad = local_grad(param)
+        if grad is None:
             continue
         if state.cp_size > 1:
-            dist.all_reduce(param.grad, group=state.cp_group)
+            dist.all_reduce(grad, group=state.cp_group)
         if state.tp_size > 1 and getattr(param, SEQUENCE_PARALLEL_GRAD, False):
-            dist.all_reduce(param.grad, group=state.tp_group)
+            dist.all_reduce(grad, group=state.tp_group)
+    reduce_data_parallel_grads(model, state, accumulation_steps)
 
 
 def clip_grad_norm(model: HybridLM, max_norm: float) -> torch.Tensor:
     """Clip by the norm of the whole (unsharded) gradient: TP-split parameters contribute their
-    squares summed over TP, replicated ones once."""
+    squares summed over TP, replicated ones once; under FSDP2 every DP shard adds its squares."""
     state = model.parallel_state
-    grads = [(p.grad, partition_dim(p) is not None) for p in model.parameters()
+    grads = [(local_grad(p), partition_dim(p) is not None) for p in model.parameters()
              if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
     device = grads[0][0].device
-    split = sum((g.float().pow(2).sum() for g, is_split in grads if is_split), torch.zeros((), device=device))
-    whole = sum((g.float().pow(2).sum() for g, is_split in grads if not is_split), torch.zeros((), device=device))
+    dtype = torch.promote_types(grads[0][0].dtype, torch.float32)  # bf16 gradients add up in fp32
+    zero = torch.zeros((), device=device, dtype=dtype)
+    split = sum((g.to(dtype).pow(2).sum() for g, is_split in grads if is_split), zero)
+    whole = sum((g.to(dtype).pow(2).sum() for g, is_split in grads if not is_split), zero)
     if state.tp_size > 1:
         dist.all_reduce(split, group=state.tp_group)
-    norm = (split + whole).sqrt()
+    squares = split + whole
+    if is_sharded(model):
+        dist.all_reduce(squares, group=state.dp_group)
+    norm = squares.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for grad, _ in grads:
         grad.mul_(scale)
@@ -407,32 +488,35 @@ def train_batch(job: JobConfig, text: torch.Tensor, step: int) -> tuple[Batch, O
 @torch.no_grad()
 def evaluate(model: HybridLM, job: JobConfig, validation_text: torch.Tensor, device: torch.device,
              completed_steps: int) -> EvalStats:
-    """Validation LM loss and retrieval answer accuracy on fixed (seed-derived) batches."""
+    """Validation LM loss and retrieval answer accuracy on fixed (seed-derived) batches of
+    `batch_size` rows; each DP rank evaluates its rows of every batch, in micro-batches."""
     train, task = job.train, job.retrieval_task()
     state = model.parallel_state
     cp_group = state.cp_group if state.cp_size > 1 else None
     model.eval()
-    # Counts stay on the model's device: NCCL groups reduce only CUDA tensors.
-    lm_losses, correct, answered = [], torch.zeros((), device=device), torch.zeros((), device=device)
+    # Sums of the LM rows' losses, answer bytes right and answer bytes, on the model's device (NCCL
+    # groups reduce only CUDA tensors); each CP rank holds part of every row, so all three add up.
+    totals = torch.zeros(3, device=device, dtype=torch.float64)
     for index in range(train.eval_batches):
-        lm = make_batch(validation_text, task, train.batch_size, 0,
-                        seeded_generator(train.seed, "val-lm", index)).to(device)
-        lm = shard_for_context_parallel(lm, model)
-        with autocast(device, train.dtype):
-            loss = compute_loss(model(lm.inputs), lm, cp_group).total.detach()
-        lm_losses.append(float(all_reduced(loss, cp_group) if cp_group is not None else loss))
-        retrieval = make_batch(validation_text, task, train.batch_size, train.batch_size,
-                               seeded_generator(train.seed, "val-retrieval", index)).to(device)
-        retrieval = shard_for_context_parallel(retrieval, model)
-        with autocast(device, train.dtype):
-            predicted = model(retrieval.inputs).argmax(-1)
-        correct += ((predicted == retrieval.targets) & retrieval.loss_mask).sum()
-        answered += retrieval.loss_mask.sum()
-    if cp_group is not None:
-        correct, answered = all_reduced(correct, cp_group), all_reduced(answered, cp_group)
+        lm_batch = make_batch(validation_text, task, train.batch_size, 0, seeded_generator(train.seed, "val-lm", index))
+        retrieval_batch = make_batch(validation_text, task, train.batch_size, train.batch_size,
+                                     seeded_generator(train.seed, "val-retrieval", index))
+        for rows in train.micro_batch_rows(state.dp_size, state.dp_rank):
+            lm = shard_for_context_parallel(batch_rows(lm_batch, None, rows, device)[0], model)
+            with autocast(device, train.dtype):
+                totals[0] += compute_loss(model(lm.inputs), lm, cp_group).row_losses[0].double()
+            retrieval = shard_for_context_parallel(batch_rows(retrieval_batch, None, rows, device)[0], model)
+            with autocast(device, train.dtype):
+                predicted = model(retrieval.inputs).argmax(-1)
+            totals[1] += ((predicted == retrieval.targets) & retrieval.loss_mask).sum()
+            totals[2] += retrieval.loss_mask.sum()
+    for group in (cp_group, state.dp_group if state.dp_size > 1 else None):
+        if group is not None:
+            dist.all_reduce(totals, group=group)
     model.train()
-    return EvalStats(step=completed_steps, val_lm_loss=sum(lm_losses) / len(lm_losses),
-                     retrieval_accuracy=float(correct / answered))
+    reshard_after_evaluation(model)
+    return EvalStats(step=completed_steps, val_lm_loss=float(totals[0]) / (train.eval_batches * train.batch_size),
+                     retrieval_accuracy=float(totals[1] / totals[2]))
 
 
 # ---------------------------------------------------------------- checkpoints and plots
@@ -548,23 +632,22 @@ def load_corpus(train: TrainConfig) -> CorpusSplit:
     return split_corpus(load_stdlib_corpus(train.corpus_max_bytes))
 
 
-def check_launch(tp: int, cp: int) -> int:
-    """The world size (WORLD_SIZE, 1 without torchrun) after checking that it fits `tp × cp`."""
+def check_launch(tp: int, cp: int, dp: Optional[int] = None) -> int:
+    """The world size (WORLD_SIZE, 1 without torchrun) after checking that it is a DP × CP × TP grid
+    (DP = WORLD_SIZE / (tp · cp), or `dp`, checked against it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and tp * cp != 1:
         raise ValueError(f"--tp {tp} --cp {cp} needs {tp * cp} processes: launch with "
                          f"torchrun --nproc-per-node {tp * cp} -m megatron_dsa.train ...")
-    if world != tp * cp:
-        raise ValueError(f"WORLD_SIZE={world} but --tp {tp} × --cp {cp} = {tp * cp} (no data parallelism "
-                         f"in this job)")
+    data_parallel_size(world, tp, cp, dp)
     return world
 
 
-def setup_parallel(tp: int, cp: int, device: torch.device,
+def setup_parallel(tp: int, cp: int, device: torch.device, dp: Optional[int] = None,
                    timeout_s: float = DIST_TIMEOUT_S) -> Optional[ParallelState]:
     """Process groups for a torchrun launch (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA; a
     collective that waits longer than `timeout_s` for a failed or stalled rank ends the job."""
-    if check_launch(tp, cp) == 1:
+    if check_launch(tp, cp, dp) == 1:
         return None
     if not dist.is_initialized():
         if device.type == "cuda":
@@ -575,22 +658,25 @@ def setup_parallel(tp: int, cp: int, device: torch.device,
 
 
 def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1, overwrite: bool = False,
-        progress_bar: bool = True, dist_timeout_s: float = DIST_TIMEOUT_S) -> History:
+        progress_bar: bool = True, dp: Optional[int] = None, dist_timeout_s: float = DIST_TIMEOUT_S) -> History:
     """Train to `job.train.steps` (continuing from the checkpoint directory `resume` if given);
     returns the full history. `overwrite` first deletes the output directory's checkpoints and
     history; `progress_bar` shows tqdm's bar on a terminal (plain log lines otherwise).
 
-    Under torchrun with `tp`/`cp` > 1 every rank trains its shard; rank 0 prints and plots.
+    Under torchrun every rank trains its shard of the DP × CP × TP grid (DP = WORLD_SIZE / (tp · cp),
+    `dp` if given is checked); rank 0 prints and plots.
     """
     train = job.train
     device = resolve_device(train.device)
     if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    state = setup_parallel(tp, cp, device, dist_timeout_s)
+    state = setup_parallel(tp, cp, device, dp, dist_timeout_s)
     if state is not None:  # every rank is here and runs the same job, or the error names who is not
         checks = dist.new_group(backend="gloo")
         wait_for_all_ranks(checks, dist_timeout_s, "job start")
         check_same_on_all_ranks("the job's configuration", job.to_dict(), checks)
+    dp_size = 1 if state is None else state.dp_size
+    accumulation = train.accumulation_steps(dp_size)
     if train.pack and cp > 1:
         raise ValueError("--pack with --cp is not supported by the training job yet "
                          "(the layer supports it: pass global PackedSeqParams with host cu_seqlens)")
@@ -610,6 +696,8 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
     validation_text = corpus.validation
 
     model = build_model(job, device, state)
+    if train.data_parallel == "shard" and dp_size > 1:
+        shard_over_data_parallel(model, state)
     optimizer = build_optimizer(model, train)
     start, history = 0, History()
     if resume is not None:
@@ -619,12 +707,15 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
                              f"to train (give --steps > {start})")
         train = keep_saved_schedule(train, saved_train)
         job = dataclasses.replace(job, train=train)
-    layout = "" if state is None else f" | tp {state.tp_size}{' + sp' if job.attention.sequence_parallel else ''}, cp {state.cp_size} ({job.attention.cp_comm_type})"
+    layout = "" if state is None else (f" | tp {state.tp_size}{' + sp' if job.attention.sequence_parallel else ''}, "
+                                       f"cp {state.cp_size} ({job.attention.cp_comm_type}), dp {dp_size}"
+                                       f"{' (' + train.data_parallel + ')' if dp_size > 1 else ''}")
     say(f"HybridLM: {sum(p.numel() for p in model.parameters()):,} parameters"
         f"{' on this rank' if state is not None else ''}, pattern "
         f"{job.attention.layer_pattern}, window {job.attention.csa_window_size} | device {device}, "
         f"{train.dtype}{layout} | corpus {corpus.train.numel():,} train / {validation_text.numel():,} "
-        f"validation bytes | batch {train.batch_size}x{train.seq_len} "
+        f"validation bytes | batch {train.batch_size}x{train.seq_len} = {train.batch_size // (dp_size * accumulation)} "
+        f"rows x {accumulation} micro-batches x dp {dp_size} "
         f"({train.retrieval_rows} retrieval rows{', packed documents' if train.pack else ''})"
         + (f" | resumed at step {start}" if start else ""))
     if not history.evals:
@@ -638,10 +729,8 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
                     dynamic_ncols=True, disable=not (leader and progress_bar and sys.stderr.isatty()))
     write = tqdm.write if leader else (lambda *args, **kwargs: None)
     for step in progress:
-        batch, packed = train_batch(job, corpus.train, step)
-        packed = packed if packed is None else dataclasses.replace(
-            packed, cu_seqlens_q=packed.cu_seqlens_q.to(device), cu_seqlens_kv=packed.cu_seqlens_kv.to(device))
-        stats = train_step(model, optimizer, batch.to(device), step, train, device, packed)
+        batch, packed = train_batch(job, corpus.train, step)  # the global batch; train_step takes this rank's rows
+        stats = train_step(model, optimizer, batch, step, train, device, packed)
         history.steps.append(stats)
         progress.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}")
         if step == start:
@@ -693,6 +782,13 @@ def parse_args(argv: Optional[Sequence[str]], prog: str = "python -m megatron_ds
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
     parser.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), help="context-parallel communication")
+    parser.add_argument("--dp", type=int, help="data-parallel size (default and check: WORLD_SIZE / (tp · cp))")
+    parser.add_argument("--dp-shard", action="store_true", default=None,
+                        help="shard parameters, gradients and optimizer over DP with FSDP2 (sets "
+                             "train.data_parallel: shard; default replicate)")
+    parser.add_argument("--micro-batch-size", type=int,
+                        help="rows per forward/backward on one DP rank (overrides train.micro_batch_size; "
+                             "train.batch_size stays the global batch, the rest is gradient accumulation)")
     parser.add_argument("--overwrite", action="store_true",
                         help="start over in an output directory that holds a run (deletes its checkpoints)")
     parser.add_argument("--lr-decay-steps", type=int,
@@ -711,7 +807,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_d
         config = preset_config(args.preset) if args.preset else resolve_config(args.config)
         job = JobConfig.from_yaml(config, steps=args.steps, out_dir=args.out_dir, device=args.device,
                                   seed=args.seed, dtype=args.dtype, pack=args.pack,
-                                  lr_decay_steps=args.lr_decay_steps)
+                                  lr_decay_steps=args.lr_decay_steps, micro_batch_size=args.micro_batch_size,
+                                  data_parallel="shard" if args.dp_shard else None)
         parallel = {"sequence_parallel": args.sp or job.attention.sequence_parallel}
         if args.cp_comm_type:
             parallel["cp_comm_type"] = args.cp_comm_type
@@ -719,23 +816,26 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_d
         if job.attention.sequence_parallel and args.tp == 1:
             raise ValueError("--sp needs --tp > 1 (sequence parallelism splits over the TP group)")
         resolve_device(job.train.device)
-        check_launch(args.tp, args.cp)  # before any work: a wrong launch is a usage error, not a traceback
+        dp = check_launch(args.tp, args.cp, args.dp) // (args.tp * args.cp)  # a wrong launch is a usage error
+        job.train.accumulation_steps(dp)  # the global batch must split into DP ranks' micro-batches
         if args.out_dir is None:  # the layout names the default directory: layouts never share one
             job = dataclasses.replace(job, train=dataclasses.replace(
-                job.train, out_dir=job.train.out_dir + layout_suffix(args.tp, job.attention.sequence_parallel, args.cp)))
+                job.train, out_dir=job.train.out_dir + layout_suffix(args.tp, job.attention.sequence_parallel, args.cp,
+                                                                     dp, job.train.data_parallel == "shard")))
         resume = resume_point(args, Path(job.train.out_dir))
     except (ValueError, TypeError, FileNotFoundError, yaml.YAMLError) as error:
         parser.error(str(error))
     try:
         return run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite, progress_bar=not args.no_progress,
-                   dist_timeout_s=args.dist_timeout)
+                   dp=args.dp, dist_timeout_s=args.dist_timeout)
     except (JobStopped, CheckpointError, RankMismatchError, MissingRanksError) as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
 
 
-def layout_suffix(tp: int, sequence_parallel: bool, cp: int) -> str:
-    """`-tp2-sp-cp2` style suffix of a parallel layout ('' for one process)."""
-    return (f"-tp{tp}" if tp > 1 else "") + ("-sp" if sequence_parallel else "") + (f"-cp{cp}" if cp > 1 else "")
+def layout_suffix(tp: int, sequence_parallel: bool, cp: int, dp: int = 1, dp_shard: bool = False) -> str:
+    """`-tp2-sp-cp2-dp2` style suffix of a parallel layout ('' for one process); `-dp2-shard` under FSDP2."""
+    return ((f"-tp{tp}" if tp > 1 else "") + ("-sp" if sequence_parallel else "") + (f"-cp{cp}" if cp > 1 else "")
+            + (f"-dp{dp}" if dp > 1 else "") + ("-shard" if dp > 1 and dp_shard else ""))
 
 
 def resume_point(args: argparse.Namespace, out_dir: Path) -> Optional[Path]:

@@ -1,12 +1,13 @@
 """The jobs users launch, on GPUs, the way they launch them: bf16, NCCL, torchrun.
 
-The main job (`python -m megatron_dsa.train`) on 1 GPU, TP = 2 + SP, CP = 2 and TP = 2 × CP = 2,
+The main job (`python -m megatron_dsa.train`) on 1 GPU, TP = 2 + SP, CP = 2, TP = 2 × CP = 2, and
+DP = 2 (replicated and FSDP2-sharded, alone and × TP = 2 + SP; the same global batch of 4 rows),
 and `examples/megatron_pretrain.py` on 1 GPU, TP = 2 and CP = 2: each parallel run's first losses
 follow the 1-GPU run, and checkpoints reload (a resumed run continues the losses).
 
 Tolerance: both sides run bf16 autocast; a parallel layout reorders the reductions (split GEMMs,
-all-reduces, ring merges), so each step's loss moves by bf16 rounding of the logits' reductions
-(~1e-3 relative at step 1); later steps add the effect of slightly different updates. 2e-2
+all-reduces, ring merges, DP's per-rank batch shapes), so each step's loss moves by bf16 rounding
+of the logits' reductions (~1e-3 relative at step 1); later steps add the effect of slightly different updates. 2e-2
 absolute on losses near 5.5 nats catches a sharding error (a duplicated head, a missing CP
 correction, a doubled gradient), which moves the first losses by ~1e-1 or more.
 """
@@ -87,7 +88,10 @@ def test_main_job_one_gpu_resumes_its_checkpoint(single_gpu, tmp_path) -> None:
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("flags,gpus", [(["--tp", "2", "--sp"], 2), (["--cp", "2"], 2),
-                                        (["--tp", "2", "--sp", "--cp", "2"], 4)])
+                                        (["--tp", "2", "--sp", "--cp", "2"], 4),
+                                        (["--dp", "2"], 2), (["--dp-shard"], 2),
+                                        (["--dp", "2", "--tp", "2", "--sp"], 4),
+                                        (["--tp", "2", "--sp", "--dp-shard"], 4)])
 def test_main_job_parallel_follows_one_gpu(single_gpu, tmp_path, flags, gpus) -> None:
     need_gpus(gpus)
     job, expected = single_gpu

@@ -1,5 +1,5 @@
-"""The main job under torchrun: TP 2 (+SP) and CP 2 follow the single-process loss curve, and
-their checkpoints resume at another layout."""
+"""The main job under torchrun: TP 2 (+SP), CP 2 and DP 2 (replicated and sharded) follow the
+single-process loss curve, and their checkpoints resume at another layout."""
 
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("flags,resume_flags", [
     (["--tp", "2", "--sp"], []),  # saved sharded over TP, resumed at TP = 1
     (["--cp", "2"], ["--tp", "2"]),  # saved by CP replicas, resumed sharded over TP
+    (["--dp-shard"], []),  # saved FSDP2-sharded over DP 2, resumed in one process
+    (["--dp", "2"], ["--dp-shard"]),  # saved by DP replicas, resumed FSDP2-sharded over DP 2
 ])
 def test_parallel_job_follows_single_process_losses_and_reshards(reference, tmp_path, flags, resume_flags):
     """The first leg runs the parallel layout for 2 steps; the second resumes its checkpoint at

@@ -51,6 +51,10 @@ class ParallelState:
     def dp_size(self) -> int:
         return group_size(self.dp_group)
 
+    @property
+    def dp_rank(self) -> int:
+        return group_rank(self.dp_group)
+
 
 def initialize_parallel_state(tp_size: int = 1, cp_size: int = 1) -> ParallelState:
     """Split the default world into `dp × cp × tp` groups, TP fastest (Megatron rank order).
