@@ -1,0 +1,524 @@
+"""A paper model of a W / C / H attention stack past the machines we measured on: per-rank step time and
+memory under context parallelism (CP, zigzag p2p) and tensor parallelism (TP, with sequence parallelism)
+on H100 / H200, calibrated on the 1-, 2- and 4-GPU measurements of docs/performance.md, "Scaling model".
+
+    python benchmarks/scaling_model.py --gpu H200 --kind C --seq-len 131072 --cp 1 2 4 8 --tp 1
+    python benchmarks/scaling_model.py --calibration
+
+Per rank and layer (forward + backward, B = 1, bf16):
+
+* compute = Σ work / measured rate, per op family: projection GEMMs, sparse attention forward and
+  backward, the indexer's selection scores (quadratic: every visible compressed entry), its top-k scan,
+  its KL backward and teacher (per selected entry), and a per-token remainder (norms, RoPE, pooling,
+  copies) that is the one fitted number per kind. Rates come from the kernel tables, not from a fit.
+* CP: the rank's rows are its two zigzag chunks plus their halos (`h` rows each, projected and attended
+  again); its compressed entries are all-gathered, hidden behind the indexer's selection unless the
+  transfer takes longer; the halo exchange and the backward's all-reduce of the entry gradients are
+  blocking. Two fitted numbers: a slowdown of the attention-side kernels on CP rows and a fixed host
+  cost per CP step.
+* TP (SP on): the heads' work divides by TP, the replicated parts (down projections, compressors,
+  indexer) do not; the sequence all-gather, the output reduce-scatter and the backward all-reduces of the
+  shared latents are blocking.
+* memory = parameters and optimizer state + activations kept per layer (measured per token at 64k) +
+  one layer's backward transient + gathered entries.
+
+Link bandwidth is not calibrated: at the measured sizes every transfer is under 1% of a step, so the
+measurements cannot tell a bandwidth. It is nominal NVLink 4 (450 GB/s per direction) or one 400 Gb/s
+NIC per GPU across nodes, times an assumed achievable fraction. Plain Python: no torch needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from layer_flops import (attention_backward_flop, attention_forward_flop, indexer_score_flop,  # noqa: E402
+                         projection_flop)
+
+MIB = 1 << 20
+GIB = 1 << 30
+BF16 = 2
+KINDS = ("W", "C", "H")
+
+
+def load_config_module():
+    """`megatron_dsa/config.py` on its own: it imports no torch, while the package's `__init__` does (seconds)."""
+    path = Path(__file__).resolve().parents[1] / "megatron_dsa" / "config.py"
+    spec = importlib.util.spec_from_file_location("megatron_dsa_config_for_scaling_model", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------- dims and counts
+@dataclass(frozen=True)
+class Dims:
+    """The layer dims the model needs (`HybridAttentionConfig` field names in the comments)."""
+
+    hidden: int  # hidden_size
+    heads: int  # num_attention_heads
+    head_dim: int  # v_head_dim (= the query / key dim of W/C/H)
+    q_lora: int  # q_lora_rank
+    o_groups: int
+    o_lora: int  # o_lora_rank
+    window: int  # csa_window_size
+    topk: int  # dsa_indexer_topk
+    indexer_heads: int
+    indexer_dim: int
+    ratios: dict  # kind → compression ratio (0: none)
+
+    @classmethod
+    def from_preset(cls, name: str = "dsv4-flash") -> "Dims":
+        config = load_config_module().HybridAttentionConfig.from_preset(name)
+        return cls(config.hidden_size, config.num_attention_heads, config.v_head_dim, config.q_lora_rank,
+                   config.o_groups, config.o_lora_rank, config.csa_window_size, config.dsa_indexer_topk,
+                   config.dsa_indexer_n_heads, config.dsa_indexer_head_dim,
+                   {kind: config.compress_ratio(kind) for kind in KINDS})
+
+    def halo(self, kind: str) -> int:
+        """Rows before a CP piece its first tokens read (`layers.context_parallel.context_halo`)."""
+        ratio = self.ratios[kind]
+        compressor = 0 if ratio == 0 else (2 * ratio - 1 if ratio == 4 else ratio - 1)
+        return max(self.window - 1, compressor)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Parameter counts of one layer. `split`: divided over TP ranks; `replicated`: on every rank; of the
+    replicated matrices, `indexer` read the input detached (their GEMMs are still counted `6·T·|W|`)."""
+
+    split: int  # 2-D, head-parallel (q_up, o_group_proj, linear_proj)
+    replicated: int  # 2-D, every rank (q_down, kv_proj, compressors, indexer)
+    indexer: int  # the part of `replicated` that is the indexer's
+    vectors: int  # norms, sink, compressor position embeddings (not GEMM work)
+
+    @property
+    def total(self) -> int:
+        return self.split + self.replicated + self.vectors
+
+    def per_rank(self, tp: int) -> int:
+        return self.split // tp + self.replicated + self.vectors
+
+
+def layer_weights(dims: Dims, kind: str) -> Weights:
+    d, D, heads = dims.hidden, dims.head_dim, dims.heads
+    split = dims.q_lora * heads * D + dims.o_groups * dims.o_lora * (heads * D // dims.o_groups) \
+        + dims.o_groups * dims.o_lora * d
+    replicated = d * dims.q_lora + d * D
+    vectors = dims.q_lora + D + heads  # q_layernorm, kv_layernorm, attn_sink
+    ratio, indexer = dims.ratios[kind], 0
+    if ratio:
+        width = (2 if ratio == 4 else 1) * D  # the overlapping compressor pools two groups
+        replicated += 2 * d * width  # linear_wkv, linear_wgate
+        vectors += ratio * width + D  # ape, norm
+    if kind == "C":
+        width = 2 * dims.indexer_dim
+        indexer = dims.q_lora * dims.indexer_heads * dims.indexer_dim + d * dims.indexer_heads + 2 * d * width
+        replicated += indexer
+        vectors += ratio * width + dims.indexer_dim
+    return Weights(split, replicated, indexer, vectors)
+
+
+def sum_floor(n: int, ratio: int) -> int:
+    """Σ_{u=0}^{n} ⌊u / ratio⌋."""
+    if n < 0:
+        return 0
+    whole, rest = divmod(n + 1, ratio)
+    return ratio * whole * (whole - 1) // 2 + whole * rest
+
+
+def sum_min(n: int, cap: int) -> int:
+    """Σ_{u=0}^{n} min(u, cap)."""
+    if n < 0:
+        return 0
+    below = min(n, cap)
+    return below * (below + 1) // 2 + cap * max(0, n - cap)
+
+
+def sum_min_floor(n: int, ratio: int, cap: int) -> int:
+    """Σ_{u=0}^{n} min(⌊u / ratio⌋, cap)."""
+    if n < 0:
+        return 0
+    first_capped = cap * ratio  # from here on ⌊u/r⌋ ≥ cap
+    return sum_floor(min(n, first_capped - 1), ratio) + cap * max(0, n - first_capped + 1)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Per-query counts summed over query positions `[start, stop)` of one sequence (query t sees window
+    rows `min(t+1, W)`, visible entries `⌊(t+1)/r⌋`, and attends `min(top-k, visible)` of them in C)."""
+
+    tokens: int = 0
+    window_pairs: int = 0
+    visible: int = 0  # Σ visible compressed entries (C: the indexer scores each; H: attended)
+    selected: int = 0  # Σ min(top-k, visible) (C only)
+
+    def __add__(self, other: "Rows") -> "Rows":
+        return Rows(*(a + b for a, b in zip(self.astuple(), other.astuple())))
+
+    def astuple(self) -> tuple[int, int, int, int]:
+        return self.tokens, self.window_pairs, self.visible, self.selected
+
+    @property
+    def attended_pairs(self) -> int:
+        return self.window_pairs + self.selected
+
+
+def query_rows(dims: Dims, kind: str, start: int, stop: int) -> Rows:
+    ratio = dims.ratios[kind]
+    window = sum_min(stop, dims.window) - sum_min(start, dims.window)
+    if not ratio:
+        return Rows(stop - start, window)
+    visible = sum_floor(stop, ratio) - sum_floor(start, ratio)
+    if kind == "H":  # attends every visible entry
+        return Rows(stop - start, window, visible, visible)
+    selected = sum_min_floor(stop, ratio, dims.topk) - sum_min_floor(start, ratio, dims.topk)
+    return Rows(stop - start, window, visible, selected)
+
+
+def rank_rows(dims: Dims, kind: str, seq_len: int, cp: int, rank: int) -> Rows:
+    """The query rows rank `rank` owns under the zigzag partition: chunks `rank` and `2·cp − 1 − rank`."""
+    if cp == 1:
+        return query_rows(dims, kind, 0, seq_len)
+    chunk = seq_len // (2 * cp)
+    return sum((query_rows(dims, kind, c * chunk, (c + 1) * chunk) for c in (rank, 2 * cp - 1 - rank)), Rows())
+
+
+# ---------------------------------------------------------------- hardware and rates
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    hbm_tb_s: float  # memory bandwidth: scales the memory-bound families from the H200 they were measured on
+    memory_gib: float
+    nvlink_gb_s: float = 450.0  # NVLink 4, per direction, nominal
+    nic_gb_s: float = 50.0  # one 400 Gb/s NIC per GPU across nodes, nominal
+    gpus_per_node: int = 8
+
+
+GPUS = {"H200": Gpu("H200", 4.8, 141.0), "H100": Gpu("H100", 3.35, 80.0)}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured on one H200 (docs/performance.md); the memory-bound ones scale with HBM bandwidth."""
+
+    gemm_tflops: float = 790.0  # projection GEMMs: the C profile's 3.9 ms for its 3.1 TFLOP
+    sparse_fwd_tflops: float = 500.0  # FlashMLA sparse forward, N = 4096 and 16384
+    sparse_bwd_tflops: float = 400.0  # cuDNN sparse backward, N = 4096 and 16384
+    indexer_tflops: float = 377.0  # cuDNN dense indexer scores, 16384 × 4096 (1.457 ms)
+    indexer_cp_tflops: float = 297.0  # Triton indexer scores (CP rows: pieces with halos), same shape
+    topk_ps_per_entry: float = 17.4  # top-k scan per visible entry (H100: 0.584 ms at 16384 × 4096)
+    kl_backward_ns_per_pick: float = 0.318  # cuDNN fused indexer KL backward, 16384 × 512: 2.666 ms
+    teacher_ns_per_pick: float = 0.246  # Triton teacher over the picks, all heads, 16384 × 512: 2.063 ms
+    link_efficiency: float = 0.8  # achievable fraction of nominal link bandwidth (assumed, not measured)
+    collective_latency_us: float = 25.0  # per collective call (assumed)
+
+
+TOPK_MEASURED_ON_HBM_TB_S = 3.35  # the top-k table is an H100's
+HBM_REFERENCE_TB_S = 4.8  # every other rate is an H200's
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """The fitted numbers: one per kind on one GPU, two for CP (see `calibrate`)."""
+
+    other_us_per_token: dict  # kind → µs per token of the memory-bound remainder (H200), from S = 4096
+    cp_attention_slowdown: float  # attention-side kernels on CP rows (packed layout) vs one GPU
+    cp_host_ms: float  # fixed per CP layer step (host plan, blocking halo ops), eager
+
+
+# Per-token bytes of the activations a W/C/H layer keeps for its backward, measured at S = 65536 on one
+# H200 (docs/performance.md, "Activation recompute": kept after forward / S), and the backward transient
+# (step peak − kept, 4672 MiB for every kind).
+KEPT_MIB_PER_TOKEN = {"W": 17296 / 65536, "C": 18824 / 65536, "H": 17425 / 65536}
+TRANSIENT_MIB_PER_TOKEN = 4672 / 65536
+# The harness of benchmarks/context_parallel.py keeps more per token (fp32 loss copies of the output, the
+# input gradient): 13426 MiB at S = 32768 for C there, 0.41 MiB/token against 0.36 in the layer benchmark.
+# Only ratios of that harness are calibrated, so its per-token bytes cancel.
+
+
+def per_head_share(dims: Dims, kind: str) -> float:
+    """Fraction of the kept activations that is per head (divided by TP): q before and after its norm +
+    RoPE, the attention output before and after its inverse RoPE, `4·H·D` bf16 values per token (inferred
+    from what the ops save, not measured)."""
+    return min(1.0, 4 * dims.heads * dims.head_dim * BF16 / MIB / KEPT_MIB_PER_TOKEN[kind])
+
+
+# ---------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class Setup:
+    gpu: Gpu
+    kind: str
+    seq_len: int
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("seq_len", "cp", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise ValueError(f"seq_len {self.seq_len} must be a multiple of 2·cp = {2 * self.cp} (zigzag)")
+        if self.seq_len % self.tp:
+            raise ValueError(f"seq_len {self.seq_len} must be a multiple of tp = {self.tp} (sequence parallel)")
+
+    @property
+    def cp_crosses_nodes(self) -> bool:
+        """Megatron order puts TP innermost: a CP group spans nodes once tp·cp GPUs outgrow a node."""
+        return self.cp * self.tp > self.gpu.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Prediction:
+    setup: Setup
+    rows: int  # query rows the rank computes (its own and its halos')
+    work: dict  # family → ms of compute on the slowest rank
+    comm_exposed_ms: float  # communication the step waits for (blocking, or not hidden)
+    gather_ms: float  # the forward's entry all-gather, in flight behind `overlap_ms`
+    overlap_ms: float  # compute queued while the gather is in flight
+    host_ms: float
+    memory: dict  # part → MiB on the fullest rank (one layer: grads; stack: see `stack_memory_gib`)
+    flop: float  # essential FLOP of the slowest rank (projections + attention)
+
+    @property
+    def compute_ms(self) -> float:
+        return sum(self.work.values())
+
+    @property
+    def step_ms(self) -> float:
+        return self.compute_ms + self.comm_exposed_ms + self.host_ms
+
+    @property
+    def hidden(self) -> bool:
+        """Whether the entry gather hides behind the compute queued with it."""
+        return self.gather_ms <= self.overlap_ms
+
+    @property
+    def memory_mib(self) -> float:
+        return sum(self.memory.values())
+
+
+def transfer_ms(bytes_per_rank: float, bandwidth_gb_s: float, calls: int, rates: Rates) -> float:
+    return bytes_per_rank / (bandwidth_gb_s * rates.link_efficiency * 1e6) + calls * rates.collective_latency_us * 1e-3
+
+
+def predict(setup: Setup, dims: Dims, fitted: Fitted, rates: Rates = Rates()) -> Prediction:
+    """One layer's training step on the slowest CP rank (every rank does the same work under zigzag, up to
+    the first chunk's missing halo)."""
+    kind, seq_len, cp, tp, gpu = setup.kind, setup.seq_len, setup.cp, setup.tp, setup.gpu
+    ratio, halo = dims.ratios[kind], dims.halo(kind) if setup.cp > 1 else 0
+    own = max((rank_rows(dims, kind, seq_len, cp, rank) for rank in range(cp)), key=lambda r: r.visible)
+    rows = own.tokens + 2 * halo  # halo rows are projected and attended again (their outputs dropped)
+    halo_pairs = 2 * halo * dims.window if halo else 0
+    weights = layer_weights(dims, kind)
+    heads = dims.heads // tp
+    memory_scale = HBM_REFERENCE_TB_S / gpu.hbm_tb_s
+    attention_slowdown = fitted.cp_attention_slowdown if cp > 1 else 1.0
+
+    pairs = own.attended_pairs + halo_pairs
+    D = dims.head_dim
+    work = {
+        "projections": projection_flop(rows, weights.split // tp + weights.replicated) / (rates.gemm_tflops * 1e9),
+        "sparse attention": attention_slowdown * (
+            attention_forward_flop(heads, pairs, D, D) / (rates.sparse_fwd_tflops * 1e9)
+            + attention_backward_flop(heads, pairs, D, D) / (rates.sparse_bwd_tflops * 1e9)),
+        "other (per token)": fitted.other_us_per_token[kind] * 1e-3 * rows * memory_scale
+        * (1 - 0.5 * (1 - 1 / tp)),  # assumed: half of the remainder is per-head work
+    }
+    if kind == "C":
+        indexer_rate = rates.indexer_cp_tflops if cp > 1 else rates.indexer_tflops
+        work["indexer scores"] = indexer_score_flop(dims.indexer_heads, dims.indexer_dim, own.visible) \
+            / (indexer_rate * 1e9)
+        work["top-k"] = own.visible * rates.topk_ps_per_entry * 1e-9 * TOPK_MEASURED_ON_HBM_TB_S / gpu.hbm_tb_s
+        work["indexer loss"] = attention_slowdown * own.selected * 1e-6 * (
+            rates.kl_backward_ns_per_pick + rates.teacher_ns_per_pick / tp)
+    flop = projection_flop(rows, weights.split // tp + weights.replicated) + attention_forward_flop(
+        heads, pairs, D, D) + attention_backward_flop(heads, pairs, D, D)
+
+    # CP communication. Entries: each rank pools those whose last token it holds; every rank gathers all.
+    entry_width = D + (dims.indexer_dim if kind == "C" else 0)
+    entries = seq_len // ratio if ratio else 0
+    cp_link = gpu.nic_gb_s if setup.cp_crosses_nodes else gpu.nvlink_gb_s
+    gather_ms = overlap_ms = exposed = 0.0
+    if cp > 1:
+        share = (cp - 1) / cp
+        halo_bytes = 2 * halo * dims.hidden * BF16  # two tails out, two in; again in backward
+        exposed += 2 * transfer_ms(halo_bytes, cp_link, 1, rates)
+        if entries:
+            entry_bytes = entries * entry_width * BF16
+            gather_ms = transfer_ms(share * entry_bytes, cp_link, 2 if kind == "C" else 1, rates)
+            # In flight behind the window and the indexer's selection (C); H queues only its index rows.
+            overlap_ms = work.get("indexer scores", 0.0) + work.get("top-k", 0.0)
+            exposed += max(0.0, gather_ms - overlap_ms)
+            exposed += transfer_ms(2 * share * entry_bytes, cp_link, 2 if kind == "C" else 1, rates)  # bwd all-reduce
+    if tp > 1:
+        share = (tp - 1) / tp
+        tp_rows = rows
+        sequence_bytes = tp_rows * dims.hidden * BF16
+        latent_bytes = tp_rows * dims.q_lora * BF16 + (tp_rows + entries) * D * BF16
+        teacher_bytes = own.tokens * dims.topk * 4 if kind == "C" else 0
+        exposed += transfer_ms(3 * share * sequence_bytes, gpu.nvlink_gb_s, 3, rates)  # gather, RS, bwd gather
+        exposed += transfer_ms(2 * share * (latent_bytes + teacher_bytes), gpu.nvlink_gb_s, 3, rates)
+
+    kept_per_token = KEPT_MIB_PER_TOKEN[kind] * (1 - per_head_share(dims, kind) * (1 - 1 / tp))
+    memory = {"kept activations": rows * kept_per_token,
+              "backward transient": rows * TRANSIENT_MIB_PER_TOKEN / tp,
+              "gathered entries (+ gradient)": 2 * entries * entry_width * BF16 / MIB,
+              "parameter gradients (bf16)": weights.per_rank(tp) * BF16 / MIB}
+    return Prediction(setup, rows, work, exposed, gather_ms, overlap_ms, fitted.cp_host_ms if cp > 1 else 0.0,
+                      memory, flop)
+
+
+def stack_memory_gib(one: Prediction, dims: Dims, layers: int, bytes_per_parameter: float = 18.0,
+                     recompute: bool = False) -> float:
+    """Per-rank GiB of `layers` layers like `one` in training: parameters with optimizer state
+    (`bytes_per_parameter`: 18 = bf16 weight, fp32 gradient, fp32 master and two Adam moments, nothing
+    sharded over data parallelism), the activations every layer keeps, one layer's backward transient and
+    gathered entries. With `recompute` a layer keeps only its input rows (`rows · d` bf16) and the one in
+    backward holds its kept activations again."""
+    setup = one.setup
+    parameters = layer_weights(dims, setup.kind).per_rank(setup.tp) * bytes_per_parameter / MIB
+    kept, transient = one.memory["kept activations"], one.memory["backward transient"]
+    if recompute:
+        transient += kept
+        kept = one.rows * dims.hidden * BF16 / MIB
+    return (layers * (parameters + kept) + transient + one.memory["gathered entries (+ gradient)"]) / 1024
+
+
+# ---------------------------------------------------------------- measurements and calibration
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured single-GPU step (ms) or peak (MiB), and whether it calibrates (`fit`) or checks."""
+
+    gpu: str
+    kind: str
+    seq_len: int
+    value: float
+    source: str
+    fit: bool = False
+
+
+# One GPU, fwd + bwd of one layer (docs/performance.md): `--cuda-graph` replays at S = 4096, eager above.
+STEP_MS = (
+    StepPoint("H200", "W", 4096, 5.51, "layer.py, CUDA graph", fit=True),
+    StepPoint("H200", "C", 4096, 9.40, "layer.py, CUDA graph", fit=True),
+    StepPoint("H200", "H", 4096, 6.10, "layer.py, CUDA graph", fit=True),
+    StepPoint("H200", "C", 16384, 39.8, "layer.py, eager"),
+    StepPoint("H200", "C", 32768, 98.0, "context_parallel.py CP-1, eager"),
+    StepPoint("H100", "W", 4096, 5.86, "layer.py, CUDA graph"),
+    StepPoint("H100", "C", 4096, 10.21, "layer.py, CUDA graph"),
+    StepPoint("H100", "H", 4096, 6.57, "layer.py, CUDA graph"),
+)
+# Peak MiB of a step above its inputs (parameter gradients included); the 64k points give the per-token bytes.
+PEAK_MIB = (
+    StepPoint("H200", "C", 65536, 23496, "recompute_memory.py", fit=True),
+    StepPoint("H200", "W", 65536, 21968, "recompute_memory.py", fit=True),
+    StepPoint("H200", "H", 65536, 22097, "recompute_memory.py", fit=True),
+    StepPoint("H200", "C", 4096, 1371.5, "layer.py"),
+    StepPoint("H200", "C", 16384, 5823.6, "layer.py"),
+)
+
+
+@dataclass(frozen=True)
+class CpPoint:
+    """`benchmarks/context_parallel.py` on `cp` H200s: CP-N / CP-1 time and per-rank peak memory."""
+
+    kind: str
+    seq_len: int
+    cp: int
+    time_ratio: float
+    memory_ratio: float
+
+
+CP_RATIOS = (
+    CpPoint("C", 32768, 2, 0.61, 0.54),
+    CpPoint("C", 131072, 2, 0.59, 0.53),
+    CpPoint("C", 32768, 4, 0.34, 0.28),
+    CpPoint("C", 131072, 4, 0.31, 0.27),
+    CpPoint("H", 131072, 4, 0.29, 0.27),
+)
+
+
+def calibrate(dims: Dims, rates: Rates = Rates()) -> Fitted:
+    """Fit the model's five free numbers: the per-token remainder of each kind from its S = 4096 H200 step
+    (three numbers, three points: reproduced exactly), then the CP slowdown and host cost by least squares
+    on the five CP time ratios (two numbers, five points). Everything else is a measured kernel rate."""
+    h200 = GPUS["H200"]
+    zero = Fitted({kind: 0.0 for kind in KINDS}, 1.0, 0.0)
+    other = {}
+    for point in (p for p in STEP_MS if p.fit):
+        bare = predict(Setup(h200, point.kind, point.seq_len), dims, zero, rates)
+        other[point.kind] = (point.value - bare.step_ms) / point.seq_len * 1e3
+    single = Fitted(other, 1.0, 0.0)
+    # ratio = (base + s·attention + h) / t1: linear in (s, h); solve the 2×2 normal equations.
+    rows = []
+    for point in CP_RATIOS:
+        t1 = predict(Setup(h200, point.kind, point.seq_len), dims, single, rates).step_ms
+        plain = predict(Setup(h200, point.kind, point.seq_len, point.cp), dims, single, rates)
+        attention = plain.work["sparse attention"] + plain.work.get("indexer loss", 0.0)
+        rows.append(((attention / t1, 1 / t1), point.time_ratio - (plain.step_ms - attention) / t1))
+    a11 = sum(x[0] * x[0] for x, _ in rows)
+    a12 = sum(x[0] * x[1] for x, _ in rows)
+    a22 = sum(x[1] * x[1] for x, _ in rows)
+    b1 = sum(x[0] * y for x, y in rows)
+    b2 = sum(x[1] * y for x, y in rows)
+    det = a11 * a22 - a12 * a12
+    return Fitted(other, (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det)
+
+
+def single_gpu_peak_mib(prediction: Prediction) -> float:
+    """What the benchmarks' peak counts: kept + transient activations and the gradients (no entries gather)."""
+    m = prediction.memory
+    return m["kept activations"] + m["backward transient"] + m["parameter gradients (bf16)"]
+
+
+def calibration_table(dims: Dims, fitted: Fitted) -> str:
+    lines = ["One GPU, one layer, fwd + bwd:", "",
+             "| GPU | kind | S | measured | predicted | error | source | role |",
+             "|---|---|--:|--:|--:|--:|---|---|"]
+    for point in STEP_MS:
+        predicted = predict(Setup(GPUS[point.gpu], point.kind, point.seq_len), dims, fitted).step_ms
+        lines.append(f"| {point.gpu} | {point.kind} | {point.seq_len} | {point.value:.2f} ms | {predicted:.2f} ms | "
+                     f"{relative_error(predicted, point.value)} | {point.source} | {role(point)} |")
+    for point in PEAK_MIB:
+        predicted = single_gpu_peak_mib(predict(Setup(GPUS[point.gpu], point.kind, point.seq_len), dims, fitted))
+        lines.append(f"| {point.gpu} | {point.kind} | {point.seq_len} | {point.value:.0f} MiB | {predicted:.0f} MiB | "
+                     f"{relative_error(predicted, point.value)} | {point.source} | {role(point)} |")
+    lines += ["", "CP-N against CP-1 on the same H200 box (zigzag, p2p, eager):", "",
+              "| kind | S | CP | time ratio measured | predicted | error | memory ratio measured | predicted | error |",
+              "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for point in CP_RATIOS:
+        time_ratio, memory_ratio = cp_ratios(point, dims, fitted)
+        lines.append(f"| {point.kind} | {point.seq_len} | {point.cp} | {point.time_ratio:.2f} | {time_ratio:.3f} | "
+                     f"{relative_error(time_ratio, point.time_ratio)} | {point.memory_ratio:.2f} | "
+                     f"{memory_ratio:.3f} | {relative_error(memory_ratio, point.memory_ratio)} |")
+    lines += ["", f"fitted: other µs per token (H200) " + ", ".join(f"{k} {v:.3f}" for k, v in fitted.other_us_per_token.items())
+              + f" (S = 4096 steps); CP attention-side slowdown {fitted.cp_attention_slowdown:.2f}, CP host "
+              f"{fitted.cp_host_ms:.2f} ms per step (the five time ratios; the memory ratios are not fitted)"]
+    return "\n".join(lines)
+
+
+def cp_ratios(point: CpPoint, dims: Dims, fitted: Fitted) -> tuple[float, float]:
+    h200 = GPUS["H200"]
+    one = predict(Setup(h200, point.kind, point.seq_len), dims, fitted)
+    many = predict(Setup(h200, point.kind, point.seq_len, point.cp), dims, fitted)
+    peak = lambda p: single_gpu_peak_mib(p) + p.memory["gathered entries (+ gradient)"]  # noqa: E731
+    return many.step_ms / one.step_ms, peak(many) / peak(one)
+
+
+def relative_error(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured * 100:+.1f}%"
+
+
+def role(point: StepPoint) -> str:
+    return "fit" if point.fit else "check"
