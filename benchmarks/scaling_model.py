@@ -219,7 +219,7 @@ class Rates:
     kl_backward_ns_per_pick: float = 0.318  # cuDNN fused indexer KL backward, 16384 × 512: 2.666 ms
     teacher_ns_per_pick: float = 0.246  # Triton teacher over the picks, all heads, 16384 × 512: 2.063 ms
     link_efficiency: float = 0.8  # achievable fraction of nominal link bandwidth (assumed, not measured)
-    collective_latency_us: float = 25.0  # per collective call (assumed)
+    hop_latency_us: float = 10.0  # per ring step of a collective, or per point-to-point exchange (assumed)
 
 
 TOPK_MEASURED_ON_HBM_TB_S = 3.35  # the top-k table is an H100's
@@ -308,8 +308,19 @@ class Prediction:
         return sum(self.memory.values())
 
 
-def transfer_ms(bytes_per_rank: float, bandwidth_gb_s: float, calls: int, rates: Rates) -> float:
-    return bytes_per_rank / (bandwidth_gb_s * rates.link_efficiency * 1e6) + calls * rates.collective_latency_us * 1e-3
+def transfer_ms(bytes_per_rank: float, bandwidth_gb_s: float, hops: int, rates: Rates) -> float:
+    """α–β cost of moving `bytes_per_rank` into a rank over `hops` sequential ring steps."""
+    return bytes_per_rank / (bandwidth_gb_s * rates.link_efficiency * 1e6) + hops * rates.hop_latency_us * 1e-3
+
+
+def essential_flop(dims: Dims, kind: str, own: Rows, halo: int = 0, tp: int = 1) -> float:
+    """`layer.py`'s essential work (projections + attention, fwd + bwd) of one TP rank computing the query
+    rows `own` and two halos of `halo` rows (each attends its full window)."""
+    weights = layer_weights(dims, kind)
+    pairs = own.attended_pairs + 2 * halo * dims.window
+    D = dims.head_dim
+    return projection_flop(own.tokens + 2 * halo, weights.split // tp + weights.replicated) \
+        + attention_forward_flop(dims.heads // tp, pairs, D, D) + attention_backward_flop(dims.heads // tp, pairs, D, D)
 
 
 def predict(setup: Setup, dims: Dims, fitted: Fitted, rates: Rates = Rates()) -> Prediction:
@@ -317,7 +328,8 @@ def predict(setup: Setup, dims: Dims, fitted: Fitted, rates: Rates = Rates()) ->
     the first chunk's missing halo)."""
     kind, seq_len, cp, tp, gpu = setup.kind, setup.seq_len, setup.cp, setup.tp, setup.gpu
     ratio, halo = dims.ratios[kind], dims.halo(kind) if setup.cp > 1 else 0
-    own = max((rank_rows(dims, kind, seq_len, cp, rank) for rank in range(cp)), key=lambda r: r.visible)
+    slowest_first = lambda rows: (rows.visible, rows.attended_pairs)  # noqa: E731  (balanced to < 1%)
+    own = max((rank_rows(dims, kind, seq_len, cp, rank) for rank in range(cp)), key=slowest_first)
     rows = own.tokens + 2 * halo  # halo rows are projected and attended again (their outputs dropped)
     halo_pairs = 2 * halo * dims.window if halo else 0
     weights = layer_weights(dims, kind)
@@ -342,34 +354,38 @@ def predict(setup: Setup, dims: Dims, fitted: Fitted, rates: Rates = Rates()) ->
         work["top-k"] = own.visible * rates.topk_ps_per_entry * 1e-9 * TOPK_MEASURED_ON_HBM_TB_S / gpu.hbm_tb_s
         work["indexer loss"] = attention_slowdown * own.selected * 1e-6 * (
             rates.kl_backward_ns_per_pick + rates.teacher_ns_per_pick / tp)
-    flop = projection_flop(rows, weights.split // tp + weights.replicated) + attention_forward_flop(
-        heads, pairs, D, D) + attention_backward_flop(heads, pairs, D, D)
+    flop = essential_flop(dims, kind, own, halo, tp)
 
-    # CP communication. Entries: each rank pools those whose last token it holds; every rank gathers all.
-    entry_width = D + (dims.indexer_dim if kind == "C" else 0)
-    entries = seq_len // ratio if ratio else 0
+    # CP communication. Entries: each rank pools those whose last token it holds; every rank gathers all
+    # (ring all-gather: (cp−1)/cp of the buffer arrives, cp − 1 hops). Forward: the main entries are in
+    # flight behind the window and the indexer's selection; C's indexer keys behind the indexer's query
+    # projection; H queues only its index rows behind its gather. Backward: the entries' gradient is
+    # all-reduced and each halo's gradient sent home, both blocking.
     cp_link = gpu.nic_gb_s if setup.cp_crosses_nodes else gpu.nvlink_gb_s
+    entries = seq_len // ratio if ratio else 0
+    gathers = []  # (bytes of the whole gathered buffer, compute it hides behind)
+    if entries:
+        gathers.append((entries * D * BF16, work.get("indexer scores", 0.0) + work.get("top-k", 0.0)))
+    if kind == "C":
+        query_projection = 2.0 * rows * dims.q_lora * dims.indexer_heads * dims.indexer_dim / (rates.gemm_tflops * 1e9)
+        gathers.append((entries * dims.indexer_dim * BF16, query_projection))
     gather_ms = overlap_ms = exposed = 0.0
     if cp > 1:
-        share = (cp - 1) / cp
-        halo_bytes = 2 * halo * dims.hidden * BF16  # two tails out, two in; again in backward
-        exposed += 2 * transfer_ms(halo_bytes, cp_link, 1, rates)
-        if entries:
-            entry_bytes = entries * entry_width * BF16
-            gather_ms = transfer_ms(share * entry_bytes, cp_link, 2 if kind == "C" else 1, rates)
-            # In flight behind the window and the indexer's selection (C); H queues only its index rows.
-            overlap_ms = work.get("indexer scores", 0.0) + work.get("top-k", 0.0)
-            exposed += max(0.0, gather_ms - overlap_ms)
-            exposed += transfer_ms(2 * share * entry_bytes, cp_link, 2 if kind == "C" else 1, rates)  # bwd all-reduce
-    if tp > 1:
-        share = (tp - 1) / tp
-        tp_rows = rows
-        sequence_bytes = tp_rows * dims.hidden * BF16
-        latent_bytes = tp_rows * dims.q_lora * BF16 + (tp_rows + entries) * D * BF16
-        teacher_bytes = own.tokens * dims.topk * 4 if kind == "C" else 0
-        exposed += transfer_ms(3 * share * sequence_bytes, gpu.nvlink_gb_s, 3, rates)  # gather, RS, bwd gather
-        exposed += transfer_ms(2 * share * (latent_bytes + teacher_bytes), gpu.nvlink_gb_s, 3, rates)
+        hops = cp - 1
+        exposed += 2 * transfer_ms(2 * halo * dims.hidden * BF16, cp_link, 1, rates)  # two tails each way
+        for buffer, behind in gathers:
+            in_flight = transfer_ms(buffer * hops / cp, cp_link, hops, rates)
+            gather_ms, overlap_ms = gather_ms + in_flight, overlap_ms + behind
+            exposed += max(0.0, in_flight - behind) + transfer_ms(2 * buffer * hops / cp, cp_link, 2 * hops, rates)
+    if tp > 1:  # Megatron-style sequence parallelism, collectives not overlapped
+        share, hops = (tp - 1) / tp, tp - 1
+        sequence = rows * dims.hidden * BF16  # gather in, reduce-scatter out, and the latter's backward
+        latents = rows * dims.q_lora * BF16 + (rows + entries) * D * BF16  # backward all-reduces
+        teacher = own.tokens * dims.topk * 4 if kind == "C" else 0  # head-summed mass, fp32
+        exposed += 3 * transfer_ms(share * sequence, gpu.nvlink_gb_s, hops, rates)
+        exposed += transfer_ms(2 * share * (latents + teacher), gpu.nvlink_gb_s, 2 * hops * (3 if teacher else 2), rates)
 
+    entry_width = D + (dims.indexer_dim if kind == "C" else 0)
     kept_per_token = KEPT_MIB_PER_TOKEN[kind] * (1 - per_head_share(dims, kind) * (1 - 1 / tp))
     memory = {"kept activations": rows * kept_per_token,
               "backward transient": rows * TRANSIENT_MIB_PER_TOKEN / tp,
@@ -379,20 +395,52 @@ def predict(setup: Setup, dims: Dims, fitted: Fitted, rates: Rates = Rates()) ->
                       memory, flop)
 
 
-def stack_memory_gib(one: Prediction, dims: Dims, layers: int, bytes_per_parameter: float = 18.0,
-                     recompute: bool = False) -> float:
-    """Per-rank GiB of `layers` layers like `one` in training: parameters with optimizer state
-    (`bytes_per_parameter`: 18 = bf16 weight, fp32 gradient, fp32 master and two Adam moments, nothing
-    sharded over data parallelism), the activations every layer keeps, one layer's backward transient and
-    gathered entries. With `recompute` a layer keeps only its input rows (`rows · d` bf16) and the one in
-    backward holds its kept activations again."""
-    setup = one.setup
-    parameters = layer_weights(dims, setup.kind).per_rank(setup.tp) * bytes_per_parameter / MIB
-    kept, transient = one.memory["kept activations"], one.memory["backward transient"]
-    if recompute:
-        transient += kept
-        kept = one.rows * dims.hidden * BF16 / MIB
-    return (layers * (parameters + kept) + transient + one.memory["gathered entries (+ gradient)"]) / 1024
+@dataclass(frozen=True)
+class StackPrediction:
+    """`layers` layers in training, every forward then every backward, on one rank."""
+
+    layers: list  # Prediction per layer
+    memory_gib: float
+    parameters_gib: float  # of which parameters, gradients and optimizer state
+
+    @property
+    def step_ms(self) -> float:
+        return sum(layer.step_ms for layer in self.layers)
+
+    @property
+    def comm_exposed_ms(self) -> float:
+        return sum(layer.comm_exposed_ms for layer in self.layers)
+
+    @property
+    def host_ms(self) -> float:
+        return sum(layer.host_ms for layer in self.layers)
+
+    @property
+    def tflops(self) -> float:
+        return sum(layer.flop for layer in self.layers) / (self.step_ms * 1e9)
+
+    @property
+    def unhidden_gather_ms(self) -> float:
+        return sum(max(0.0, layer.gather_ms - layer.overlap_ms) for layer in self.layers)
+
+
+def predict_stack(kinds: Sequence[str], gpu: Gpu, seq_len: int, cp: int, tp: int, dims: Dims, fitted: Fitted,
+                  bytes_per_parameter: float = 18.0, recompute: bool = False) -> StackPrediction:
+    """Per-rank time and memory of the layers `kinds` (e.g. "CH" * 20). Memory: parameters with optimizer
+    state (`bytes_per_parameter`: 18 = bf16 weight, fp32 gradient, fp32 master and two Adam moments,
+    nothing sharded over data parallelism), the activations every layer keeps, and the largest backward
+    transient and gathered entries of one layer. With `recompute` a layer keeps only its input rows
+    (`rows · d` bf16) and the layer in backward holds its kept activations again."""
+    layers = [predict(Setup(gpu, kind, seq_len, cp, tp), dims, fitted) for kind in kinds]
+    total, transient, parameters = 0.0, 0.0, 0.0
+    for layer in layers:
+        kept, peak = layer.memory["kept activations"], layer.memory["backward transient"]
+        if recompute:
+            kept, peak = layer.rows * dims.hidden * BF16 / MIB, peak + kept
+        parameters += layer_weights(dims, layer.setup.kind).per_rank(tp) * bytes_per_parameter / MIB
+        total += kept
+        transient = max(transient, peak + layer.memory["gathered entries (+ gradient)"])
+    return StackPrediction(layers, (parameters + total + transient) / 1024, parameters / 1024)
 
 
 # ---------------------------------------------------------------- measurements and calibration
@@ -522,3 +570,114 @@ def relative_error(predicted: float, measured: float) -> str:
 
 def role(point: StepPoint) -> str:
     return "fit" if point.fit else "check"
+
+
+# ---------------------------------------------------------------- where the gathers stop hiding
+def hiding_limit(dims: Dims, fitted: Fitted, gpu: Gpu, kind: str, cp: int, tp: int = 1,
+                 longest: int = 1 << 24) -> Optional[int]:
+    """Rows per rank (S/cp) below which the forward's entry gathers take longer than the compute queued
+    behind them, at this `cp`; None if they hide at every S up to `longest` or at none."""
+    hidden = lambda seq_len: predict(Setup(gpu, kind, seq_len, cp, tp), dims, fitted).hidden  # noqa: E731
+    step = 2 * cp * max(tp, dims.ratios[kind] or 1)
+    low, high = 1, longest // step  # in multiples of `step`
+    if hidden(low * step) or not hidden(high * step):
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if hidden(middle * step) else (middle, high)
+    return high * step // cp
+
+
+def comm_share(dims: Dims, fitted: Fitted, gpu: Gpu, kind: str, seq_len: int, cp: int, tp: int = 1) -> float:
+    """Fraction of the step spent waiting for communication."""
+    prediction = predict(Setup(gpu, kind, seq_len, cp, tp), dims, fitted)
+    return prediction.comm_exposed_ms / prediction.step_ms
+
+
+# ---------------------------------------------------------------- command line
+def prediction_table(gpu: Gpu, pattern: str, layers: int, seq_lens: Sequence[int], cps: Sequence[int],
+                     tps: Sequence[int], dims: Dims, fitted: Fitted, bytes_per_parameter: float,
+                     recompute: bool) -> str:
+    kinds = (pattern * layers)[:layers]
+    lines = [f"{gpu.name}, {layers} layer(s) {kinds if len(kinds) <= 12 else kinds[:12] + '…'}, fwd + bwd, B = 1, bf16; "
+             f"memory with {bytes_per_parameter:g} B per parameter{', attention recomputed' if recompute else ''}",
+             "",
+             "| S | CP | TP | S/CP | step ms | exposed comm ms | CP host ms | essential TFLOPS per GPU | unhidden gather ms | "
+             "GiB per rank | of which parameters + optimizer | fits |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    for seq_len in seq_lens:
+        for cp in cps:
+            for tp in tps:
+                try:
+                    stack = predict_stack(kinds, gpu, seq_len, cp, tp, dims, fitted, bytes_per_parameter, recompute)
+                except ValueError as error:
+                    lines.append(f"| {seq_len} | {cp} | {tp} | – | {error} | | | | | | | |")
+                    continue
+                lines.append(f"| {seq_len} | {cp} | {tp} | {seq_len // cp} | {stack.step_ms:.1f} | "
+                             f"{stack.comm_exposed_ms:.2f} | {stack.host_ms:.1f} | {stack.tflops:.0f} | "
+                             f"{stack.unhidden_gather_ms:.2f} | {stack.memory_gib:.1f} | {stack.parameters_gib:.1f} | "
+                             f"{'yes' if stack.memory_gib <= gpu.memory_gib else 'no'} |")
+    return "\n".join(lines)
+
+
+def hiding_table(dims: Dims, fitted: Fitted) -> str:
+    lines = ["Forward entry gathers against the compute queued behind them, and the share of the step spent "
+             "waiting for communication (the halo exchange and the backward all-reduce never overlap):", "",
+             "| GPU | kind | CP | link | gathers hide down to S/CP | comm share at S/CP = 1024 | at 8192 | at 65536 |",
+             "|---|---|--:|---|--:|--:|--:|--:|"]
+    for gpu in GPUS.values():
+        for kind in ("C", "H"):
+            for cp in (8, 64):
+                link = "NVLink" if cp <= gpu.gpus_per_node else "NIC"
+                limit = hiding_limit(dims, fitted, gpu, kind, cp)
+                shares = [f"{comm_share(dims, fitted, gpu, kind, per_rank * cp, cp) * 100:.1f}%"
+                          for per_rank in (1024, 8192, 65536)]
+                lines.append(f"| {gpu.name} | {kind} | {cp} | {link} | "
+                             f"{'never hidden' if limit is None and kind == 'H' else limit} | " + " | ".join(shares) + " |")
+    return "\n".join(lines)
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--gpu", default="H200", choices=sorted(GPUS))
+    parser.add_argument("--kind", default="C", help="a layer kind (W, C, H) or a pattern repeated to --layers, e.g. HC")
+    parser.add_argument("--layers", type=positive, default=1)
+    parser.add_argument("--seq-len", type=positive, nargs="+", default=[131072])
+    parser.add_argument("--cp", type=positive, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--tp", type=positive, nargs="+", default=[1])
+    parser.add_argument("--preset", default="dsv4-flash")
+    parser.add_argument("--bytes-per-parameter", type=float, default=18.0,
+                        help="parameter + gradient + optimizer bytes per parameter on a rank")
+    parser.add_argument("--recompute", action="store_true", help="recompute_attention: keep only the input rows")
+    parser.add_argument("--calibration", action="store_true", help="predicted against measured, every point")
+    parser.add_argument("--hiding", action="store_true", help="where the entry gathers stop hiding")
+    args = parser.parse_args(argv)
+    if not args.kind or set(args.kind) - set(KINDS):
+        parser.error(f"--kind must be made of {', '.join(KINDS)} (M is not modelled), got {args.kind!r}")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    dims = Dims.from_preset(args.preset)
+    fitted = calibrate(dims)
+    if args.calibration:
+        print(calibration_table(dims, fitted))
+    elif args.hiding:
+        print(hiding_table(dims, fitted))
+    else:
+        print(prediction_table(GPUS[args.gpu], args.kind, args.layers, args.seq_len, args.cp, args.tp, dims,
+                               fitted, args.bytes_per_parameter, args.recompute))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
