@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -240,6 +239,8 @@ class Fitted:
 # (step peak − kept, 4672 MiB for every kind).
 KEPT_MIB_PER_TOKEN = {"W": 17296 / 65536, "C": 18824 / 65536, "H": 17425 / 65536}
 TRANSIENT_MIB_PER_TOKEN = 4672 / 65536
+# Step time with `recompute_attention` over without, same run (S = 65536, H200): the forward runs twice.
+RECOMPUTE_TIME_FACTOR = {"W": 109.0 / 87.6, "C": 443.3 / 276.4, "H": 161.4 / 128.4}
 # The harness of benchmarks/context_parallel.py keeps more per token (fp32 loss copies of the output, the
 # input gradient): 13426 MiB at S = 32768 for C there, 0.41 MiB/token against 0.36 in the layer benchmark.
 # Only ratios of that harness are calibrated, so its per-token bytes cancel.
@@ -324,75 +325,95 @@ def essential_flop(dims: Dims, kind: str, own: Rows, halo: int = 0, tp: int = 1)
 
 
 def predict(setup: Setup, dims: Dims, fitted: Fitted, rates: Rates = Rates()) -> Prediction:
-    """One layer's training step on the slowest CP rank (every rank does the same work under zigzag, up to
-    the first chunk's missing halo)."""
-    kind, seq_len, cp, tp, gpu = setup.kind, setup.seq_len, setup.cp, setup.tp, setup.gpu
-    ratio, halo = dims.ratios[kind], dims.halo(kind) if setup.cp > 1 else 0
-    slowest_first = lambda rows: (rows.visible, rows.attended_pairs)  # noqa: E731  (balanced to < 1%)
-    own = max((rank_rows(dims, kind, seq_len, cp, rank) for rank in range(cp)), key=slowest_first)
+    """One layer's training step on the slowest CP rank. Zigzag gives every rank the same work, except that
+    rank 0's first chunk starts the sequence (its first queries see less than a full window and top-k)."""
+    kind, cp, tp = setup.kind, setup.cp, setup.tp
+    halo = dims.halo(kind) if cp > 1 else 0
+    slowest_first = lambda rows: (rows.visible, rows.attended_pairs)  # noqa: E731
+    own = max((rank_rows(dims, kind, setup.seq_len, cp, rank) for rank in range(cp)), key=slowest_first)
     rows = own.tokens + 2 * halo  # halo rows are projected and attended again (their outputs dropped)
-    halo_pairs = 2 * halo * dims.window if halo else 0
-    weights = layer_weights(dims, kind)
-    heads = dims.heads // tp
-    memory_scale = HBM_REFERENCE_TB_S / gpu.hbm_tb_s
-    attention_slowdown = fitted.cp_attention_slowdown if cp > 1 else 1.0
+    work = compute_ms(setup, dims, own, halo, fitted, rates)
+    exposed, gather, overlap = communication_ms(setup, dims, own, rows, work, rates)
+    host = fitted.cp_host_ms if cp > 1 else 0.0
+    return Prediction(setup, rows, work, exposed, gather, overlap, host, memory_mib(setup, dims, rows),
+                      essential_flop(dims, kind, own, halo, tp))
 
-    pairs = own.attended_pairs + halo_pairs
-    D = dims.head_dim
+
+def compute_ms(setup: Setup, dims: Dims, own: Rows, halo: int, fitted: Fitted, rates: Rates) -> dict:
+    """Milliseconds per op family of a rank computing the query rows `own` and two halos."""
+    kind, tp, gpu = setup.kind, setup.tp, setup.gpu
+    rows, pairs = own.tokens + 2 * halo, own.attended_pairs + 2 * halo * dims.window
+    heads, D = dims.heads // tp, dims.head_dim
+    weights = layer_weights(dims, kind)
+    slowdown = fitted.cp_attention_slowdown if setup.cp > 1 else 1.0
     work = {
         "projections": projection_flop(rows, weights.split // tp + weights.replicated) / (rates.gemm_tflops * 1e9),
-        "sparse attention": attention_slowdown * (
+        "sparse attention": slowdown * (
             attention_forward_flop(heads, pairs, D, D) / (rates.sparse_fwd_tflops * 1e9)
             + attention_backward_flop(heads, pairs, D, D) / (rates.sparse_bwd_tflops * 1e9)),
-        "other (per token)": fitted.other_us_per_token[kind] * 1e-3 * rows * memory_scale
-        * (1 - 0.5 * (1 - 1 / tp)),  # assumed: half of the remainder is per-head work
+        # Assumed: half of the remainder is per-head work (q norm + RoPE, the inverse RoPE of the output).
+        "other (per token)": fitted.other_us_per_token[kind] * 1e-3 * rows * HBM_REFERENCE_TB_S / gpu.hbm_tb_s
+        * (1 + 1 / tp) / 2,
     }
-    if kind == "C":
-        indexer_rate = rates.indexer_cp_tflops if cp > 1 else rates.indexer_tflops
-        work["indexer scores"] = indexer_score_flop(dims.indexer_heads, dims.indexer_dim, own.visible) \
-            / (indexer_rate * 1e9)
+    if kind == "C":  # the indexer is replicated over TP: every rank scores all indexer heads
+        indexer_rate = rates.indexer_cp_tflops if setup.cp > 1 else rates.indexer_tflops
+        scores = indexer_score_flop(dims.indexer_heads, dims.indexer_dim, own.visible)
+        work["indexer scores"] = scores / (indexer_rate * 1e9)
         work["top-k"] = own.visible * rates.topk_ps_per_entry * 1e-9 * TOPK_MEASURED_ON_HBM_TB_S / gpu.hbm_tb_s
-        work["indexer loss"] = attention_slowdown * own.selected * 1e-6 * (
-            rates.kl_backward_ns_per_pick + rates.teacher_ns_per_pick / tp)
-    flop = essential_flop(dims, kind, own, halo, tp)
+        work["indexer loss"] = slowdown * own.selected * 1e-6 * (rates.kl_backward_ns_per_pick
+                                                                 + rates.teacher_ns_per_pick / tp)
+    return work
 
-    # CP communication. Entries: each rank pools those whose last token it holds; every rank gathers all
-    # (ring all-gather: (cp−1)/cp of the buffer arrives, cp − 1 hops). Forward: the main entries are in
-    # flight behind the window and the indexer's selection; C's indexer keys behind the indexer's query
-    # projection; H queues only its index rows behind its gather. Backward: the entries' gradient is
-    # all-reduced and each halo's gradient sent home, both blocking.
-    cp_link = gpu.nic_gb_s if setup.cp_crosses_nodes else gpu.nvlink_gb_s
-    entries = seq_len // ratio if ratio else 0
-    gathers = []  # (bytes of the whole gathered buffer, compute it hides behind)
-    if entries:
-        gathers.append((entries * D * BF16, work.get("indexer scores", 0.0) + work.get("top-k", 0.0)))
-    if kind == "C":
-        query_projection = 2.0 * rows * dims.q_lora * dims.indexer_heads * dims.indexer_dim / (rates.gemm_tflops * 1e9)
-        gathers.append((entries * dims.indexer_dim * BF16, query_projection))
-    gather_ms = overlap_ms = exposed = 0.0
+
+def communication_ms(setup: Setup, dims: Dims, own: Rows, rows: int, work: dict,
+                     rates: Rates) -> tuple[float, float, float]:
+    """`(exposed, forward gathers in flight, compute queued behind them)` in ms.
+
+    CP: each rank pools the entries whose last token it holds and all-gathers everyone's (a ring: (cp−1)/cp
+    of the buffer arrives over cp − 1 hops). The main entries are in flight behind the indexer's selection
+    (C; H queues only its index rows), C's indexer keys behind the indexer's query projection. The halo
+    exchange, and in backward the all-reduce of the entries' gradient and the halo gradients, block.
+    TP (sequence parallel, Megatron style, nothing overlapped): the sequence all-gather, the output
+    reduce-scatter and its backward all-gather; backward all-reduces of the shared q latent and K = V rows,
+    and (C) the teacher's head-summed mass."""
+    kind, cp, tp, gpu, D = setup.kind, setup.cp, setup.tp, setup.gpu, dims.head_dim
+    ratio = dims.ratios[kind]
+    entries = setup.seq_len // ratio if ratio else 0
+    exposed = gather = overlap = 0.0
     if cp > 1:
-        hops = cp - 1
-        exposed += 2 * transfer_ms(2 * halo * dims.hidden * BF16, cp_link, 1, rates)  # two tails each way
+        link, hops = gpu.nic_gb_s if setup.cp_crosses_nodes else gpu.nvlink_gb_s, cp - 1
+        gathers = []  # (bytes of the whole gathered buffer, ms of compute queued behind it)
+        if entries:
+            gathers.append((entries * D * BF16, work.get("indexer scores", 0.0) + work.get("top-k", 0.0)))
+        if kind == "C":
+            query_projection = 2.0 * rows * dims.q_lora * dims.indexer_heads * dims.indexer_dim  # forward GEMM
+            gathers.append((entries * dims.indexer_dim * BF16, query_projection / (rates.gemm_tflops * 1e9)))
+        exposed += 2 * transfer_ms(2 * dims.halo(kind) * dims.hidden * BF16, link, 1, rates)  # two tails, each way
         for buffer, behind in gathers:
-            in_flight = transfer_ms(buffer * hops / cp, cp_link, hops, rates)
-            gather_ms, overlap_ms = gather_ms + in_flight, overlap_ms + behind
-            exposed += max(0.0, in_flight - behind) + transfer_ms(2 * buffer * hops / cp, cp_link, 2 * hops, rates)
-    if tp > 1:  # Megatron-style sequence parallelism, collectives not overlapped
+            in_flight = transfer_ms(buffer * hops / cp, link, hops, rates)
+            gather, overlap = gather + in_flight, overlap + behind
+            exposed += max(0.0, in_flight - behind) + transfer_ms(2 * buffer * hops / cp, link, 2 * hops, rates)
+    if tp > 1:
         share, hops = (tp - 1) / tp, tp - 1
-        sequence = rows * dims.hidden * BF16  # gather in, reduce-scatter out, and the latter's backward
-        latents = rows * dims.q_lora * BF16 + (rows + entries) * D * BF16  # backward all-reduces
-        teacher = own.tokens * dims.topk * 4 if kind == "C" else 0  # head-summed mass, fp32
-        exposed += 3 * transfer_ms(share * sequence, gpu.nvlink_gb_s, hops, rates)
-        exposed += transfer_ms(2 * share * (latents + teacher), gpu.nvlink_gb_s, 2 * hops * (3 if teacher else 2), rates)
+        exposed += 3 * transfer_ms(share * rows * dims.hidden * BF16, gpu.nvlink_gb_s, hops, rates)
+        reduced = [rows * dims.q_lora * BF16, (rows + entries) * D * BF16]
+        if kind == "C":
+            reduced.append(own.tokens * dims.topk * 4)  # fp32
+        exposed += sum(transfer_ms(2 * share * size, gpu.nvlink_gb_s, 2 * hops, rates) for size in reduced)
+    return exposed, gather, overlap
 
-    entry_width = D + (dims.indexer_dim if kind == "C" else 0)
+
+def memory_mib(setup: Setup, dims: Dims, rows: int) -> dict:
+    """Per part, MiB of one layer's step on a rank (the benchmarks' peak counts all but the entries)."""
+    kind, tp = setup.kind, setup.tp
+    ratio = dims.ratios[kind]
+    entries = setup.seq_len // ratio if ratio else 0
+    entry_width = dims.head_dim + (dims.indexer_dim if kind == "C" else 0)
     kept_per_token = KEPT_MIB_PER_TOKEN[kind] * (1 - per_head_share(dims, kind) * (1 - 1 / tp))
-    memory = {"kept activations": rows * kept_per_token,
-              "backward transient": rows * TRANSIENT_MIB_PER_TOKEN / tp,
-              "gathered entries (+ gradient)": 2 * entries * entry_width * BF16 / MIB,
-              "parameter gradients (bf16)": weights.per_rank(tp) * BF16 / MIB}
-    return Prediction(setup, rows, work, exposed, gather_ms, overlap_ms, fitted.cp_host_ms if cp > 1 else 0.0,
-                      memory, flop)
+    return {"kept activations": rows * kept_per_token,
+            "backward transient": rows * TRANSIENT_MIB_PER_TOKEN / tp,  # assumed per head, like the kept q and o
+            "gathered entries (+ gradient)": 2 * entries * entry_width * BF16 / MIB,
+            "parameter gradients (bf16)": layer_weights(dims, kind).per_rank(tp) * BF16 / MIB}
 
 
 @dataclass(frozen=True)
@@ -430,8 +451,12 @@ def predict_stack(kinds: Sequence[str], gpu: Gpu, seq_len: int, cp: int, tp: int
     state (`bytes_per_parameter`: 18 = bf16 weight, fp32 gradient, fp32 master and two Adam moments,
     nothing sharded over data parallelism), the activations every layer keeps, and the largest backward
     transient and gathered entries of one layer. With `recompute` a layer keeps only its input rows
-    (`rows · d` bf16) and the layer in backward holds its kept activations again."""
+    (`rows · d` bf16), the layer in backward holds its kept activations again, and its compute takes the
+    measured recompute factor (its collectives are not counted twice)."""
     layers = [predict(Setup(gpu, kind, seq_len, cp, tp), dims, fitted) for kind in kinds]
+    if recompute:
+        layers = [replace(layer, work={family: ms * RECOMPUTE_TIME_FACTOR[layer.setup.kind]
+                                       for family, ms in layer.work.items()}) for layer in layers]
     total, transient, parameters = 0.0, 0.0, 0.0
     for layer in layers:
         kept, peak = layer.memory["kept activations"], layer.memory["backward transient"]
@@ -497,10 +522,11 @@ CP_RATIOS = (
 )
 
 
-def calibrate(dims: Dims, rates: Rates = Rates()) -> Fitted:
+def calibrate(dims: Dims, rates: Rates = Rates(), cp_points: Sequence[CpPoint] = CP_RATIOS) -> Fitted:
     """Fit the model's five free numbers: the per-token remainder of each kind from its S = 4096 H200 step
     (three numbers, three points: reproduced exactly), then the CP slowdown and host cost by least squares
-    on the five CP time ratios (two numbers, five points). Everything else is a measured kernel rate."""
+    on the CP time ratios `cp_points` (two numbers, five points). Everything else is a measured kernel rate
+    or an assumption."""
     h200 = GPUS["H200"]
     zero = Fitted({kind: 0.0 for kind in KINDS}, 1.0, 0.0)
     other = {}
@@ -510,7 +536,7 @@ def calibrate(dims: Dims, rates: Rates = Rates()) -> Fitted:
     single = Fitted(other, 1.0, 0.0)
     # ratio = (base + s·attention + h) / t1: linear in (s, h); solve the 2×2 normal equations.
     rows = []
-    for point in CP_RATIOS:
+    for point in cp_points:
         t1 = predict(Setup(h200, point.kind, point.seq_len), dims, single, rates).step_ms
         plain = predict(Setup(h200, point.kind, point.seq_len, point.cp), dims, single, rates)
         attention = plain.work["sparse attention"] + plain.work.get("indexer loss", 0.0)
@@ -543,14 +569,19 @@ def calibration_table(dims: Dims, fitted: Fitted) -> str:
         lines.append(f"| {point.gpu} | {point.kind} | {point.seq_len} | {point.value:.0f} MiB | {predicted:.0f} MiB | "
                      f"{relative_error(predicted, point.value)} | {point.source} | {role(point)} |")
     lines += ["", "CP-N against CP-1 on the same H200 box (zigzag, p2p, eager):", "",
-              "| kind | S | CP | time ratio measured | predicted | error | memory ratio measured | predicted | error |",
-              "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+              "| kind | S | CP | time ratio measured | predicted | error | error, point left out of the fit | "
+              "memory ratio measured | predicted | error |",
+              "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for point in CP_RATIOS:
         time_ratio, memory_ratio = cp_ratios(point, dims, fitted)
+        without = calibrate(dims, cp_points=[other for other in CP_RATIOS if other is not point])
+        left_out = cp_ratios(point, dims, without)[0]
         lines.append(f"| {point.kind} | {point.seq_len} | {point.cp} | {point.time_ratio:.2f} | {time_ratio:.3f} | "
-                     f"{relative_error(time_ratio, point.time_ratio)} | {point.memory_ratio:.2f} | "
-                     f"{memory_ratio:.3f} | {relative_error(memory_ratio, point.memory_ratio)} |")
-    lines += ["", f"fitted: other µs per token (H200) " + ", ".join(f"{k} {v:.3f}" for k, v in fitted.other_us_per_token.items())
+                     f"{relative_error(time_ratio, point.time_ratio)} | {relative_error(left_out, point.time_ratio)} | "
+                     f"{point.memory_ratio:.2f} | {memory_ratio:.3f} | "
+                     f"{relative_error(memory_ratio, point.memory_ratio)} |")
+    other = ", ".join(f"{kind} {us:.3f}" for kind, us in fitted.other_us_per_token.items())
+    lines += ["", f"fitted: other µs per token (H200) {other}"
               + f" (S = 4096 steps); CP attention-side slowdown {fitted.cp_attention_slowdown:.2f}, CP host "
               f"{fitted.cp_host_ms:.2f} ms per step (the five time ratios; the memory ratios are not fitted)"]
     return "\n".join(lines)
@@ -576,11 +607,13 @@ def role(point: StepPoint) -> str:
 def hiding_limit(dims: Dims, fitted: Fitted, gpu: Gpu, kind: str, cp: int, tp: int = 1,
                  longest: int = 1 << 24) -> Optional[int]:
     """Rows per rank (S/cp) below which the forward's entry gathers take longer than the compute queued
-    behind them, at this `cp`; None if they hide at every S up to `longest` or at none."""
+    behind them, at this `cp`: 0 if they hide at every S, None if at none up to `longest`."""
     hidden = lambda seq_len: predict(Setup(gpu, kind, seq_len, cp, tp), dims, fitted).hidden  # noqa: E731
     step = 2 * cp * max(tp, dims.ratios[kind] or 1)
     low, high = 1, longest // step  # in multiples of `step`
-    if hidden(low * step) or not hidden(high * step):
+    if hidden(low * step):
+        return 0
+    if not hidden(high * step):
         return None
     while high - low > 1:
         middle = (low + high) // 2
@@ -599,11 +632,12 @@ def prediction_table(gpu: Gpu, pattern: str, layers: int, seq_lens: Sequence[int
                      tps: Sequence[int], dims: Dims, fitted: Fitted, bytes_per_parameter: float,
                      recompute: bool) -> str:
     kinds = (pattern * layers)[:layers]
-    lines = [f"{gpu.name}, {layers} layer(s) {kinds if len(kinds) <= 12 else kinds[:12] + '…'}, fwd + bwd, B = 1, bf16; "
+    shown = kinds if len(kinds) <= 12 else kinds[:12] + "…"
+    lines = [f"{gpu.name}, {layers} layer(s) {shown}, fwd + bwd, B = 1, bf16; "
              f"memory with {bytes_per_parameter:g} B per parameter{', attention recomputed' if recompute else ''}",
              "",
-             "| S | CP | TP | S/CP | step ms | exposed comm ms | CP host ms | essential TFLOPS per GPU | unhidden gather ms | "
-             "GiB per rank | of which parameters + optimizer | fits |",
+             "| S | CP | TP | S/CP | step ms | exposed comm ms | CP host ms | essential TFLOPS per GPU | "
+             "unhidden gather ms | GiB per rank | of which parameters + optimizer | fits |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
     for seq_len in seq_lens:
         for cp in cps:
@@ -632,8 +666,8 @@ def hiding_table(dims: Dims, fitted: Fitted) -> str:
                 limit = hiding_limit(dims, fitted, gpu, kind, cp)
                 shares = [f"{comm_share(dims, fitted, gpu, kind, per_rank * cp, cp) * 100:.1f}%"
                           for per_rank in (1024, 8192, 65536)]
-                lines.append(f"| {gpu.name} | {kind} | {cp} | {link} | "
-                             f"{'never hidden' if limit is None and kind == 'H' else limit} | " + " | ".join(shares) + " |")
+                shown = "never hidden" if limit is None else limit
+                lines.append(f"| {gpu.name} | {kind} | {cp} | {link} | {shown} | " + " | ".join(shares) + " |")
     return "\n".join(lines)
 
 
