@@ -3,7 +3,8 @@ memory under context parallelism (CP, zigzag p2p) and tensor parallelism (TP, wi
 on H100 / H200, calibrated on the 1-, 2- and 4-GPU measurements of docs/performance.md, "Scaling model".
 
     python benchmarks/scaling_model.py --gpu H200 --kind C --seq-len 131072 --cp 1 2 4 8 --tp 1
-    python benchmarks/scaling_model.py --calibration
+    python benchmarks/scaling_model.py --calibration     # predicted against measured, every point
+    python benchmarks/scaling_model.py --hiding          # where the entry gathers stop hiding
 
 Per rank and layer (forward + backward, B = 1, bf16):
 
@@ -20,7 +21,8 @@ Per rank and layer (forward + backward, B = 1, bf16):
   indexer) do not; the sequence all-gather, the output reduce-scatter and the backward all-reduces of the
   shared latents are blocking.
 * memory = parameters and optimizer state + activations kept per layer (measured per token at 64k) +
-  one layer's backward transient + gathered entries.
+  one layer's backward transient + gathered entries; `--recompute` keeps only each layer's input rows
+  and prices the second forward with the measured recompute factor.
 
 Link bandwidth is not calibrated: at the measured sizes every transfer is under 1% of a step, so the
 measurements cannot tell a bandwidth. It is nominal NVLink 4 (450 GB/s per direction) or one 400 Gb/s
@@ -42,7 +44,6 @@ from layer_flops import (attention_backward_flop, attention_forward_flop, indexe
                          projection_flop)
 
 MIB = 1 << 20
-GIB = 1 << 30
 BF16 = 2
 KINDS = ("W", "C", "H")
 
@@ -288,7 +289,7 @@ class Prediction:
     gather_ms: float  # the forward's entry all-gather, in flight behind `overlap_ms`
     overlap_ms: float  # compute queued while the gather is in flight
     host_ms: float
-    memory: dict  # part → MiB on the fullest rank (one layer: grads; stack: see `stack_memory_gib`)
+    memory: dict  # part → MiB of one layer's step on the rank (a stack: `predict_stack`)
     flop: float  # essential FLOP of the slowest rank (projections + attention)
 
     @property
