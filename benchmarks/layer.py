@@ -33,6 +33,8 @@ from megatron_dsa.backends import (AUTO, Backend, OpFamily, call_counts, registe
 from megatron_dsa.config import PRESETS  # noqa: E402
 from megatron_dsa.ops.layout import TokenLayout  # noqa: E402
 
+from layer_flops import attention_flop, projection_flop  # noqa: E402  (this directory)
+
 BASELINE_BACKEND = "naive-dense"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -216,17 +218,16 @@ def essential_tflop(layer: HybridAttention, seq_len: int, batch: int) -> float:
     the same with the causal pairs `T(T+1)/2` per sequence and `(Dqk, Dv)`. The indexer and its loss
     are left out (small next to these at DSv4 dims: they are the ≈30% that is not projections)."""
     weights = sum(p.numel() for name, p in layer.named_parameters() if p.dim() == 2 and not name.endswith("ape"))
-    flop = 6 * seq_len * batch * weights
+    flop = projection_flop(seq_len * batch, weights)
     core = getattr(layer, "core_attention", None)
     if core is not None:
         heads, dim = core.attn_sink.shape[0], layer.config.v_head_dim
         pairs = int((core.last_selection.all() >= 0).sum())
-        flop += 2 * heads * pairs * (2 * dim + 5 * dim)
+        flop += attention_flop(heads, pairs, dim, dim)
     else:
         c = layer.config
-        qk, v = c.mla_qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim
         pairs = batch * seq_len * (seq_len + 1) // 2
-        flop += 2 * layer.local_heads * pairs * ((qk + v) + (3 * qk + 2 * v))
+        flop += attention_flop(layer.local_heads, pairs, c.mla_qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim)
     return flop / 1e12
 
 
