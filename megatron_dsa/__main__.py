@@ -57,7 +57,7 @@ def run_info(argv: list[str], prog: str) -> int:
 
 COMMANDS = {
     "train": Command("train HybridLM (the main job; --preset tiny to start)", run_train),
-    "convert": Command("convert attention checkpoints (Megatron <-> ours, TP merge / split)", run_convert),
+    "convert": Command("convert attention checkpoints (Megatron / Hugging Face <-> ours, TP merge / split)", run_convert),
     "info": Command("show versions, the device and the kernel backends this machine can run", run_info),
 }
 

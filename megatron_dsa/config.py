@@ -364,3 +364,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         dsa_indexer_head_dim=128, dsa_indexer_topk=1024, dsa_indexer_loss_coeff=0.01,
     ),
 }
+# The released checkpoints (DeepSeek-V4-Flash / -Pro config.json): the recipe's shapes, but their
+# compressed branches were trained with RoPE base 160000 and YaRN factor 16 over 65536 positions.
+# Released weights under the recipe presets (base 40000, factor 4) load without error and compute
+# the wrong rotations; `megatron_dsa.integrations.hf.from_hf_config` reads these from a config.json.
+_RELEASED_ROPE = dict(csa_compress_rotary_base=160000.0, rotary_scaling_factor=16.0,
+                      original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0)
+PRESETS["dsv4-flash-release"] = {**PRESETS["dsv4-flash"], **_RELEASED_ROPE}
+PRESETS["dsv4-pro-release"] = {**PRESETS["dsv4-pro"], **_RELEASED_ROPE}

@@ -57,7 +57,9 @@ def test_every_config_loads_validates_and_is_documented(path: Path) -> None:
     assert f"`{path.name}`" in GUIDE, f"{path.name} is missing from docs/user_guide.md section 2"
 
 
-@pytest.mark.parametrize("name, preset", [("tiny", "tiny"), ("dsv4_flash", "dsv4-flash"), ("dsv4_pro", "dsv4-pro")])
+@pytest.mark.parametrize("name, preset", [("tiny", "tiny"), ("dsv4_flash", "dsv4-flash"), ("dsv4_pro", "dsv4-pro"),
+                                          ("dsv4_flash_release", "dsv4-flash-release"),
+                                          ("dsv4_pro_release", "dsv4-pro-release")])
 def test_preset_configs_equal_their_presets(name: str, preset: str) -> None:
     assert JobConfig.from_yaml(REPO_ROOT / "configs" / f"{name}.yaml").attention == HybridAttentionConfig.from_preset(preset)
 
