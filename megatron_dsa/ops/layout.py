@@ -10,7 +10,6 @@ nothing here synchronises with the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -143,7 +142,7 @@ class TokenLayout(KeepsDeviceValues):
         first built during a CUDA-graph capture of a layout built outside it; see `KeepsDeviceValues`)."""
         return self.kept(self._derived, key, build)
 
-    @cached_property
+    @device_cached_property
     def _derived(self) -> dict[Hashable, Any]:
         return {}
 
