@@ -60,6 +60,9 @@ class TokenLayout(KeepsDeviceValues):
         """
         physical = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
         if max_seqlen is None:
+            if torch.compiler.is_compiling():
+                raise ValueError("under torch.compile give the packed max_seqlen (packed_seq_params.max_seqlen_q): "
+                                 "reading the longest segment back from the device would break the graph")
             max_seqlen = int((physical[1:] - physical[:-1]).max()) if physical.numel() > 1 else 0
         real = cu_seqlens.to(device=device, dtype=torch.long)
         return cls(cu_seqlens=physical.to(device=device, dtype=torch.long), num_rows=num_rows,
