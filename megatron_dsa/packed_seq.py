@@ -55,7 +55,8 @@ def validate_packed_seq_params(params: PackedSeqParams, num_rows: int,
     `MEGATRON_DSA_VALIDATE_PACKED=1`) they are read back, one host sync, and checked like host values;
     otherwise the same rules run as one device-side assert (no sync; a violation stops the process with
     "device-side assert triggered", and the variable then names the rule). Nothing is checked on the
-    device during a CUDA-graph capture: a graphed layer checks its inputs before each replay.
+    device during a CUDA-graph capture: a graphed layer checks its inputs before each replay. Under
+    `torch.compile` the values are checked by the device-side assert, host tensors included.
     """
     if params.qkv_format != "thd":
         raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {params.qkv_format!r}")
@@ -73,7 +74,10 @@ def validate_packed_seq_params(params: PackedSeqParams, num_rows: int,
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise TypeError(f"{name} must be a non-negative host int, got {value!r}")
     tensors = [cu for cu in named.values() if cu is not None]
-    if all(cu.device.type == "cpu" for cu in tensors):
+    if torch.compiler.is_compiling():
+        # Reading values back would break the traced graph: the rules run as the device-side assert.
+        torch._assert_async(packed_values_hold(params, num_rows))
+    elif all(cu.device.type == "cpu" for cu in tensors):
         _check_values(named, params.max_seqlen_q, num_rows)
     elif _reads_device_values(read_device_values):
         _check_values({name: None if cu is None else cu.cpu() for name, cu in named.items()},

@@ -2,6 +2,8 @@
 
 # Importing a backend module registers it; vendor packages are imported only when probed.
 from megatron_dsa.backends import cudnn, flash_attn, flashmla, torch_sdpa, triton, unfused  # noqa: F401
+# The op families as torch.library custom ops, which `dispatch` calls inside a torch.compile trace.
+from megatron_dsa.backends import library  # noqa: F401
 from megatron_dsa.backends.registry import (
     AUTO,
     Backend,

@@ -134,7 +134,8 @@ def registered_backends(op: Optional[OpFamily] = None) -> list[Backend]:
     return sorted(_BACKENDS.values(), key=lambda b: -(b.priority if op is None else b.priority_for(op)))
 
 
-def _requested_name(op: OpFamily, requested: Requested) -> str:
+def requested_name(op: OpFamily, requested: Requested) -> str:
+    """The backend name (or `auto`) `requested` asks for `op`."""
     return requested if isinstance(requested, str) else requested.backend_for(op.value)
 
 
@@ -153,7 +154,7 @@ def resolve(op: OpFamily, requested: Requested = AUTO, **call: Any) -> tuple[str
     describes the call for capability probes (device, dtype, head_dim, ...).
     """
     op = OpFamily(op)
-    name = _requested_name(op, requested)
+    name = requested_name(op, requested)
     key = _choice_key(op, name, call)
     chosen = _CHOICES.get(key) if key is not None else None
     if chosen is None:
@@ -192,7 +193,12 @@ def _choose(op: OpFamily, name: str, call: Mapping[str, Any]) -> tuple[str, Call
 
 
 def dispatch(op: OpFamily, requested: Requested = AUTO, **call: Any) -> Callable[..., Any]:
-    """Resolve `op` and return its implementation wrapped with the call counter."""
+    """Resolve `op` and return its implementation wrapped with the call counter.
+
+    Under `torch.compile` the backend is chosen while tracing and the returned callable (same contract)
+    calls the family's custom op (`backends.library`), which counts the call when it runs."""
+    if torch.compiler.is_compiling():
+        return _TRACEABLE[OpFamily(op)](traced_choice(op, requested, **call))
     name, impl = resolve(op, requested, **call)
     key = (name, OpFamily(op).value)
 
@@ -201,6 +207,52 @@ def dispatch(op: OpFamily, requested: Requested = AUTO, **call: Any) -> Callable
         return impl(*args, **kwargs)
 
     return counted
+
+
+# Per op family: backend name → a callable with the family's contract that calls its custom op.
+_TRACEABLE: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {}
+
+
+def register_traceable(op: OpFamily, adaptor: Callable[[str], Callable[..., Any]]) -> None:
+    """How `dispatch` calls `op` inside a `torch.compile` trace (`backends.library` registers every family)."""
+    _TRACEABLE[op] = adaptor
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """What probes read of a `TokenLayout` (host values only), for choices made while tracing."""
+
+    uniform_shape: Optional[tuple[int, int]]
+
+
+def traced_choice(op: OpFamily, requested: Requested = AUTO, **call: Any) -> str:
+    """The backend `resolve` picks for this call, as a constant of the graph being traced.
+
+    The probes import packages and may run self-tests, which the tracer cannot follow: they run at trace
+    time on the call description's host values (a layout passes as its `HostLayout`), and the compiled
+    graph keeps the answer. The description's values must be trace-time constants (shapes are, unless
+    compiled with dynamic shapes)."""
+    op = OpFamily(op)
+    layouts = tuple((key, value.uniform_shape) for key, value in call.items() if hasattr(value, "uniform_shape"))
+    plain = tuple((key, value) for key, value in call.items() if not hasattr(value, "uniform_shape"))
+    return _constant_choice(op.value, requested_name(op, requested), plain, layouts)
+
+
+@torch.compiler.assume_constant_result
+def _constant_choice(op: str, requested: str, plain: tuple[tuple[str, Any], ...],
+                     layouts: tuple[tuple[str, Optional[tuple[int, int]]], ...]) -> str:
+    call = {**dict(plain), **{key: HostLayout(shape) for key, shape in layouts}}
+    return resolve(OpFamily(op), requested, **call)[0]
+
+
+def count_call(backend: str, op: OpFamily) -> None:
+    """Count one call of `op` run by `backend` (what `dispatch`'s callable does per call)."""
+    _CALL_COUNTS[(backend, OpFamily(op).value)] += 1
+
+
+def backend_op(backend: str, op: OpFamily) -> Callable[..., Any]:
+    """`backend`'s implementation of `op` (no probe: the name came from `resolve`)."""
+    return _lookup(backend, OpFamily(op)).ops[OpFamily(op)]
 
 
 def check_backend_choice(default: str, overrides: Mapping[str, str]) -> None:

@@ -9,18 +9,18 @@ pair may come from different backends (FlashMLA forward + cuDNN backward is the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
+import torch
 from torch import Tensor
 
+from megatron_dsa.backends import library
+from megatron_dsa.backends.library import sparse_call
 from megatron_dsa.backends.registry import AUTO, OpFamily, Requested, dispatch
+from megatron_dsa.ops.sparse_attention import check_sparse_inputs
 from megatron_dsa.ops.sparse_attention import sparse_attention as _sparse_attention
 
-
-def sparse_call(query: Tensor, kv: Tensor, indices: Tensor) -> dict[str, Any]:
-    """The call description sparse-attention probes read (shapes of one call, no device reads)."""
-    return dict(device=query.device, dtype=query.dtype, head_dim=query.shape[-1], heads=query.shape[1],
-                topk=indices.shape[1], kv_rows=kv.shape[0])
+__all__ = ["DispatchedSparseKernels", "sparse_attention", "sparse_call"]
 
 
 @dataclass(frozen=True)
@@ -47,5 +47,9 @@ def sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, s
     """`ops.sparse_attention.sparse_attention` with dispatched kernels: `query [N, H, D]`, `kv [M, D]`,
     `indices [N, K]`, `sink [H]` → `out [N, H, D]`, `lse [N, H]` (float32, sink excluded).
 
-    `requested` is `auto`, a backend name, or the layer config (per-op choice)."""
+    `requested` is `auto`, a backend name, or the layer config (per-op choice). Under `torch.compile` the
+    custom op `megatron_dsa::sparse_attention_fwd` runs it (`backends.library`)."""
+    if torch.compiler.is_compiling():
+        check_sparse_inputs(query, kv, indices, sink)
+        return library.sparse_attention(query, kv, indices, sink, scale, requested)
     return _sparse_attention(query, kv, indices, sink, scale, DispatchedSparseKernels(requested))

@@ -5,7 +5,8 @@ device), so every layer and step can share one. `KeepsDeviceValues` and `device_
 same per object, for layouts that every layer and step of a shape share. The one exception is a value
 built while a CUDA graph is being captured: its storage belongs to the graph's private memory pool and
 holds its values only in that graph's replays, so it is returned but not kept by anything that outlives
-the capture.
+the capture. A value built while `torch.compile` traces is a value of the graph being built, not a tensor
+to keep, and is treated the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def capturing(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and capturing_now()
 
 
+def building_graph_now() -> bool:
+    """True while a CUDA graph is being captured or `torch.compile` traces."""
+    return torch.compiler.is_compiling() or capturing_now()
+
+
 _BUILT_CAPTURING = "_built_while_capturing"
 
 
@@ -36,12 +42,12 @@ class KeepsDeviceValues:
     `device_cached_property`s or by hand: it records whether the object itself was built during a capture."""
 
     def __post_init__(self) -> None:
-        self.__dict__[_BUILT_CAPTURING] = capturing_now()
+        self.__dict__[_BUILT_CAPTURING] = building_graph_now()
 
     def may_keep_values_built_now(self) -> bool:
-        """No capture is running, or this object was built inside it (then it lives and dies with the
-        capture, and so do its values)."""
-        return self.__dict__.get(_BUILT_CAPTURING, False) or not capturing_now()
+        """No capture or trace is running, or this object was built inside it (then it lives and dies with
+        the capture, and so do its values)."""
+        return self.__dict__.get(_BUILT_CAPTURING, False) or not building_graph_now()
 
     def kept(self, store: dict, key: Hashable, build: Callable[[], Any]) -> Any:
         """`store[key]`, else `build()`, kept in `store` (a dict of this object's) when
@@ -80,7 +86,7 @@ class DeviceCache(Generic[Value]):
         if value is not None:
             return value
         value = build()
-        if not capturing(device):
+        if not (capturing(device) or torch.compiler.is_compiling()):
             if self._max_entries is not None and len(self._entries) >= self._max_entries:
                 self._entries.pop(next(iter(self._entries)))
             self._entries[key] = value

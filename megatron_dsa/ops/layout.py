@@ -10,7 +10,6 @@ nothing here synchronises with the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -61,6 +60,9 @@ class TokenLayout(KeepsDeviceValues):
         """
         physical = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
         if max_seqlen is None:
+            if torch.compiler.is_compiling():
+                raise ValueError("under torch.compile give the packed max_seqlen (packed_seq_params.max_seqlen_q): "
+                                 "reading the longest segment back from the device would break the graph")
             max_seqlen = int((physical[1:] - physical[:-1]).max()) if physical.numel() > 1 else 0
         real = cu_seqlens.to(device=device, dtype=torch.long)
         return cls(cu_seqlens=physical.to(device=device, dtype=torch.long), num_rows=num_rows,
@@ -143,7 +145,7 @@ class TokenLayout(KeepsDeviceValues):
         first built during a CUDA-graph capture of a layout built outside it; see `KeepsDeviceValues`)."""
         return self.kept(self._derived, key, build)
 
-    @cached_property
+    @device_cached_property
     def _derived(self) -> dict[Hashable, Any]:
         return {}
 

@@ -46,4 +46,8 @@ def grouped_output_projection(o: Tensor, weight: Tensor, groups: int) -> Tensor:
         raise ValueError(f"grouped projection: o width {width}, weight {tuple(weight.shape)}, groups {groups}")
     w = weight.view(groups, weight.shape[0] // groups, width // groups).to(o.dtype)
     rows = o.reshape(-1, width).contiguous()
+    if torch.compiler.is_compiling():
+        # The compiler plans the layouts itself and cannot trace a strided `out=` GEMM.
+        grouped = torch.einsum("tgi,gri->tgr", rows.view(rows.shape[0], groups, -1), w)
+        return grouped.reshape(*o.shape[:-1], -1)
     return GroupedProjection.apply(rows, w).view(*o.shape[:-1], -1)

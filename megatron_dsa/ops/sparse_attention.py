@@ -174,13 +174,13 @@ def sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, s
     dtype and `lse [N, H]` (float32, float64 for float64 input), sink excluded. `kernels` picks the
     forward/backward implementation (the reference by default; see `backends.sparse_attention`).
     """
-    _check_sparse_inputs(query, kv, indices, sink)
+    check_sparse_inputs(query, kv, indices, sink)
     return SparseAttentionFunction.apply(query, kv, indices, sink, float(scale), kernels)
 
 
 def full_normaliser(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor:
     """`log(exp(sink) + Σ_{k∈K_t} exp(s_k))`, `[N, H]`, without autograd (the KL teacher's LSE)."""
-    _check_sparse_inputs(query, kv, indices, sink)
+    check_sparse_inputs(query, kv, indices, sink)
     with torch.no_grad():
         step = _rows_per_chunk(indices.shape[1], query.shape[1], query.shape[2])
         lse = torch.cat([_forward_chunk(query[c], kv, indices[c].long(), sink, scale)[1]
@@ -188,7 +188,7 @@ def full_normaliser(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, sc
         return torch.logaddexp(lse, sink.to(lse.dtype))
 
 
-def _check_sparse_inputs(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> None:
+def check_sparse_inputs(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor) -> None:
     if query.dim() != 3 or kv.dim() != 2 or query.shape[-1] != kv.shape[-1]:
         raise ValueError(f"sparse_attention expects query [N, H, D] and kv [M, D], got "
                          f"{tuple(query.shape)} and {tuple(kv.shape)}")

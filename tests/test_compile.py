@@ -1,0 +1,246 @@
+"""`torch.compile(layer, fullgraph=True)` traces every kind whole and matches eager (outputs, input and
+parameter gradients, the indexer loss); each op family's custom op passes `torch.library.opcheck`.
+
+CPU runs the unfused reference backend under `aot_eager` (Dynamo + AOTAutograd with the fake
+implementations and registered backwards, without code generation: what a full-graph trace needs)
+and one kind under `inductor`. Tolerance: float32 with rtol 1e-4 / atol 1e-5; the compiled path runs the
+same reference kernels, but the grouped output projection is a plain einsum there (the compiler cannot
+trace the strided `out=` GEMM) and inductor reorders sums, so results agree to float32 rounding, not bitwise.
+The GPU tests compile the fused Triton kernels and check, through the call counters, that they ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dsa import HybridAttention, HybridAttentionConfig
+from megatron_dsa.backends import OpFamily, call_counts, library, reset_call_counts
+from megatron_dsa.ops.indices import visible_compressed_entries, window_indices
+from megatron_dsa.ops.layout import TokenLayout
+from megatron_dsa.packed_seq import PackedSeqParams
+from reference_layer import randomize_parameters_
+
+KINDS = ("W", "C", "H", "M")
+RTOL, ATOL = 1e-4, 1e-5
+BF16_RTOL, BF16_ATOL = 2e-2, 2e-2
+# Op families each kind runs in training (forward and backward), by the custom ops' counters.
+FAMILIES = {
+    "W": {"rms_norm", "rope", "norm_rope", "sparse_attention_fwd", "sparse_attention_bwd"},
+    "H": {"rms_norm", "rope", "norm_rope", "compressor", "sparse_attention_fwd", "sparse_attention_bwd"},
+    "C": {"rms_norm", "rope", "norm_rope", "compressor", "indexer_scores", "topk", "selection_rows", "indexer_loss",
+          "indexer_kl_bwd", "sparse_attention_fwd", "sparse_attention_bwd"},
+    "M": {"rms_norm", "rope", "dense_attention"},
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _layer(kind: str, dtype: torch.dtype = torch.float32, device: str = "cpu", **overrides) -> HybridAttention:
+    config = HybridAttentionConfig.from_preset("tiny", **overrides)
+    layer = HybridAttention(config, kind=kind).to(device=device, dtype=dtype)
+    randomize_parameters_(layer, seed=7)
+    return layer.train()
+
+
+def _step(layer, x: torch.Tensor, **kwargs):
+    """Output, input gradient and every parameter gradient of one training step (sum of the output)."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out, _ = layer(x, **kwargs)
+    out.float().square().sum().backward()
+    grads = {name.removeprefix("_orig_mod."): p.grad for name, p in layer.named_parameters()}
+    loss = getattr(layer, "last_indexer_loss", None)
+    return out.detach(), x.grad, grads, loss
+
+
+def _assert_steps_equal(eager, compiled, rtol: float, atol: float) -> None:
+    (out, grad_x, grads, loss), (c_out, c_grad_x, c_grads, c_loss) = eager, compiled
+    torch.testing.assert_close(c_out, out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(c_grad_x, grad_x, rtol=rtol, atol=atol)
+    assert set(c_grads) == set(grads)
+    for name, grad in grads.items():
+        assert grad is not None, name
+        torch.testing.assert_close(c_grads[name], grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    if loss is not None:
+        torch.testing.assert_close(c_loss, loss, rtol=rtol, atol=atol)
+
+
+def _compiled_families(backend: str) -> set[str]:
+    return {op for (name, op), calls in call_counts().items() if name == backend and calls}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fullgraph_compile_matches_eager(kind):
+    layer = _layer(kind)
+    x = torch.randn(32, 2, layer.config.hidden_size)
+    eager = _step(layer, x)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager")
+    reset_call_counts()
+    _assert_steps_equal(eager, _step(compiled, x), RTOL, ATOL)
+    # Counted by the custom ops when they ran inside the compiled graph (not while tracing).
+    assert _compiled_families("unfused") == FAMILIES[kind]
+    reset_call_counts()
+    _step(compiled, x)  # a second step reuses the graph
+    assert _compiled_families("unfused") == FAMILIES[kind]
+
+
+@pytest.mark.parametrize("kind", ("C", "M"))
+def test_fullgraph_compile_packed_matches_eager(kind):
+    layer = _layer(kind)
+    cu = torch.tensor([0, 20, 27, 48], dtype=torch.int32)
+    padded = torch.tensor([0, 24, 32, 56], dtype=torch.int32)
+    params = PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_q_padded=padded, max_seqlen_q=24)
+    x = torch.randn(64, 1, layer.config.hidden_size)
+    eager = _step(layer, x, packed_seq_params=params)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager")
+    _assert_steps_equal(eager, _step(compiled, x, packed_seq_params=params), RTOL, ATOL)
+
+
+def test_packed_compile_needs_host_max_seqlen():
+    layer = _layer("W")
+    params = PackedSeqParams(cu_seqlens_q=torch.tensor([0, 20, 32], dtype=torch.int32))
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager")
+    with pytest.raises(Exception, match="max_seqlen_q"):
+        compiled(torch.randn(32, 1, layer.config.hidden_size), packed_seq_params=params)
+
+
+@pytest.mark.slow
+def test_inductor_compile_matches_eager():
+    """Code generation too (C++ on CPU), for the W kind (the C kind takes about two minutes to compile on
+    two busy CPU cores; the GPU tests compile every fused kind with inductor)."""
+    layer = _layer("W")
+    x = torch.randn(32, 2, layer.config.hidden_size)
+    eager = _step(layer, x)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend="inductor")
+    _assert_steps_equal(eager, _step(compiled, x), RTOL, ATOL)
+
+
+# ------------------------------------------------------------------------------ opcheck
+def _layout(device: str = "cpu") -> TokenLayout:
+    return TokenLayout.packed(torch.tensor([0, 12, 16], device=device), 20, torch.device(device),
+                              torch.tensor([0, 12, 20], device=device), 12)
+
+
+def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
+    """Small inputs for each custom op (backend `unfused`), with and without the optional arguments."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    r = lambda *shape, grad=True: torch.randn(*shape, generator=g).to(device).requires_grad_(grad)  # noqa: E731
+    layout, heads, dim, rope_dim = _layout(device), 2, 16, 8
+    positions, inv_freq = layout.positions, torch.rand(rope_dim // 2, generator=g).to(device)
+    compressed = layout.compressed(4)
+    entries = visible_compressed_entries(compressed)
+    candidates = entries.rows()
+    window = window_indices(layout, 4)
+    kv_full_rows = layout.num_rows + compressed.capacity
+    indices = torch.cat((window, torch.where(candidates >= 0, candidates + layout.num_rows, -1)), 1)
+    q, kv = r(20, heads, dim), r(kv_full_rows, dim)
+    iq, ik, iw = r(20, 2, 8, grad=False), r(compressed.capacity, 8, grad=False), r(20, 2, grad=False)
+    scores = library.indexer_scores_op("unfused", iq, ik, iw, candidates, 0.3, None)
+    valid = candidates >= 0
+    columns = library.topk_op("unfused", scores, valid, 2, None)
+    lse = r(20, heads, grad=False).float() + 3.0
+    student = torch.where(valid, scores, float("-inf"))
+    per_row, target = library.indexer_loss_op("unfused", student, q.detach(), kv.detach(), candidates, lse, 0.25)
+    return {
+        "rope": [("unfused", r(20, heads, dim), positions, inv_freq, False, 1.0),
+                 ("unfused", r(20, dim), positions, inv_freq, True, 0.7)],
+        "norm_rope": [("unfused", r(20, heads, dim), positions, inv_freq, 1e-6, None),
+                      ("unfused", r(20, dim), positions, inv_freq, 1e-6, r(dim))],
+        "rms_norm": [("unfused", r(20, dim), r(dim), 1e-6), ("unfused", r(20, dim), None, 1e-6)],
+        "compressor": [("unfused", r(20, 2 * dim), r(20, 2 * dim), r(4, 2 * dim), r(dim), 1e-6, inv_freq, rotate,
+                        *library._compressed_args(compressed)) for rotate in (False, True)],
+        "dense_attention": [("unfused", r(20, 4, dim), r(20, 2, dim), r(20, 2, 8), *library._layout_args(layout),
+                             0.25)],
+        "sparse_attention_fwd": [("unfused", "auto", q, kv, indices, r(heads), 0.25)],
+        "sparse_attention_bwd": [("unfused", q.detach(), kv.detach(), indices, r(heads, grad=False), 0.25,
+                                  r(20, heads, dim, grad=False), lse, r(20, heads, dim, grad=False), grad_lse)
+                                 for grad_lse in (None, r(20, heads, grad=False))],
+        "indexer_scores": [("unfused", iq, ik, iw, candidates, 0.3, None)],
+        "topk": [("unfused", scores, valid, 2, None), ("unfused", scores, valid, 9, None)],
+        "selection_rows": [("unfused", columns, scores, entries.table, entries.group, entries.count, 0, 20,
+                            window, layout.num_rows)],
+        "indexer_loss": [("unfused", student, q.detach(), kv.detach(), candidates, lse, 0.25)],
+        "indexer_kl_bwd": [("unfused", iq, ik, iw, candidates, target, student, per_row.detach(), 0.3)],
+    }
+
+
+OPS = {
+    "rope": library.rope_op, "norm_rope": library.norm_rope_op, "rms_norm": library.rms_norm_op,
+    "compressor": library.compressor_op, "dense_attention": library.dense_attention_op,
+    "sparse_attention_fwd": library.sparse_attention_fwd_op,
+    "sparse_attention_bwd": library.sparse_attention_bwd_op, "indexer_scores": library.indexer_scores_op,
+    "topk": library.topk_op, "selection_rows": library.selection_rows_op,
+    "indexer_loss": library.indexer_loss_op, "indexer_kl_bwd": library.indexer_kl_bwd_op,
+}
+
+
+def test_every_family_has_a_custom_op():
+    assert set(OPS) == {op.value for op in OpFamily}
+    assert set(library.ADAPTORS) | {OpFamily.SPARSE_ATTENTION_FWD, OpFamily.SPARSE_ATTENTION_BWD} == set(OpFamily)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_opcheck(name):
+    for sample in _opcheck_samples()[name]:
+        torch.library.opcheck(OPS[name], sample)
+
+
+def test_recomputed_backward_equals_the_backends_autograd():
+    """`vjp` (norm_rope, rms_norm, compressor, dense attention) gives the eager kernels' own gradients."""
+    samples = _opcheck_samples()
+    for name in ("norm_rope", "rms_norm", "compressor", "dense_attention"):
+        for sample in samples[name]:
+            op = OPS[name]
+            out = op(*sample)
+            out = out[0] if isinstance(out, tuple) else out
+            inputs = [a for a in sample if isinstance(a, torch.Tensor) and a.requires_grad]
+            grads = torch.autograd.grad(out.square().sum(), inputs)
+            fresh = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a
+                     for a in sample]
+            direct = _direct_forward(name, fresh)
+            expected = torch.autograd.grad(direct.square().sum(),
+                                           [a for a in fresh if isinstance(a, torch.Tensor) and a.requires_grad])
+            for got, want in zip(grads, expected):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _direct_forward(name: str, args: list) -> torch.Tensor:
+    from megatron_dsa.backends.registry import backend_op
+    kernel = backend_op("unfused", OpFamily(name))
+    if name == "norm_rope":
+        return kernel(*args[1:6])
+    if name == "rms_norm":
+        return kernel(*args[1:4])
+    if name == "compressor":
+        kv, gate, ape, weight, eps, inv_freq, rotate, tensors, sizes = args[1:]
+        return kernel(kv, gate, ape, weight, eps, library._compressed(tensors, sizes), inv_freq, rotate)
+    q, k, v, tensors, sizes, scale = args[1:]
+    return kernel(q, k, v, library._layout(tensors, sizes), scale)[0]
+
+
+# ------------------------------------------------------------------------------ GPU: fused kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ("W", "C", "H"))
+def test_fullgraph_compile_fused_triton_matches_eager(kind):
+    layer = _layer(kind, torch.bfloat16, "cuda", attention_backend="triton")
+    x = torch.randn(64, 2, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    eager = _step(layer, x)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    reset_call_counts()
+    _assert_steps_equal(eager, _step(compiled, x), BF16_RTOL, BF16_ATOL)
+    assert _compiled_families("triton") == FAMILIES[kind]
+    assert not _compiled_families("unfused")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(set(OPS) - {"dense_attention"}))
+def test_opcheck_triton(name):
+    for sample in _opcheck_samples("cuda")[name]:
+        args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in sample]
+        torch.library.opcheck(OPS[name], ("triton", *args[1:]))
