@@ -93,7 +93,8 @@ def test_the_toy_kind_picking_every_entry_equals_hca_at_its_ratio() -> None:
 
 
 def toy_context_parallel_body(rank: int, world: int) -> None:
-    """CP-2 == CP-1 for the toy kind: its halo (`r − 1 = 15` rows, more than the window's `W − 1 = 3` and longer than a piece) comes from its row."""
+    """CP-2 == CP-1 for the toy kind: its halo comes from its row (`r − 1 = 15` rows, more than the
+    window's `W − 1 = 3` and longer than a zigzag piece of 12 rows)."""
     state = initialize_parallel_state(cp_size=world)
     cfg = config(dsa_indexer_topk=2)
     torch.manual_seed(3)
