@@ -46,6 +46,12 @@ VALIDATE_PACKED_ENV = "MEGATRON_DSA_VALIDATE_PACKED"
 _CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
+def check_packed_hidden_states(hidden_states: Tensor) -> None:
+    """Packed (THD) input is `[T, 1, hidden]`: one row of tokens, the sequences told by `cu_seqlens`."""
+    if hidden_states.shape[1] != 1:
+        raise ValueError(f"packed (THD) hidden_states must be [T, 1, hidden], got {tuple(hidden_states.shape)}")
+
+
 def validate_packed_seq_params(params: PackedSeqParams, num_rows: int,
                                read_device_values: Optional[bool] = None) -> None:
     """Raise `ValueError`/`TypeError` naming the field and the rule it breaks.

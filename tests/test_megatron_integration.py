@@ -19,10 +19,12 @@ from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
 from distributed import run_distributed  # noqa: E402
-from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
+from megatron_dsa import HybridAttention, HybridAttentionConfig, LayerKind  # noqa: E402
 from megatron_dsa.integrations import megatron as integration  # noqa: E402
 from megatron_dsa.integrations.checkpoint import convert_attention  # noqa: E402
 from megatron_dsa.integrations.megatron_config import to_megatron_kwargs  # noqa: E402
+from megatron_dsa.layers.cores import DENSE_MLA  # noqa: E402
+from megatron_dsa.layers.kinds import KINDS  # noqa: E402
 from megatron_dsa.parallel.sharding import gather_full_state_dict, partition_dims  # noqa: E402
 
 SEQ, BATCH, VOCAB = 32, 2, 64
@@ -83,8 +85,9 @@ def check_against_standalone(rank: int, world: int, pattern: str, sequence_paral
     assert world > 1 or "embedding.word_embeddings.weight" in skipped
     for index, adapter in enumerate(recorder.layers):
         assert adapter.kind.value == pattern[index]
-        assert type(adapter).__name__ == ("MegatronDenseMLAttention" if pattern[index] == "M"
-                                          else "MegatronHybridAttention")
+        # One adapter class for every kind; the kind's row picks the core (dense for M).
+        assert type(adapter) is integration.MegatronHybridAttention
+        assert adapter.core is KINDS[pattern[index]].core
         reference = HybridAttention(hybrid.replace(sequence_parallel=False), layer_number=index + 1)
         reference.load_state_dict(gather_full_state_dict(adapter, state))
         reference.train()
@@ -416,9 +419,9 @@ def test_group_size_mismatch_raises() -> None:
         adapter(tensor_model_parallel_size=2)
 
 
-def test_pattern_kind_selects_the_class_and_megatron_tp_attributes() -> None:
+def test_pattern_kind_selects_the_core_and_megatron_tp_attributes() -> None:
     layer = adapter("M")
-    assert isinstance(layer, integration.MegatronDenseMLAttention)
+    assert layer.kind is LayerKind.MLA and layer.core is DENSE_MLA and not hasattr(layer, "core_attention")
     assert layer.linear_q_up_proj.weight.tensor_model_parallel and layer.linear_q_up_proj.weight.partition_dim == 0
     assert not layer.linear_q_down_proj.weight.tensor_model_parallel
 

@@ -250,8 +250,7 @@ def test_bf16_packed_topk_truncation_matches_fp32_cpu(variant):
 
 
 def cpu_float32_copy(layer, variant: str, **overrides):
-    """The same layer in float32 on the CPU, holding the bf16-rounded weights exactly.
-    (`copy.deepcopy` cannot be used: `HybridAttention.__new__` requires the config argument.)"""
+    """The same layer in float32 on the CPU, holding the bf16-rounded weights exactly."""
     options = dict(VARIANTS[variant], **overrides)
     reference = make_layer(options.pop("kind"), dtype=torch.float32, **options)
     reference.load_state_dict(layer.state_dict())  # copy_ upcasts the bf16 values exactly

@@ -33,10 +33,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from megatron_dsa.config import HybridAttentionConfig, LayerKind
+from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.integrations.megatron_config import cp_comm_type_from_megatron, hybrid_config_from_megatron
 from megatron_dsa.layers.common import RMSNorm
-from megatron_dsa.layers.hybrid_attention import DenseMLAttention, HybridAttention
+from megatron_dsa.layers.hybrid_attention import HybridAttention
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel.sharding import partition_dims
@@ -105,18 +105,11 @@ def parallel_state_from_megatron(pg_collection: Any = None) -> ParallelState:
 # ---------------------------------------------------------------- the attention module
 class MegatronHybridAttention(HybridAttention):
     """`HybridAttention` built and called the way Megatron's `TransformerLayer` builds and calls
-    `self_attention`. Kind M layers become `MegatronDenseMLAttention`.
+    `self_attention`, for every kind (the kind's row in `layers.kinds.KINDS` picks its core).
 
     forward(hidden_states `[S, B, d]` (`[S/tp, B, d]` under sequence parallelism, `[T, 1, d]`
     packed), ..., packed_seq_params) → `(output [same shape], None)`.
     """
-
-    def __new__(cls, config: Any = None, layer_number: Optional[int] = None, *args: Any,
-                hybrid_config: Optional[HybridAttentionConfig] = None, **kwargs: Any):
-        if (cls is MegatronHybridAttention and hybrid_config is not None and layer_number is not None
-                and hybrid_config.layer_kind(layer_number) is LayerKind.MLA):
-            cls = MegatronDenseMLAttention
-        return nn.Module.__new__(cls)
 
     def __init__(self, config: Any, layer_number: int, hybrid_config: HybridAttentionConfig,
                  pg_collection: Any = None, cp_comm_type: Optional[str] = None,
@@ -192,10 +185,6 @@ class MegatronHybridAttention(HybridAttention):
         per-layer keys `__init__` selects) are prepended. `metadata` is not needed."""
         return _sharded_tensors(self.state_dict(prefix="", keep_vars=True), prefix, partition_dims(self),
                                 tuple(sharded_offsets), self.parallel_state)
-
-
-class MegatronDenseMLAttention(MegatronHybridAttention, DenseMLAttention):
-    """Kind M (dense MLA) under Megatron: `DenseMLAttention` with the Megatron calling convention."""
 
 
 @dataclasses.dataclass

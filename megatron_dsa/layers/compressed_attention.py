@@ -9,7 +9,7 @@ module names are kept (`core_attention.*`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -18,12 +18,12 @@ from torch.distributed import ProcessGroup
 from megatron_dsa.backends import OpFamily, dispatch
 from megatron_dsa.backends.indexer_kl import indexer_kl_loss
 from megatron_dsa.backends.sparse_attention import sparse_attention
-from megatron_dsa.config import HybridAttentionConfig, LayerKind
+from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indexer_loss import reduce_indexer_loss
 from megatron_dsa.ops.indices import (SelectionRows, UniformVisibleRows, VisibleEntries, offset_valid,
-                                      small_enough_to_keep, visible_compressed_entries, window_indices)
+                                      small_enough_to_keep, window_indices)
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.hadamard import hadamard_transform
 from megatron_dsa.ops.sparse_attention import full_normaliser
@@ -35,7 +35,7 @@ from megatron_dsa.parallel.state import group_size
 SELECTION_CHUNK_ELEMENTS = 1 << 26
 
 if TYPE_CHECKING:
-    from megatron_dsa.layers.context_parallel import ContextParallelRows
+    from megatron_dsa.layers.rows import TokenRows
 
 
 class Compressor(HighPrecisionModule):
@@ -69,14 +69,14 @@ class Compressor(HighPrecisionModule):
 class LightningIndexer(nn.Module):
     """Scores compressed entries for each query token (spec §4.1–4.2). Inputs must be detached."""
 
-    def __init__(self, config: HybridAttentionConfig):
+    def __init__(self, config: HybridAttentionConfig, ratio: int):
         super().__init__()
         c = self.config = config
         self.heads, self.head_dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
         self.scale = self.head_dim ** -0.5  # applied once, inside the scores (spec §4.2)
         self.linear_wq_b = linear(c.q_lora_rank, self.heads * self.head_dim, c.init_method_std)
         self.linear_weights_proj = linear(c.hidden_size, self.heads, c.init_method_std)
-        self.compressor = Compressor(c, self.head_dim, c.compress_ratio(LayerKind.CSA), rotate=True)
+        self.compressor = Compressor(c, self.head_dim, ratio, rotate=True)
 
     def projections(self) -> list[nn.Linear]:
         """The linears the indexer applies to the (detached) layer input rows."""
@@ -88,8 +88,8 @@ class LightningIndexer(nn.Module):
         """Indexer queries `[T, HI, DI]`, keys `[Tc, DI]` and head weights `[T, HI]` from the detached layer
         input rows through `projections()` (`projected`) and the detached query latent `qr [T, Rq]`.
 
-        `gather_keys` starts moving the locally pooled keys to the buffer the candidates index
-        (context parallelism all-gathers them, overlapped with the query path; identity otherwise)."""
+        `gather_keys` starts moving the locally pooled keys to the buffer the candidates index (the row
+        context's `gather_entries`; the move overlaps the query path)."""
         keys = gather_keys(self.compressor(projected, layout, inv_freq))
         rope = dispatch(OpFamily.ROPE, self.config, device=qr.device, dtype=qr.dtype)
         q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
@@ -185,16 +185,15 @@ class CompressedSparseAttention(HighPrecisionModule):
 
     keep_high_precision = {"attn_sink": torch.float32}
 
-    def __init__(self, config: HybridAttentionConfig, kind: LayerKind,
+    def __init__(self, config: HybridAttentionConfig, ratio: int, has_indexer: bool,
                  tp_group: Optional[ProcessGroup] = None):
         super().__init__()
         c = config
-        self.config, self.kind, self.tp_group = c, kind, tp_group
-        self.ratio = c.compress_ratio(kind)
+        self.config, self.ratio, self.tp_group = c, ratio, tp_group
         self.attn_sink = tensor_parallel_parameter((c.num_attention_heads,), 0, tp_group, torch.nn.init.zeros_,
                                                    dtype=torch.float32, what="num_attention_heads")
-        self.compressor = Compressor(c, c.v_head_dim, self.ratio, rotate=False) if self.ratio else None
-        self.indexer = LightningIndexer(c) if c.has_indexer(kind) else None
+        self.compressor = Compressor(c, c.v_head_dim, ratio, rotate=False) if ratio else None
+        self.indexer = LightningIndexer(c, ratio) if has_indexer else None
         self.last_indexer_loss: Optional[Tensor] = None
         self.last_selection: Optional[IndexSelection] = None
 
@@ -205,40 +204,34 @@ class CompressedSparseAttention(HighPrecisionModule):
                 self.indexer.projections() if self.indexer is not None else [])
 
     def forward(self, query: Tensor, kv: Tensor, projected: Mapping[nn.Linear, Tensor], qr: Tensor,
-                layout: TokenLayout, inv_freq: Tensor, cp: Optional["ContextParallelRows"] = None) -> Tensor:
-        """`query [T, H, D]`, `kv [T, D]` (RoPE applied), the layer input rows through each linear of
-        `projections()` (`projected`, `[T, n]` each) and `qr [T, Rq]` → `[T, H, D]`.
+                rows: "TokenRows", inv_freq: Tensor) -> Tensor:
+        """`query [N, H, D]`, `kv [N, D]` (RoPE applied), the layer input rows through each linear of
+        `projections()` (`projected`, `[N, n]` each) and `qr [N, Rq]` → `[N, H, D]`.
 
-        With `cp` (context parallelism) the rows are this rank's halo-extended pieces and the
-        compressed entries of the whole sequence come from every rank."""
-        c = self.config
+        `rows` (`layers.rows.TokenRows`) tells which compressed entries the rows see and brings them
+        to the buffer their indices point into; its `outputs` are the rows this call answers for."""
+        c, layout = self.config, rows.layout
         compressed_layout, entries, compressed = None, None, None
-        gather = lambda rows: lambda: rows  # noqa: E731
+        gather = lambda pooled: rows.gather_entries(pooled, self.ratio)  # noqa: E731
         if self.compressor is not None:
-            if cp is None:
-                compressed_layout = layout.compressed(self.ratio)
-                entries = layout.derived(("visible_entries", self.ratio),
-                                         lambda: visible_compressed_entries(compressed_layout))
-            else:
-                compressed_layout = cp.compressed_layout(self.ratio)
-                entries = cp.visible_entries(self.ratio)
-                gather = lambda rows: cp.gather_entries(rows, self.ratio)  # noqa: E731
-            # In flight (context parallelism) while the window and the indexer's selection run.
+            compressed_layout = rows.compressed_layout(self.ratio)
+            entries = rows.visible_entries(self.ratio)
+            # In flight while the window and the indexer's selection run.
             compressed = gather(self.compressor(projected, compressed_layout, inv_freq))
         window = layout.derived(("window", c.csa_window_size), lambda: window_indices(layout, c.csa_window_size))
 
         features = None
         if self.indexer is None:
-            selection = self._every_visible_entry(layout, window, entries, cp is None)
+            selection = self._every_visible_entry(layout, window, entries)
         else:
             features = self.indexer.features(projected, qr.detach(), compressed_layout, inv_freq, gather)
-            # Column j is entry j of the query's sequence, in every layout (CP included).
+            # Column j is entry j of the query's sequence, in every row context.
             selection = self.indexer.select(features, entries, c.dsa_indexer_topk, window, layout.num_rows)
         # Compressed rows follow the token rows in kv_full. The shared KV rows feed this rank's heads
         # only: their gradient is summed over TP.
         kv_full = kv if compressed is None else torch.cat((kv, compressed()))
         kv_full = copy_to_tensor_parallel_region(kv_full, self.tp_group)
-        self.last_selection = selection if cp is None else selection.rows(cp.outputs)
+        self.last_selection = selection.rows(rows.outputs)
 
         # Forward and backward kernels are dispatched separately (counted as sparse_attention_fwd/bwd).
         out, lse = sparse_attention(query, kv_full, selection.all(), self.attn_sink, c.softmax_scale, c)
@@ -246,16 +239,16 @@ class CompressedSparseAttention(HighPrecisionModule):
         self.last_indexer_loss = None
         if features is not None and self.training and torch.is_grad_enabled():
             loss = self._indexer_loss(query, kv_full, layout, selection, entries, features, lse,
-                                      None if cp is None else cp.real_query_count)
+                                      rows.real_query_count)
             self.last_indexer_loss = loss.detach()
             out = IndexerLossAutoScaler.apply(out, loss, c.indexer_loss_backward_scale)
         return out
 
-    def _every_visible_entry(self, layout: TokenLayout, window: Tensor, entries: Optional[VisibleEntries],
-                             keep: bool) -> IndexSelection:
+    def _every_visible_entry(self, layout: TokenLayout, window: Tensor,
+                             entries: Optional[VisibleEntries]) -> IndexSelection:
         """W layers: the window alone. H layers: the window and every visible compressed entry, which depend
-        on the layout only: with `keep` (single device) they are kept with it while small (as
-        `VisibleEntries.rows` keeps its rows), so the layers and steps sharing a layout build them once."""
+        on the layout only: they are kept with it while small (as `VisibleEntries.rows` keeps its rows),
+        so the layers and steps sharing a layout build them once."""
         if entries is None:
             return IndexSelection(window, None)
 
@@ -263,20 +256,20 @@ class CompressedSparseAttention(HighPrecisionModule):
             compressed = offset_valid(entries.rows(), layout.num_rows)
             return IndexSelection(window, compressed, combined=torch.cat((window, compressed), 1))
 
-        if keep and small_enough_to_keep(layout.num_rows, window.shape[1] + entries.width):
+        if small_enough_to_keep(layout.num_rows, window.shape[1] + entries.width):
             return layout.derived(("every_visible_entry", self.ratio, window.shape[1]), build)
         return build()
 
     def _indexer_loss(self, query: Tensor, kv_full: Tensor, layout: TokenLayout,
                       selection: IndexSelection, entries: VisibleEntries,
                       features: tuple[Tensor, Tensor, Tensor], lse: Tensor,
-                      global_rows: Optional[int]) -> Tensor:
+                      real_queries: Union[int, Tensor]) -> Tensor:
         """Coefficient-scaled KL between the indexer and the main attention (spec §4.4).
 
         The sparse loss scores only the selected entries (`[T, K]`); the dense loss scores every
-        visible entry (`[T, C]`, as its definition needs). Under context parallelism (`global_rows`
-        given) the mean divides this rank's KL sum by the real query rows of the whole batch, so the
-        losses of the CP ranks add up to the global mean."""
+        visible entry (`[T, C]`, as its definition needs). The mean divides this call's KL sum by
+        `real_queries`, the real query rows of the whole batch (the row context's count: where the
+        batch's rows are spread over several calls, their losses add up to the batch mean)."""
         c = self.config
         query, kv_full = query.detach(), kv_full.detach()
         sink = self.attn_sink.detach()
@@ -298,10 +291,6 @@ class CompressedSparseAttention(HighPrecisionModule):
         q, k, weights = features
         per_row = indexer_kl_loss(q, k, weights, entry_rows, teacher, self.indexer.scale,
                                   dense=dense, requested=c, student=student)
-        if layout.has_padding:  # padding (and CP halo) rows never enter the loss or its divisor
-            real = layout.query_valid
-            divisor = real.sum() if global_rows is None else global_rows
-            return reduce_indexer_loss(per_row * real, c.dsa_indexer_loss_coeff,
-                                       c.calculate_per_token_loss, divisor)
-        return reduce_indexer_loss(per_row, c.dsa_indexer_loss_coeff, c.calculate_per_token_loss,
-                                   query.shape[0])
+        if layout.has_padding:  # padding and context-only rows never enter the loss
+            per_row = per_row * layout.query_valid
+        return reduce_indexer_loss(per_row, c.dsa_indexer_loss_coeff, c.calculate_per_token_loss, real_queries)

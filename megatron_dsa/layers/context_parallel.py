@@ -19,19 +19,22 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from megatron_dsa.backends import Requested
+from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.ops.dense_attention import (attention_backward, attention_block, attention_forward, block_mask,
                                               merge_attention)
 from megatron_dsa.ops.indices import INVALID, VisibleEntries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
+from megatron_dsa.packed_seq import PackedSeqParams, check_packed_hidden_states
 from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, RingTransfer, all_gather_rows, exchange_blocks,
                                            start_all_gather_rows)
-
+from megatron_dsa.parallel.state import ParallelState
 
 
 def block_relation(query: Piece, key: Piece) -> str:
@@ -44,7 +47,10 @@ def block_relation(query: Piece, key: Piece) -> str:
 
 @dataclass(frozen=True, eq=False)
 class ContextParallelRows:
-    """One rank's view of a CP forward: its pieces, extended by their halos, as a `TokenLayout`."""
+    """One rank's view of a CP forward: its pieces, extended by their halos, as a `TokenLayout`.
+
+    The row context (`layers.rows.TokenRows`) of a layer call under context parallelism. `batch`: B
+    of an SBHD input `[S/cp, B, d]` (the rank's chunks along S), None for packed `[T/cp, 1, d]`."""
 
     plan: ContextParallelPlan
     rank: int
@@ -52,6 +58,49 @@ class ContextParallelRows:
     halo: int
     device: torch.device
     comm_type: str = "p2p"
+    batch: Optional[int] = None
+
+    @classmethod
+    def for_input(cls, hidden: Tensor, packed: Optional[PackedSeqParams], parallel_state: ParallelState,
+                  config: HybridAttentionConfig, halo: int) -> "ContextParallelRows":
+        """This rank's rows of the gathered layer input: SBHD `[S/cp, B, d]` holds its chunks along S;
+        packed `[T/cp, 1, d]` its chunks of every sequence (`packed` describes the global pack, on the
+        host; see `parallel.context`)."""
+        state = parallel_state
+        batch = None
+        if packed is None:
+            local, batch, _ = hidden.shape
+            plan = ContextParallelPlan.build([local * state.cp_size] * batch, state.cp_size, config.cp_partition)
+        else:
+            check_packed_hidden_states(hidden)
+            cu = packed.cu_seqlens_q
+            if cu.device.type != "cpu":
+                raise ValueError("context parallelism with packed input needs packed_seq_params.cu_seqlens_q "
+                                 "(and cu_seqlens_q_padded) on the host: the partition plan is host metadata")
+            padded = cu if packed.cu_seqlens_q_padded is None else packed.cu_seqlens_q_padded
+            lengths = (padded[1:] - padded[:-1]).tolist()
+            real = (cu[1:] - cu[:-1]).tolist()
+            plan = ContextParallelPlan.build(lengths, state.cp_size, config.cp_partition, real)
+            if hidden.shape[0] != plan.local_rows(state.cp_rank):
+                raise ValueError(f"packed hidden_states has {hidden.shape[0]} rows but this CP rank holds "
+                                 f"{plan.local_rows(state.cp_rank)} (its chunks of every padded sequence)")
+        return cls(plan, state.cp_rank, state.cp_group, halo, hidden.device, config.cp_comm_type, batch)
+
+    # ---------------------------------------------------------------- the layer's rows
+    def enter(self, hidden: Tensor) -> Tensor:
+        """This rank's input → its extended rows `[N_ext, d]` (halo rows fetched, padding zeroed)."""
+        rows = hidden[:, 0] if self.batch is None else hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
+        extended = self.extend(rows) if self.halo else rows
+        return torch.where(self.layout.row_valid.unsqueeze(1), extended, 0.0)
+
+    def leave(self, latent: Tensor) -> Tensor:
+        """Extended rows `[N_ext, F]` → this rank's output, shaped as its input (halo and padding dropped)."""
+        out = self.outputs(torch.where(self.layout.query_valid.unsqueeze(1), latent, 0.0))
+        return out.unsqueeze(1) if self.batch is None else out.view(self.batch, -1, out.shape[-1]).transpose(0, 1)
+
+    def attend_causal(self, q: Tensor, k: Tensor, v: Tensor, scale: float, backend: Requested) -> Tensor:
+        """Causal attention over every rank's keys of the same sequences (`ring_attention`)."""
+        return ring_attention(q, k, v, self.plan, self.rank, self.group, scale, self.comm_type)
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -137,7 +186,7 @@ class ContextParallelRows:
 
     def outputs(self, extended: Tensor) -> Tensor:
         """Extended rows → this rank's piece rows (halo rows dropped)."""
-        return extended.index_select(0, self._piece_rows)
+        return extended.index_select(0, self._piece_rows) if self.halo else extended
 
     @cached_property
     def _piece_rows(self) -> Tensor:

@@ -1,0 +1,163 @@
+"""The two cores a layer kind is built around: what a kind adds to the layer's shared query path.
+
+Every kind shares the query path (`linear_q_down_proj` → `q_layernorm` → `linear_q_up_proj`) and the
+output projection `linear_proj`, which `HybridAttention` owns. A core adds the rest: the key/value
+path and the attention, as modules it registers on the layer under Megatron's names (so checkpoints
+keep their keys), and the computation from the layer's input rows to `linear_proj`'s input.
+
+* `SparseMLACore` (W / C / H): one K = V latent head, `CompressedSparseAttention` over the window, the
+  kind's compressed entries and a learnable sink, inverse RoPE, grouped output projection.
+* `DenseMLACore` (M): DeepSeek-V3 dense causal multi-latent attention.
+
+Cores are stateless: one instance serves every layer of its kinds (`layers.kinds.KINDS`). They ask
+the row context (`layers.rows.TokenRows`) where the rows' keys and compressed entries come from.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from megatron_dsa.backends import OpFamily, dispatch
+from megatron_dsa.config import HybridAttentionConfig, yarn_mscale
+from megatron_dsa.layers.common import RMSNorm, has_call_hooks, linear
+from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
+from megatron_dsa.layers.submodules import apply
+from megatron_dsa.ops.output_projection import grouped_output_projection
+from megatron_dsa.parallel.linear import divide
+from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region
+from megatron_dsa.parallel.sharding import tensor_parallel_parameter
+
+if TYPE_CHECKING:
+    from megatron_dsa.layers.hybrid_attention import HybridAttention
+    from megatron_dsa.layers.rows import TokenRows
+
+
+class AttentionCore(Protocol):
+    """A kind's key/value path and attention (see the module docstring)."""
+
+    def q_head_dim(self, config: HybridAttentionConfig) -> int:
+        """Width of each query head out of `linear_q_up_proj`."""
+
+    def output_width(self, config: HybridAttentionConfig) -> int:
+        """Input features of `linear_proj` (all ranks together)."""
+
+    def build(self, layer: "HybridAttention") -> None:
+        """Registers the core's modules on `layer` (between `linear_q_up_proj` and `linear_proj`)."""
+
+    def attend(self, layer: "HybridAttention", x: Tensor, rows: "TokenRows") -> Tensor:
+        """Token rows `x [N, d]` → this rank's `linear_proj` input `[N, output_width / tp]`."""
+
+
+class SparseMLACore:
+    """W / C / H: window + compressed (+ indexer top-k) sparse attention with a sink (docs/architecture.md §2)."""
+
+    def q_head_dim(self, config: HybridAttentionConfig) -> int:
+        return config.v_head_dim
+
+    def output_width(self, config: HybridAttentionConfig) -> int:
+        return config.o_groups * config.o_lora_rank
+
+    def build(self, layer: "HybridAttention") -> None:
+        c, spec = layer.config, layer.kind_spec
+        layer.local_groups = divide(c.o_groups, layer.parallel_state.tp_size, "o_groups")
+        layer.linear_kv_proj = linear(c.hidden_size, c.v_head_dim, c.init_method_std)
+        layer.kv_layernorm = layer.build_norm(c.v_head_dim)
+        group_width = c.num_attention_heads * c.v_head_dim // c.o_groups
+        layer.linear_o_group_proj = tensor_parallel_parameter(
+            (c.o_groups * c.o_lora_rank, group_width), 0, layer.tp_group,
+            lambda w: w.normal_(std=c.init_method_std), what="o_groups · o_lora_rank")
+        ratio, indexer = spec.compress_ratio(c), spec.has_indexer(c)
+        if indexer and not ratio:
+            raise ValueError(f"kind {spec.symbol!r} has an indexer but no compressor (ratio 0): the indexer "
+                             f"scores compressed entries")
+        layer.core_attention = CompressedSparseAttention(c, ratio, indexer, layer.tp_group)
+
+    def attend(self, layer: "HybridAttention", x: Tensor, rows: "TokenRows") -> Tensor:
+        c = layer.config
+        positions, inv_freq = rows.layout.positions, layer.angle_freq(x.dtype)
+        rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
+        norm_rope = dispatch(OpFamily.NORM_ROPE, c, device=x.device, dtype=x.dtype)
+        core_attached, core_detached = layer.core_attention.projections()
+        projected, qr, q = layer.query_rows(x, [layer.linear_kv_proj, *core_attached], core_detached)
+        q = norm_rope(q, positions, inv_freq, c.layernorm_epsilon)  # weightless per-head RMSNorm, then RoPE
+        kv = _kv_rows(layer.kv_layernorm, projected[layer.linear_kv_proj], positions, inv_freq, rope,
+                      norm_rope)  # K = V, [N, D]
+        o = layer.core_attention(q, kv, projected, qr, rows, inv_freq)
+        o = rope(o, positions, inv_freq, inverse=True)  # relative positions in V; new storage
+        return grouped_output_projection(o.flatten(1), layer.linear_o_group_proj, layer.local_groups)
+
+
+def _kv_rows(norm: nn.Module, latent: Tensor, positions: Tensor, inv_freq: Tensor, rope: Callable[..., Tensor],
+             norm_rope: Callable[..., Tensor]) -> Tensor:
+    """`latent [N, D]` → K = V rows: `kv_layernorm` (its weight and eps) then RoPE, as one `norm_rope`
+    call when the norm is on (one fused kernel instead of two), else RoPE alone. A norm with hooks is
+    called as a module, so its hooks run."""
+    if isinstance(norm, RMSNorm) and not has_call_hooks(norm):
+        return norm_rope(latent, positions, inv_freq, norm.eps, norm.weight)
+    return rope(norm(latent), positions, inv_freq)
+
+
+class DenseMLACore:
+    """M: DeepSeek-V3-style dense causal multi-latent attention (docs/architecture.md §3).
+
+    q: low rank (`linear_q_down_proj` → `q_layernorm` → `linear_q_up_proj`) to `[H, qk + P]`.
+    kv: `linear_kv_down_proj` → `[kv_lora_rank + P]`; the latent is normalised (`kv_layernorm`) and
+    up-projected (`linear_kv_up_proj`) to `[G, qk + Dv]`; the last P dims are one RoPE key shared by
+    all heads. Softmax scale `mscale(s, mscale_all_dim)² / sqrt(qk + P)` under YaRN.
+    """
+
+    def q_head_dim(self, config: HybridAttentionConfig) -> int:
+        return config.mla_qk_head_dim + config.qk_pos_emb_head_dim
+
+    def output_width(self, config: HybridAttentionConfig) -> int:
+        return config.num_attention_heads * config.v_head_dim
+
+    def build(self, layer: "HybridAttention") -> None:
+        c = layer.config
+        rank, rope_dim = c.mla_kv_lora_rank, c.qk_pos_emb_head_dim
+        layer.local_groups = divide(c.mla_num_query_groups, layer.parallel_state.tp_size, "num_query_groups")
+        layer.linear_kv_down_proj = linear(c.hidden_size, rank + rope_dim, c.init_method_std)
+        layer.kv_layernorm = layer.build_norm(rank)
+        layer.linear_kv_up_proj = layer.submodules.build_column(
+            rank, c.mla_num_query_groups * (c.mla_qk_head_dim + c.v_head_dim), layer.tp_group, c.init_method_std)
+
+    @staticmethod
+    def rope_amplitude(config: HybridAttentionConfig) -> float:
+        """YaRN cos/sin magnitude `mscale(s, mscale) / mscale(s, mscale_all_dim)` (1 for plain RoPE)."""
+        c = config
+        if c.rope_type == "rope":
+            return 1.0
+        return yarn_mscale(c.rotary_scaling_factor, c.mscale) / yarn_mscale(c.rotary_scaling_factor,
+                                                                             c.mscale_all_dim)
+
+    def softmax_scale(self, config: HybridAttentionConfig) -> float:
+        c = config
+        scale = self.q_head_dim(c) ** -0.5
+        if c.rope_type == "yarn":
+            scale *= yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim) ** 2
+        return scale
+
+    def attend(self, layer: "HybridAttention", x: Tensor, rows: "TokenRows") -> Tensor:
+        c = layer.config
+        groups = layer.local_groups
+        nope, rope_dim, rank = c.mla_qk_head_dim, c.qk_pos_emb_head_dim, c.mla_kv_lora_rank
+        rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
+        positions, inv_freq, amplitude = rows.layout.positions, layer.angle_freq(x.dtype), self.rope_amplitude(c)
+
+        projected, _, q = layer.query_rows(x, [layer.linear_kv_down_proj])
+        q = rope(q, positions, inv_freq, amplitude=amplitude)
+        latent, k_rope = projected[layer.linear_kv_down_proj].split((rank, rope_dim), dim=-1)
+        kv = apply(layer.linear_kv_up_proj, layer.kv_layernorm(latent)).view(-1, groups, nope + c.v_head_dim)
+        k_nope, v = kv.split((nope, c.v_head_dim), dim=-1)
+        # One RoPE key shared by all heads; this rank's heads give part of its gradient.
+        k_rope = copy_to_tensor_parallel_region(rope(k_rope, positions, inv_freq, amplitude=amplitude),
+                                                layer.tp_group)
+        k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, groups, -1)), dim=-1)
+        return rows.attend_causal(q, k, v, self.softmax_scale(c), c).flatten(1)
+
+
+SPARSE_MLA = SparseMLACore()
+DENSE_MLA = DenseMLACore()
