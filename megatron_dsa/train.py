@@ -56,7 +56,7 @@ from megatron_dsa.packaged_configs import packaged_configs, preset_config, resol
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import ParallelState, initialize_parallel_state
 from megatron_dsa.parallel.consistency import (MissingRanksError, RankMismatchError, check_same_on_all_ranks,
-                                               wait_for_all_ranks)
+                                               naming_stalled_ranks, wait_for_all_ranks)
 from megatron_dsa.parallel.context import shard_sequence
 from megatron_dsa.parallel.sharding import partition_dim
 
@@ -64,6 +64,7 @@ HISTORY_NAME = "history.json"
 PLOT_NAME = "loss_curve.png"
 DTYPES = ("fp32", "bf16")
 DIST_TIMEOUT_S = 600.0  # Megatron-LM's default distributed timeout (10 minutes)
+STALL_PROBE_S = 60.0  # after a collective timed out: how long the ranks that answer wait for the others
 
 
 # ---------------------------------------------------------------- configuration
@@ -654,7 +655,7 @@ def setup_parallel(tp: int, cp: int, device: torch.device, dp: Optional[int] = N
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    return initialize_parallel_state(tp_size=tp, cp_size=cp)
+    return initialize_parallel_state(tp_size=tp, cp_size=cp, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1, overwrite: bool = False,
@@ -671,8 +672,9 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
     if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     state = setup_parallel(tp, cp, device, dp, dist_timeout_s)
+    checks = None  # a gloo group for the checks that name ranks
     if state is not None:  # every rank is here and runs the same job, or the error names who is not
-        checks = dist.new_group(backend="gloo")
+        checks = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=dist_timeout_s))
         wait_for_all_ranks(checks, dist_timeout_s, "job start")
         check_same_on_all_ranks("the job's configuration", job.to_dict(), checks)
     dp_size = 1 if state is None else state.dp_size
@@ -729,8 +731,9 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
                     dynamic_ncols=True, disable=not (leader and progress_bar and sys.stderr.isatty()))
     write = tqdm.write if leader else (lambda *args, **kwargs: None)
     for step in progress:
-        batch, packed = train_batch(job, corpus.train, step)  # the global batch; train_step takes this rank's rows
-        stats = train_step(model, optimizer, batch, step, train, device, packed)
+        with naming_stalled_ranks(checks, f"step {step + 1}", min(dist_timeout_s, STALL_PROBE_S)):
+            batch, packed = train_batch(job, corpus.train, step)  # the global batch; train_step takes this rank's rows
+            stats = train_step(model, optimizer, batch, step, train, device, packed)
         history.steps.append(stats)
         progress.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}")
         if step == start:

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,21 +46,24 @@ def _rank_main(rank: int, world_size: int, store_file: str, backend: str, timeou
 
 
 def run_distributed(body: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                    timeout_s: float = 240.0) -> None:
-    """Run `body` on `world_size` ranks; raise AssertionError listing every failing rank."""
+                    timeout_s: float = 240.0, collective_timeout_s: Optional[float] = None) -> None:
+    """Run `body` on `world_size` ranks; raise AssertionError listing every failing rank. The ranks
+    are killed after `timeout_s` (+30 s); a collective gives up after `collective_timeout_s`
+    (default: `timeout_s`)."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     store_dir = tempfile.mkdtemp(prefix="megatron_dsa_store_")
     try:
-        _run_ranks(ctx, errors, os.path.join(store_dir, "store"), body, world_size, args, backend, timeout_s)
+        _run_ranks(ctx, errors, os.path.join(store_dir, "store"), body, world_size, args, backend, timeout_s,
+                   collective_timeout_s or timeout_s)
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def _run_ranks(ctx: Any, errors: Any, store_file: str, body: Callable[..., Any], world_size: int,
-               args: tuple, backend: str, timeout_s: float) -> None:
+               args: tuple, backend: str, timeout_s: float, collective_timeout_s: float) -> None:
     procs = [ctx.Process(target=_rank_main,
-                         args=(rank, world_size, store_file, backend, timeout_s, body, args, errors))
+                         args=(rank, world_size, store_file, backend, collective_timeout_s, body, args, errors))
              for rank in range(world_size)]
     for p in procs:
         p.start()

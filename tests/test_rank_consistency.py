@@ -60,3 +60,32 @@ def stall_body(rank: int, world: int) -> None:
 
 def test_a_stalled_rank_is_named_within_the_timeout() -> None:
     run_distributed(stall_body, 3, timeout_s=60)
+
+
+def stalled_step_body(rank: int, world: int, out: str) -> None:
+    """Rank 1 stalls while fetching its first batch; rank 0's TP all-reduce times out (the group's 8 s),
+    and its error must name rank 1. Both ranks leave with os._exit: the group is broken by design."""
+    from megatron_dsa import train as job_module
+
+    os.environ["WORLD_SIZE"] = str(world)
+    job = job_module.JobConfig.from_yaml("configs/tiny.yaml", steps=2, out_dir=out, seq_len=64, batch_size=2,
+                                         retrieval_pairs=2, eval_batches=1, corpus_max_bytes=200_000)
+    job = dataclasses.replace(job, model=dataclasses.replace(job.model, max_seq_len=64))
+    if rank == 1:
+        original = job_module.train_batch
+        job_module.train_batch = lambda *args: (time.sleep(30), original(*args))[1]
+        try:
+            job_module.run(job, tp=2, dist_timeout_s=8.0)
+        finally:
+            os._exit(0)
+    started = time.perf_counter()
+    with pytest.raises(MissingRanksError) as raised:
+        job_module.run(job, tp=2, dist_timeout_s=8.0)
+    message = str(raised.value)
+    assert message.startswith("step 1: a collective timed out") and "1" in message.split("arrived within 8 s")[1], message
+    assert time.perf_counter() - started < 28, "named after the timeout and the probe, not when rank 1 woke"
+    os._exit(0)
+
+
+def test_a_rank_stalling_mid_training_is_named_within_the_timeout(tmp_path) -> None:
+    run_distributed(stalled_step_body, 2, str(tmp_path / "run"), timeout_s=120, collective_timeout_s=8)

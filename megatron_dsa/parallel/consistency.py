@@ -7,8 +7,9 @@ never arrives otherwise leaves the others waiting until some collective times ou
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -74,3 +75,26 @@ def wait_for_all_ranks(group: dist.ProcessGroup, timeout_s: float, what: str) ->
     except RuntimeError as error:
         raise MissingRanksError(f"{what}: not every rank arrived within {timeout_s:g} s ({error}); the ranks "
                            f"named failed or stalled, see their logs") from error
+
+
+@contextlib.contextmanager
+def naming_stalled_ranks(group: Optional[dist.ProcessGroup], what: str, probe_timeout_s: float) -> Iterator[None]:
+    """Inside the block, a collective that timed out (a rank failed or stalled) becomes a
+    `MissingRanksError` naming the ranks that do not answer a barrier on `group` (gloo) within
+    `probe_timeout_s`; any other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as error:
+        if group is None or isinstance(error, MissingRanksError) or not _is_timeout(error):
+            raise
+        wait_for_all_ranks(group, probe_timeout_s, f"{what}: a collective timed out ({_first_line(error)}), then")
+        raise  # every rank answered: the timeout had another cause
+
+
+def _is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__

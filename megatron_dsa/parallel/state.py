@@ -8,6 +8,7 @@ groups is the single-process state: every collective is then the identity.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,11 +57,14 @@ class ParallelState:
         return group_rank(self.dp_group)
 
 
-def initialize_parallel_state(tp_size: int = 1, cp_size: int = 1) -> ParallelState:
+def initialize_parallel_state(tp_size: int = 1, cp_size: int = 1,
+                              timeout: Optional[datetime.timedelta] = None) -> ParallelState:
     """Split the default world into `dp × cp × tp` groups, TP fastest (Megatron rank order).
 
     Rank `r` has `tp_rank = r % tp`, `cp_rank = (r // tp) % cp`, `dp_rank = r // (tp·cp)`.
-    Every rank must call this with the same arguments (group creation is collective).
+    Every rank must call this with the same arguments (group creation is collective). `timeout`:
+    how long the groups' collectives wait for a rank (torch's default for new groups otherwise,
+    which is not the default group's timeout).
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize_parallel_state needs torch.distributed.init_process_group first")
@@ -73,19 +77,20 @@ def initialize_parallel_state(tp_size: int = 1, cp_size: int = 1) -> ParallelSta
     for dp in range(dp_size):
         for cp in range(cp_size):
             _new_group_if_mine(groups, "tp", [dp * cp_size * tp_size + cp * tp_size + t
-                                              for t in range(tp_size)], rank)
+                                              for t in range(tp_size)], rank, timeout)
     for dp in range(dp_size):
         for tp in range(tp_size):
             _new_group_if_mine(groups, "cp", [dp * cp_size * tp_size + c * tp_size + tp
-                                              for c in range(cp_size)], rank)
+                                              for c in range(cp_size)], rank, timeout)
     for cp in range(cp_size):
         for tp in range(tp_size):
             _new_group_if_mine(groups, "dp", [d * cp_size * tp_size + cp * tp_size + tp
-                                              for d in range(dp_size)], rank)
+                                              for d in range(dp_size)], rank, timeout)
     return ParallelState(tp_group=groups["tp"], cp_group=groups["cp"], dp_group=groups["dp"])
 
 
-def _new_group_if_mine(groups: dict, key: str, ranks: list[int], rank: int) -> None:
-    group = dist.new_group(ranks)  # every rank takes part in every new_group call
+def _new_group_if_mine(groups: dict, key: str, ranks: list[int], rank: int,
+                       timeout: Optional[datetime.timedelta]) -> None:
+    group = dist.new_group(ranks, timeout=timeout)  # every rank takes part in every new_group call
     if rank in ranks:
         groups[key] = group
