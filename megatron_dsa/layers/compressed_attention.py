@@ -91,11 +91,17 @@ class LightningIndexer(nn.Module):
         `gather_keys` starts moving the locally pooled keys to the buffer the candidates index (the row
         context's `gather_entries`; the move overlaps the query path)."""
         keys = gather_keys(self.compressor(projected, layout, inv_freq))
+        q, weights = self.queries(projected, qr, layout.tokens.positions, inv_freq)
+        return q, keys(), weights
+
+    def queries(self, projected: Mapping[nn.Linear, Tensor], qr: Tensor, positions: Tensor, inv_freq: Tensor
+                ) -> tuple[Tensor, Tensor]:
+        """Indexer queries `[T, HI, DI]` (RoPE at `positions [T]`, Hadamard) and head weights `[T, HI]` of
+        the detached query latent `qr [T, Rq]` and the rows through `linear_weights_proj` (`projected`)."""
         rope = dispatch(OpFamily.ROPE, self.config, device=qr.device, dtype=qr.dtype)
         q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
-        q = hadamard_transform(rope(q, layout.tokens.positions, inv_freq))
-        weights = projected[self.linear_weights_proj] * self.heads ** -0.5
-        return q, keys(), weights
+        q = hadamard_transform(rope(q, positions, inv_freq))
+        return q, projected[self.linear_weights_proj] * self.heads ** -0.5
 
     def scores(self, features: tuple[Tensor, Tensor, Tensor], candidates: Tensor,
                visible: Optional[UniformVisibleRows] = None) -> Tensor:

@@ -76,8 +76,18 @@ class SparseMLACore:
         layer.core_attention = CompressedSparseAttention(c, ratio, indexer, layer.tp_group)
 
     def attend(self, layer: "HybridAttention", x: Tensor, rows: "TokenRows") -> Tensor:
+        positions = rows.layout.positions
+        q, kv, projected, qr = self.project(layer, x, positions)
+        o = layer.core_attention(q, kv, projected, qr, rows, layer.angle_freq(x.dtype))
+        return self.finish(layer, o, positions)
+
+    def project(self, layer: "HybridAttention", x: Tensor, positions: Tensor
+                ) -> tuple[Tensor, Tensor, dict[nn.Linear, Tensor], Tensor]:
+        """Token rows `x [N, d]` at `positions [N]` → `(q [N, H/tp, D], kv [N, D], projected, qr [N, Rq])`:
+        the queries and K = V rows (normalised, RoPE applied), the rows through the compressors' and the
+        indexer's linears, and the normalised query latent (the decoding cache runs the same path)."""
         c = layer.config
-        positions, inv_freq = rows.layout.positions, layer.angle_freq(x.dtype)
+        inv_freq = layer.angle_freq(x.dtype)
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         norm_rope = dispatch(OpFamily.NORM_ROPE, c, device=x.device, dtype=x.dtype)
         core_attached, core_detached = layer.core_attention.projections()
@@ -85,8 +95,12 @@ class SparseMLACore:
         q = norm_rope(q, positions, inv_freq, c.layernorm_epsilon)  # weightless per-head RMSNorm, then RoPE
         kv = _kv_rows(layer.kv_layernorm, projected[layer.linear_kv_proj], positions, inv_freq, rope,
                       norm_rope)  # K = V, [N, D]
-        o = layer.core_attention(q, kv, projected, qr, rows, inv_freq)
-        o = rope(o, positions, inv_freq, inverse=True)  # relative positions in V; new storage
+        return q, kv, projected, qr
+
+    def finish(self, layer: "HybridAttention", o: Tensor, positions: Tensor) -> Tensor:
+        """Attention output `o [N, H/tp, D]` → this rank's `linear_proj` input: inverse RoPE, grouped projection."""
+        rope = dispatch(OpFamily.ROPE, layer.config, device=o.device, dtype=o.dtype)
+        o = rope(o, positions, layer.angle_freq(o.dtype), inverse=True)  # relative positions in V; new storage
         return grouped_output_projection(o.flatten(1), layer.linear_o_group_proj, layer.local_groups)
 
 
@@ -142,21 +156,30 @@ class DenseMLACore:
 
     def attend(self, layer: "HybridAttention", x: Tensor, rows: "TokenRows") -> Tensor:
         c = layer.config
-        groups = layer.local_groups
-        nope, rope_dim, rank = c.mla_qk_head_dim, c.qk_pos_emb_head_dim, c.mla_kv_lora_rank
-        rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
-        positions, inv_freq, amplitude = rows.layout.positions, layer.angle_freq(x.dtype), self.rope_amplitude(c)
+        q, latent, k_rope = self.project(layer, x, rows.layout.positions)
+        k_nope, v = self.keys_values(layer, latent)
+        # One RoPE key shared by all heads; this rank's heads give part of its gradient.
+        k_rope = copy_to_tensor_parallel_region(k_rope, layer.tp_group)
+        k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, layer.local_groups, -1)), dim=-1)
+        return rows.attend_causal(q, k, v, self.softmax_scale(c), c).flatten(1)
 
+    def project(self, layer: "HybridAttention", x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Token rows `x [N, d]` at `positions [N]` → `(q [N, H/tp, qk + P]` (RoPE applied), the normalised
+        KV latent `[N, kv_lora_rank]`, the shared RoPE key `[N, P]`)`: what the latent KV cache holds."""
+        c = layer.config
+        rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
+        inv_freq, amplitude = layer.angle_freq(x.dtype), self.rope_amplitude(c)
         projected, _, q = layer.query_rows(x, [layer.linear_kv_down_proj])
         q = rope(q, positions, inv_freq, amplitude=amplitude)
-        latent, k_rope = projected[layer.linear_kv_down_proj].split((rank, rope_dim), dim=-1)
-        kv = apply(layer.linear_kv_up_proj, layer.kv_layernorm(latent)).view(-1, groups, nope + c.v_head_dim)
-        k_nope, v = kv.split((nope, c.v_head_dim), dim=-1)
-        # One RoPE key shared by all heads; this rank's heads give part of its gradient.
-        k_rope = copy_to_tensor_parallel_region(rope(k_rope, positions, inv_freq, amplitude=amplitude),
-                                                layer.tp_group)
-        k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, groups, -1)), dim=-1)
-        return rows.attend_causal(q, k, v, self.softmax_scale(c), c).flatten(1)
+        latent, k_rope = projected[layer.linear_kv_down_proj].split((c.mla_kv_lora_rank, c.qk_pos_emb_head_dim),
+                                                                    dim=-1)
+        return q, layer.kv_layernorm(latent), rope(k_rope, positions, inv_freq, amplitude=amplitude)
+
+    def keys_values(self, layer: "HybridAttention", latent: Tensor) -> tuple[Tensor, Tensor]:
+        """Normalised latent rows `[N, kv_lora_rank]` → `(k_nope [N, G/tp, qk], v [N, G/tp, Dv])`."""
+        c = layer.config
+        kv = apply(layer.linear_kv_up_proj, latent).view(-1, layer.local_groups, c.mla_qk_head_dim + c.v_head_dim)
+        return kv.split((c.mla_qk_head_dim, c.v_head_dim), dim=-1)
 
 
 SPARSE_MLA = SparseMLACore()
