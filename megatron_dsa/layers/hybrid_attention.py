@@ -19,10 +19,11 @@ from megatron_dsa.backends import check_backend_choice
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std, project_rows
 from megatron_dsa.layers.kinds import KindSpec, resolve_kind
-from megatron_dsa.layers.rows import TokenRows, token_rows
+from megatron_dsa.layers.decoding import LayerCache, attend_cached, new_rows_layout
+from megatron_dsa.layers.rows import LocalRows, TokenRows, token_rows
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules, apply
 from megatron_dsa.ops.precision import compute_dtype
-from megatron_dsa.packed_seq import PackedSeqParams
+from megatron_dsa.packed_seq import PackedSeqParams, check_packed_hidden_states, validate_packed_seq_params
 from megatron_dsa.parallel.linear import divide
 from megatron_dsa.parallel.mappings import gather_from_sequence_parallel_region
 from megatron_dsa.parallel.state import ParallelState
@@ -80,7 +81,8 @@ class HybridAttention(HighPrecisionModule):
 
     # ---------------------------------------------------------------- forward
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
-                packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[Tensor, Optional[Tensor]]:
+                packed_seq_params: Optional[PackedSeqParams] = None,
+                inference_cache: Optional[LayerCache] = None) -> tuple[Tensor, Optional[Tensor]]:
         """`hidden_states [S, B, d]` → `([S, B, d], None)`; packed input is `[T, 1, d]` with
         `packed_seq_params` (see `megatron_dsa.packed_seq`). Under sequence parallelism dim 0 is this
         rank's slice; under context parallelism it holds this rank's chunks of every sequence (packed:
@@ -89,16 +91,42 @@ class HybridAttention(HighPrecisionModule):
         `attention_mask` (Megatron's: bool, True = masked out, `[B | 1, 1, S, S]`): None or the causal
         mask give causal attention; a mask that is causal within documents (Megatron's
         `--reset-attention-mask`) runs every document on its own, positions restarting, as packed
-        input does (one host sync to read the documents); any other mask raises ValueError."""
+        input does (one host sync to read the documents); any other mask raises ValueError.
+
+        `inference_cache` (`layers.decoding.LayerCache`, inference only): the input is new tokens of the
+        cached sequences (`[S, B, d]`: S more for each; packed: `cu_seqlens_q` per sequence), attended
+        over what the cache holds, which then holds them too (see `layers.decoding`)."""
         self._check_input(hidden_states)
         sp_group = self.tp_group if self.config.sequence_parallel else None
         # Every rank's gradient of the gathered input is complete (the head-parallel regions sum
         # theirs), so backward keeps the own slice instead of summing tp identical copies.
         full = gather_from_sequence_parallel_region(hidden_states, sp_group, grad_is_partial=False)
+        if inference_cache is not None:
+            return apply(self.linear_proj, self._forward_cached(full, attention_mask, packed_seq_params,
+                                                                inference_cache)), None
         rows = token_rows(full, attention_mask, packed_seq_params, self.parallel_state, self.config,
                           self.kind_spec.context_halo(self.config))
         latent = rows.leave(self._attend_rows(rows.enter(full), rows))
         return apply(self.linear_proj, latent), None
+
+    def _forward_cached(self, full: Tensor, attention_mask: Optional[Tensor], packed: Optional[PackedSeqParams],
+                        cache: LayerCache) -> Tensor:
+        """The gathered new tokens `full` → `linear_proj`'s input, through the inference cache."""
+        if not isinstance(cache, LayerCache):
+            raise TypeError(f"inference_cache must be a LayerCache, got {type(cache).__name__}")
+        if attention_mask is not None:
+            raise ValueError("attention_mask is not supported with inference_cache: give different prompt "
+                             "lengths as packed_seq_params (one segment per cached sequence)")
+        if self.parallel_state.cp_size > 1:
+            raise ValueError("inference_cache is not supported under context parallelism (cp_size > 1)")
+        if packed is not None:
+            check_packed_hidden_states(full)
+            validate_packed_seq_params(packed, full.shape[0])
+        new = new_rows_layout(full, None if packed is None else packed.cu_seqlens_q,
+                              None if packed is None else packed.cu_seqlens_q_padded,
+                              None if packed is None else packed.max_seqlen_q, cache)
+        rows = LocalRows(new, None if packed is not None else full.shape[1])
+        return rows.leave(attend_cached(self, rows.enter(full), new, cache))
 
     def _attend_rows(self, x: Tensor, rows: TokenRows) -> Tensor:
         """`_attend`; under `recompute_attention` in training only `x` is kept and backward runs the

@@ -1,0 +1,285 @@
+"""Incremental decoding: a per-layer inference cache and the layer step that reads and extends it.
+
+A layer called with a `LayerCache` attends its new rows over everything the cache holds for their
+sequence, then appends them: a prompt is prefilled in chunks of any length, then tokens are decoded
+one at a time, and every output equals the full-sequence forward's row (docs/user_guide.md, "Generate").
+
+What one layer keeps per sequence:
+
+| kind | cached | per token |
+|---|---|---|
+| W | the last `W−1` K = V rows (a ring buffer) | 0 |
+| H | the window ring; the compressor's unfinished group (its `kv` / `gate` projections); the compressed entries | `D / r` |
+| C | as H, the unfinished group also holding the previous group (the overlap half of ratio 4); the indexer's compressor state and compressed keys | `(D + DI) / r` |
+| M | the latent KV: normalised `kv_lora_rank` latent and the RoPE key | `kv_lora_rank + P` |
+
+Each sequence has its own length (`seqlens`, FlashAttention's `cache_seqlens`): a batch's prompts may
+differ in length (prefill them packed, THD), and a packed call may give a sequence no new tokens.
+The cache is preallocated for `capacity` tokens per sequence. Inference only: the step runs the layer
+in its weights' autograd, but the cache's buffers are written in place, so no gradient flows through
+them (call it under `torch.no_grad()` / `torch.inference_mode()`). This is the readable reference path:
+it gathers the rows each query reads, up-projects M's cached latents each step (no weight absorption)
+and runs on one process (tensor parallelism splits heads as the layer does; context parallelism is not
+supported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.backends.sparse_attention import sparse_attention
+from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection
+from megatron_dsa.layers.cores import DenseMLACore
+from megatron_dsa.ops.compressor import OVERLAP_RATIO
+from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
+from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
+from megatron_dsa.ops.precision import compute_dtype
+
+if TYPE_CHECKING:
+    from megatron_dsa.layers.hybrid_attention import HybridAttention
+
+
+@dataclass(frozen=True)
+class CompressorState:
+    """A compressor's unfinished tokens: `kv`, `gate` `[B, K, coff·Dc]`, the projections of the last
+    `K` positions at slot `position % K` (`K = 2r` for the overlapping ratio 4, else `r`)."""
+
+    kv: Tensor
+    gate: Tensor
+
+    @property
+    def slots(self) -> int:
+        return self.kv.shape[1]
+
+
+@dataclass
+class LayerCache:
+    """What one layer keeps of `batch` sequences of at most `capacity` tokens (see the module docstring).
+
+    seqlens: `[B]` int64 tokens cached per sequence. W/C/H: `window [B, max(W−1, 1), D]` K = V rows at
+    slot `position % (W−1)`; `compressors` the `CompressorState` of the attention's (`"attention"`) and
+    the indexer's (`"indexer"`) compressor; `entries [B, capacity // r, D]` compressed entries and
+    `indexer_keys [B, capacity // r, DI]`. M: `latent [B, capacity, kv_lora_rank]`, `k_rope [B, capacity, P]`.
+    """
+
+    kind: str
+    capacity: int
+    seqlens: Tensor
+    window: Optional[Tensor] = None
+    compressors: dict[str, CompressorState] = field(default_factory=dict)
+    entries: Optional[Tensor] = None
+    indexer_keys: Optional[Tensor] = None
+    latent: Optional[Tensor] = None
+    k_rope: Optional[Tensor] = None
+
+    @classmethod
+    def for_layer(cls, layer: "HybridAttention", batch: int, capacity: int, dtype: Optional[torch.dtype] = None,
+                  device: Optional[torch.device] = None) -> "LayerCache":
+        """An empty cache for `layer` (its parameters' dtype and device unless given)."""
+        if batch < 1 or capacity < 1:
+            raise ValueError(f"an inference cache needs batch >= 1 and capacity >= 1, got {batch}, {capacity}")
+        weight = layer.linear_q_down_proj.weight
+        dtype, device = dtype or weight.dtype, device or weight.device
+        empty = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        c = layer.config
+        cache = cls(layer.kind_spec.symbol, capacity, torch.zeros(batch, dtype=torch.long, device=device))
+        if isinstance(layer.core, DenseMLACore):
+            cache.latent = empty(batch, capacity, c.mla_kv_lora_rank)
+            cache.k_rope = empty(batch, capacity, c.qk_pos_emb_head_dim)
+            return cache
+        cache.window = empty(batch, max(c.csa_window_size - 1, 1), c.v_head_dim)
+        attention = layer.core_attention
+        for name, compressor in (("attention", attention.compressor),
+                                 ("indexer", attention.indexer.compressor if attention.indexer else None)):
+            if compressor is not None:
+                width, slots = compressor.linear_wkv.out_features, _pending_slots(compressor.ratio)
+                cache.compressors[name] = CompressorState(empty(batch, slots, width), empty(batch, slots, width))
+        if attention.compressor is not None:
+            cache.entries = empty(batch, capacity // attention.ratio, c.v_head_dim)
+        if attention.indexer is not None:
+            cache.indexer_keys = empty(batch, capacity // attention.ratio, c.dsa_indexer_head_dim)
+        return cache
+
+    @property
+    def batch(self) -> int:
+        return self.seqlens.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes the cache's buffers hold."""
+        buffers = [self.window, self.entries, self.indexer_keys, self.latent, self.k_rope]
+        buffers += [t for state in self.compressors.values() for t in (state.kv, state.gate)]
+        return sum(t.numel() * t.element_size() for t in buffers if t is not None)
+
+
+def _pending_slots(ratio: int) -> int:
+    """Positions a compressor keeps between calls: its unfinished group, and for the overlapping ratio 4
+    the finished group before it (the first half of the next entry's slots)."""
+    return 2 * ratio if ratio == OVERLAP_RATIO else ratio
+
+
+def new_rows_layout(hidden: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_padded: Optional[Tensor],
+                    max_seqlen: Optional[int], cache: LayerCache) -> TokenLayout:
+    """The layout of a cached call's new rows: `[S, B, d]` appends S tokens to each of the B sequences;
+    packed `[T, 1, d]` appends `diff(cu_seqlens)` tokens (0 allowed) to sequence b = segment b. Positions
+    continue each sequence's cache (`position_offsets = cache.seqlens`)."""
+    seqlen, batch, _ = hidden.shape
+    if cu_seqlens is None:
+        if batch != cache.batch:
+            raise ValueError(f"hidden_states batch {batch} differs from the inference cache's batch {cache.batch}")
+        layout = TokenLayout(torch.arange(0, (batch + 1) * seqlen, seqlen, device=hidden.device),
+                             batch * seqlen, seqlen)
+    else:
+        if cu_seqlens.numel() - 1 != cache.batch:
+            raise ValueError(f"packed_seq_params has {cu_seqlens.numel() - 1} sequences, the inference cache "
+                             f"{cache.batch}: segment b appends to cached sequence b")
+        layout = TokenLayout.packed(cu_seqlens, seqlen, hidden.device, cu_seqlens_padded, max_seqlen)
+    longest = int((cache.seqlens + layout.real_seqlens).max())
+    if longest > cache.capacity:
+        raise ValueError(f"a sequence would reach {longest} tokens, more than the inference cache's capacity "
+                         f"{cache.capacity}")
+    return dataclasses.replace(layout, position_offsets=cache.seqlens)
+
+
+def attend_cached(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: LayerCache) -> Tensor:
+    """New token rows `x [N, d]` (layout `new`) → this rank's `linear_proj` input `[N, F/tp]`, attending
+    over the cached rows of their sequences and each other; the cache then holds them too."""
+    if cache.kind != layer.kind_spec.symbol:
+        raise ValueError(f"inference cache of a kind {cache.kind!r} layer given to a kind "
+                         f"{layer.kind_spec.symbol!r} layer")
+    out = (_latent_step if isinstance(layer.core, DenseMLACore) else _sparse_step)(layer, x, new, cache)
+    cache.seqlens = cache.seqlens + new.real_seqlens
+    return out
+
+
+# ---------------------------------------------------------------- W / C / H
+def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: LayerCache) -> Tensor:
+    c, attention = layer.config, layer.core_attention
+    positions, inv_freq = new.positions, layer.angle_freq(x.dtype)
+    q, kv, projected, qr = layer.core.project(layer, x, positions)
+    before = cache.seqlens
+    # kv_all = [new rows (N); window ring (B·R); compressed entries (B·C)]: the rows indices point into.
+    ring = cache.window.shape[1]
+    window = _window_rows(new, before, c.csa_window_size, ring)
+    kv_offset = new.num_rows + cache.batch * ring
+    parts = [kv, cache.window.flatten(0, 1)]
+    selection = IndexSelection(window, None)
+    if attention.compressor is not None:
+        # New entries first: a row sees the entries its own chunk completes.
+        _append_entries(attention.compressor, cache.compressors["attention"], projected, new, before,
+                        cache.entries, inv_freq)
+        entries = _visible_entries(new, (before + new.real_seqlens) // attention.ratio, cache.entries.shape[1],
+                                   attention.ratio)
+        parts.append(cache.entries.flatten(0, 1))
+        if attention.indexer is None:
+            selection = IndexSelection(window, offset_valid(entries.rows(), kv_offset))
+        else:
+            indexer = attention.indexer
+            _append_entries(indexer.compressor, cache.compressors["indexer"], projected, new, before,
+                            cache.indexer_keys, inv_freq)
+            queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
+            selection = indexer.select((queries, cache.indexer_keys.flatten(0, 1), weights), entries,
+                                       c.dsa_indexer_topk, window, kv_offset)
+    attention.last_selection = selection
+    out, _ = sparse_attention(q, torch.cat(parts), selection.all(), attention.attn_sink, c.softmax_scale, c)
+    _write_slots(cache.window, kv, new, before)  # after kv_all was built: a new row may take an old slot
+    return layer.core.finish(layer, out, positions)
+
+
+def _window_rows(new: TokenLayout, before: Tensor, window: int, ring: int) -> Tensor:
+    """`[N, W]` rows of kv_all each new row attends in its window: positions `max(0, p−W+1) … p`, new rows
+    where the position is new, else the ring slot `position % ring`; −1 past `p` (as `window_indices`)."""
+    seg, p = new.segment_ids, new.positions
+    wanted = (p - window + 1).clamp_min(0).unsqueeze(1) + torch.arange(window, device=p.device)
+    local = wanted - before[seg].unsqueeze(1)
+    from_new = new.cu_seqlens[seg].unsqueeze(1) + local
+    from_ring = new.num_rows + seg.unsqueeze(1) * ring + wanted % ring
+    rows = torch.where(local >= 0, from_new, from_ring)
+    return torch.where(wanted <= p.unsqueeze(1), rows, INVALID)
+
+
+def _visible_entries(new: TokenLayout, entry_counts: Tensor, width: int, ratio: int) -> VisibleEntries:
+    """Entry `j` of sequence b is row `b·width + j` of the flattened cache; the row at position `p` sees
+    `j < (p + 1) // r` (ratio-causal, as the full forward's `visible_compressed_entries`)."""
+    j = torch.arange(width, device=entry_counts.device)
+    batch = torch.arange(entry_counts.shape[0], device=entry_counts.device).unsqueeze(1)
+    table = torch.where(j < entry_counts.unsqueeze(1), batch * width + j, INVALID)
+    seg = new.segment_ids
+    count = torch.minimum(torch.div(new.positions + 1, ratio, rounding_mode="floor"), entry_counts[seg])
+    return VisibleEntries(table, seg, count)
+
+
+def _append_entries(compressor: Compressor, state: CompressorState, projected: dict, new: TokenLayout,
+                    before: Tensor, store: Tensor, inv_freq: Tensor) -> None:
+    """Pool the entries the new rows complete into `store [B, C, Dc]` and keep their unfinished tokens.
+
+    The compressor runs on one segment per sequence: its pending positions (from the first token of the
+    previous group for ratio 4, else of the unfinished group), then its new rows, laid out as a piece of
+    the sequence (`CompressedLayout.owned`, as a context-parallel rank computes the entries it owns)."""
+    r, slots, batch = compressor.ratio, state.slots, before.shape[0]
+    first_entry = torch.div(before, r, rounding_mode="floor")
+    start = ((first_entry - (1 if r == OVERLAP_RATIO else 0)) * r).clamp_min(0)
+    held, added = before - start, new.real_seqlens
+    cu = torch.zeros(batch + 1, dtype=torch.long, device=before.device)
+    cu[1:] = torch.cumsum(held + added, 0)
+    num_rows = new.num_rows + batch * (slots - 1)  # held <= slots − 1: a bound known on the host
+    rows = torch.arange(num_rows, device=before.device)
+    seg = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, batch - 1)
+    local = rows - cu[seg]
+    source = torch.where(local < held[seg], new.num_rows + seg * slots + (start[seg] + local) % slots,
+                         new.cu_seqlens[seg] + local - held[seg])
+    source = torch.where(rows < cu[-1], source, 0)  # the tail past the last segment: any row
+    gather = lambda rows_new, pending: torch.cat((rows_new, pending.flatten(0, 1)))[source]  # noqa: E731
+    tokens = TokenLayout(cu, num_rows, new.max_seqlen + slots, position_offsets=start)
+    layout = CompressedLayout.owned(tokens, r, first_entry,
+                                    torch.div(before + added, r, rounding_mode="floor") - first_entry,
+                                    num_rows // r)
+    kv, gate = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
+    pooled = compressor({compressor.linear_wkv: gather(kv, state.kv),
+                         compressor.linear_wgate: gather(gate, state.gate)}, layout, inv_freq)
+    valid = layout.valid
+    store[layout.segment_ids[valid], layout.entry_index[valid]] = pooled[valid].to(store.dtype)
+    _write_slots(state.kv, kv, new, before)
+    _write_slots(state.gate, gate, new, before)
+
+
+def _write_slots(buffer: Tensor, rows: Tensor, new: TokenLayout, before: Tensor) -> None:
+    """Write the new real rows that stay in the ring `buffer [B, K, n]` (the last K positions of their
+    sequence) at slot `position % K`."""
+    slots = buffer.shape[1]
+    seg, p = new.segment_ids, new.positions
+    keep = new.row_valid & (p >= (before + new.real_seqlens)[seg] - slots)
+    buffer[seg[keep], p[keep] % slots] = rows[keep].to(buffer.dtype)
+
+
+# ---------------------------------------------------------------- M
+def _latent_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: LayerCache) -> Tensor:
+    core: DenseMLACore = layer.core
+    q, latent, k_rope = core.project(layer, x, new.positions)
+    seg, p, real = new.segment_ids, new.positions, new.row_valid
+    cache.latent[seg[real], p[real]] = latent[real].to(cache.latent.dtype)
+    cache.k_rope[seg[real], p[real]] = k_rope[real].to(cache.k_rope.dtype)
+    longest = int((cache.seqlens + new.real_seqlens).max())
+    k_nope, v = core.keys_values(layer, cache.latent[:, :longest].flatten(0, 1).to(x.dtype))
+    k_nope, v = k_nope.unflatten(0, (cache.batch, longest)), v.unflatten(0, (cache.batch, longest))
+    shared = cache.k_rope[:, :longest].to(x.dtype).unsqueeze(2).expand(-1, -1, layer.local_groups, -1)
+    k = torch.cat((k_nope, shared), dim=-1)
+    return _attend_prefix(q, k, v, seg, p, core.softmax_scale(layer.config)).flatten(1)
+
+
+def _attend_prefix(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, positions: Tensor, scale: float) -> Tensor:
+    """Each query row `t` of `q [N, H, D]` over the keys `k [B, L, G, D]` / values `v [B, L, G, Dv]` of its
+    sequence `seg[t]` at positions `<= positions[t]` → `[N, H, Dv]` (softmax in the compute dtype)."""
+    compute = compute_dtype(q.dtype)
+    per_group = q.shape[1] // k.shape[2]
+    keys = k[seg].to(compute).repeat_interleave(per_group, dim=2)  # [N, L, H, D]
+    values = v[seg].to(compute).repeat_interleave(per_group, dim=2)
+    logits = torch.einsum("thd,tjhd->thj", q.to(compute), keys) * scale
+    future = torch.arange(k.shape[1], device=q.device) > positions.unsqueeze(1)  # [N, L]
+    weights = torch.softmax(logits.masked_fill(future.unsqueeze(1), float("-inf")), dim=-1)
+    return torch.einsum("thj,tjhd->thd", weights, values).to(q.dtype)
+

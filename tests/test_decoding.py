@@ -1,0 +1,138 @@
+"""Incremental decoding (`layers.decoding`): prefill in chunks, then one token at a time, equals the
+full-sequence forward for every kind, in float64 to 1e-12; batches of different lengths and packed
+prompts too; C layers pick the same top-k entries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dsa import HybridAttentionConfig
+from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.layers.kinds import build_attention
+from megatron_dsa.packed_seq import PackedSeqParams
+
+KINDS = ("W", "C", "H", "M")
+TOLERANCE = 1e-12
+
+
+def config(kind: str) -> HybridAttentionConfig:
+    # Window 5 and top-k 3: windows, groups (r = 4, 8) and chunks fall out of step; the top-k must choose.
+    return HybridAttentionConfig.from_preset("tiny", num_layers=1, layer_pattern=kind, csa_window_size=5,
+                                             hca_compress_ratio=8, dsa_indexer_topk=3)
+
+
+def layer_and_input(kind: str, seqlen: int, batch: int, seed: int = 0):
+    torch.manual_seed(seed)
+    layer = build_attention(config(kind), kind=kind).double().eval()
+    with torch.no_grad():  # a nonzero sink, so it takes part in every softmax
+        for name, parameter in layer.named_parameters():
+            if name.endswith("attn_sink"):
+                parameter.normal_()
+    return layer, torch.randn(seqlen, batch, layer.config.hidden_size, dtype=torch.float64)
+
+
+def run_in_chunks(layer, hidden, chunks: list[int]) -> torch.Tensor:
+    """`hidden [S, B, d]` through the cache in consecutive chunks of the given sizes → `[S, B, d]`."""
+    cache = LayerCache.for_layer(layer, hidden.shape[1], hidden.shape[0])
+    outputs, start = [], 0
+    for size in chunks:
+        outputs.append(layer(hidden[start:start + size], inference_cache=cache)[0])
+        start += size
+    assert start == hidden.shape[0] and cache.seqlens.tolist() == [start] * hidden.shape[1]
+    return torch.cat(outputs)
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prefill", [1, 6, 11, 16])
+@torch.no_grad()
+def test_prefill_then_one_token_at_a_time_equals_the_full_forward(kind: str, prefill: int) -> None:
+    seqlen = 21
+    layer, hidden = layer_and_input(kind, seqlen, batch=2)
+    full = layer(hidden)[0]
+    decoded = run_in_chunks(layer, hidden, [prefill] + [1] * (seqlen - prefill))
+    assert max_error(decoded, full) < TOLERANCE
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_chunked_prefill_of_odd_sizes_equals_the_full_forward(kind: str) -> None:
+    layer, hidden = layer_and_input(kind, 40, batch=2, seed=1)
+    full = layer(hidden)[0]
+    assert max_error(run_in_chunks(layer, hidden, [3, 7, 1, 9, 5, 13, 2]), full) < TOLERANCE
+
+
+@torch.no_grad()
+def test_every_decode_step_of_a_c_layer_selects_the_full_forwards_entries() -> None:
+    seqlen, prefill = 33, 9
+    layer, hidden = layer_and_input("C", seqlen, batch=2, seed=2)
+    layer(hidden)
+    full = layer.core_attention.last_selection.entries.view(2, seqlen, -1)  # rows are batch-major
+    cache = LayerCache.for_layer(layer, 2, seqlen)
+    layer(hidden[:prefill], inference_cache=cache)
+    chosen = 0
+    for position in range(prefill, seqlen):
+        layer(hidden[position:position + 1], inference_cache=cache)
+        step = layer.core_attention.last_selection.entries  # [B, K']
+        width = min(step.shape[1], full.shape[2])
+        assert torch.equal(step[:, :width], full[:, position, :width])
+        assert (step[:, width:] < 0).all() and (full[:, position, width:] < 0).all()
+        chosen += int((step >= 0).sum())
+    assert chosen > 0
+
+
+def packed(lengths: list[int]) -> PackedSeqParams:
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedSeqParams(cu_seqlens_q=cu, max_seqlen_q=max(lengths))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_packed_prompts_of_different_lengths_then_batched_decoding_equals_each_sequence_alone(kind: str) -> None:
+    prompts, generated = [3, 12, 7], 6
+    layer, hidden = layer_and_input(kind, max(prompts) + generated, batch=len(prompts), seed=3)
+    cache = LayerCache.for_layer(layer, len(prompts), max(prompts) + generated)
+    stream = torch.cat([hidden[:length, b] for b, length in enumerate(prompts)]).unsqueeze(1)
+    prefilled = layer(stream, packed_seq_params=packed(prompts), inference_cache=cache)[0][:, 0]
+    steps = []
+    for step in range(generated):  # each sequence's next token, all in one [1, B, d] call
+        next_rows = torch.stack([hidden[length + step, b] for b, length in enumerate(prompts)]).unsqueeze(0)
+        steps.append(layer(next_rows, inference_cache=cache)[0][0])
+    assert cache.seqlens.tolist() == [length + generated for length in prompts]
+    starts = [0, *torch.tensor(prompts).cumsum(0).tolist()]
+    for b, length in enumerate(prompts):
+        alone = layer(hidden[:length + generated, b:b + 1])[0][:, 0]
+        assert max_error(prefilled[starts[b]:starts[b + 1]], alone[:length]) < TOLERANCE
+        assert max_error(torch.stack([s[b] for s in steps]), alone[length:]) < TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["C", "M"])
+@torch.no_grad()
+def test_a_packed_call_may_extend_only_some_sequences(kind: str) -> None:
+    layer, hidden = layer_and_input(kind, 14, batch=2, seed=4)
+    cache = LayerCache.for_layer(layer, 2, 14)
+    # Sequence 0 gets 9 tokens then 5, sequence 1 gets none then 14: padding-free packed calls.
+    first = layer(hidden[:9, :1], packed_seq_params=packed([9, 0]), inference_cache=cache)[0]
+    second_stream = torch.cat((hidden[9:, 0], hidden[:, 1])).unsqueeze(1)
+    second = layer(second_stream, packed_seq_params=packed([5, 14]), inference_cache=cache)[0][:, 0]
+    full = layer(hidden)[0]
+    assert max_error(torch.cat((first[:, 0], second[:5])), full[:, 0]) < TOLERANCE
+    assert max_error(second[5:], full[:, 1]) < TOLERANCE
+
+
+@torch.no_grad()
+def test_bad_cached_calls_are_rejected_with_clear_errors() -> None:
+    layer, hidden = layer_and_input("H", 8, batch=2)
+    with pytest.raises(ValueError, match="capacity"):
+        layer(hidden, inference_cache=LayerCache.for_layer(layer, 2, 7))
+    with pytest.raises(ValueError, match="batch"):
+        layer(hidden, inference_cache=LayerCache.for_layer(layer, 3, 8))
+    with pytest.raises(ValueError, match="kind"):
+        other, _ = layer_and_input("W", 8, batch=2)
+        layer(hidden, inference_cache=LayerCache.for_layer(other, 2, 8))
+    with pytest.raises(TypeError, match="LayerCache"):
+        layer(hidden, inference_cache={})
