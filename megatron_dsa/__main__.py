@@ -2,9 +2,10 @@
 
     train     the main training job (`python -m megatron_dsa.train`, same arguments)
     convert   convert attention checkpoints (`python -m megatron_dsa.convert`, same arguments)
+    generate  sample from a trained checkpoint (`python -m megatron_dsa.generate`, same arguments)
     info      versions, the device, and which kernel backend can run which op family here
 
-`train` and `convert` hand their arguments to their module's own parser, so each option is
+`train`, `convert` and `generate` hand their arguments to their module's own parser, so each option is
 defined once and `megatron-dsa train --help` is the module's help.
 """
 
@@ -43,6 +44,12 @@ def run_convert(argv: list[str], prog: str) -> int:
     return convert.main(argv, prog)
 
 
+def run_generate(argv: list[str], prog: str) -> int:
+    from megatron_dsa import generate
+
+    return generate.main(argv, prog)
+
+
 def run_info(argv: list[str], prog: str) -> int:
     parser = argparse.ArgumentParser(
         prog=prog, description="Versions, the device, and per kernel backend the op families it can run "
@@ -58,6 +65,8 @@ def run_info(argv: list[str], prog: str) -> int:
 COMMANDS = {
     "train": Command("train HybridLM (the main job; --preset tiny to start)", run_train),
     "convert": Command("convert attention checkpoints (Megatron / Hugging Face <-> ours, TP merge / split)", run_convert),
+    "generate": Command("sample from a trained checkpoint (greedy or temperature / top-p) through the decoding cache",
+                        run_generate),
     "info": Command("show versions, the device and the kernel backends this machine can run", run_info),
 }
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from megatron_dsa.config import HybridAttentionConfig, check_field_types, construct_strict
 from megatron_dsa.layers.common import RMSNorm, linear, output_init_std
+from megatron_dsa.layers.decoding import InferenceCache, LayerCache
 from megatron_dsa.layers.hybrid_attention import HybridAttention
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -95,8 +96,10 @@ class TransformerLayer(nn.Module):
         self.mlp = SwiGLUMLP(attention.hidden_size, model.ffn_hidden_size, attention.init_method_std,
                              attention.num_layers, state, attention.sequence_parallel)
 
-    def forward(self, hidden: Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> Tensor:
-        attended, _ = self.self_attention(self.input_layernorm(hidden), packed_seq_params=packed_seq_params)
+    def forward(self, hidden: Tensor, packed_seq_params: Optional[PackedSeqParams] = None,
+                inference_cache: Optional[LayerCache] = None) -> Tensor:
+        attended, _ = self.self_attention(self.input_layernorm(hidden), packed_seq_params=packed_seq_params,
+                                          inference_cache=inference_cache)
         hidden = hidden + attended
         return hidden + self.mlp(self.pre_mlp_layernorm(hidden))
 
@@ -113,7 +116,9 @@ def sequence_parallel_norm(attention: HybridAttentionConfig, eps: float) -> RMSN
 class HybridLM(nn.Module):
     """Decoder-only LM with one `HybridAttention` per layer, kinds from `attention.layer_pattern`.
 
-    forward(tokens `[B, S]` int64) → logits `[B, S, vocab_size]` (float32 under autocast too).
+    forward(tokens `[B, S]` int64) → logits `[B, S, vocab_size]` (float32 under autocast too). With an
+    `inference_cache` (`new_inference_cache`) the tokens continue the cached sequences (see
+    `megatron_dsa.generate`).
     """
 
     def __init__(self, attention: HybridAttentionConfig, model: ModelConfig,
@@ -130,19 +135,36 @@ class HybridLM(nn.Module):
         self.output_layer = (None if model.tie_embeddings
                              else linear(attention.hidden_size, model.vocab_size, std))
 
-    def forward(self, tokens: Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> Tensor:
-        """tokens `[B, S]` (under context parallelism: this rank's part of S) → logits `[B, S, V]`."""
-        self._check_tokens(tokens, packed_seq_params)
+    def forward(self, tokens: Tensor, packed_seq_params: Optional[PackedSeqParams] = None,
+                inference_cache: Optional[InferenceCache] = None) -> Tensor:
+        """tokens `[B, S]` (under context parallelism: this rank's part of S) → logits `[B, S, V]`.
+
+        `inference_cache` (inference only): `tokens` are the next tokens of its sequences (`[B, S]`: S
+        more each; packed `[1, T]`: segment b continues sequence b); the cache then holds them too."""
+        if inference_cache is None:
+            self._check_tokens(tokens, packed_seq_params)
+        elif len(inference_cache.layers) != len(self.layers):
+            raise ValueError(f"inference_cache has {len(inference_cache.layers)} layers, the model {len(self.layers)}")
         sp_group = self.parallel_state.tp_group if self.attention_config.sequence_parallel else None
         hidden = self.word_embeddings(tokens.t())  # [S, B, d]
         hidden = scatter_to_sequence_parallel_region(hidden, sp_group)
-        for layer in self.layers:
-            hidden = layer(hidden, packed_seq_params)
+        for number, layer in enumerate(self.layers):
+            hidden = layer(hidden, packed_seq_params,
+                           None if inference_cache is None else inference_cache.layers[number])
         hidden = self.final_layernorm(hidden)
         # Every rank computes all logits with the replicated head: its gradient is complete.
         hidden = gather_from_sequence_parallel_region(hidden, sp_group, grad_is_partial=False)
         head = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         return F.linear(hidden.transpose(0, 1), head).float()
+
+    def new_inference_cache(self, batch: int, capacity: Optional[int] = None) -> InferenceCache:
+        """An empty decoding cache for `batch` sequences of up to `capacity` tokens (default
+        `model.max_seq_len`), in the parameters' dtype and device."""
+        capacity = self.model_config.max_seq_len if capacity is None else capacity
+        if capacity > self.model_config.max_seq_len:
+            raise ValueError(f"inference cache capacity {capacity} exceeds model.max_seq_len "
+                             f"{self.model_config.max_seq_len}")
+        return InferenceCache.for_layers([layer.self_attention for layer in self.layers], batch, capacity)
 
     def indexer_losses(self) -> dict[int, float]:
         """`{layer_number: coefficient-scaled indexer KL}` of the last training forward (C layers only)."""

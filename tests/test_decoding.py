@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_dsa import HybridAttentionConfig
-from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.layers.decoding import LayerCache, cache_footprint, dense_mla_bytes_per_token
 from megatron_dsa.layers.kinds import build_attention
 from megatron_dsa.packed_seq import PackedSeqParams
 
@@ -136,3 +136,22 @@ def test_bad_cached_calls_are_rejected_with_clear_errors() -> None:
         layer(hidden, inference_cache=LayerCache.for_layer(other, 2, 8))
     with pytest.raises(TypeError, match="LayerCache"):
         layer(hidden, inference_cache={})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_footprint_counts_what_the_cache_allocates(kind: str) -> None:
+    layer, _ = layer_and_input(kind, 1, 1)
+    footprint = cache_footprint(layer.config, kind, element_size=8)  # float64 buffers
+    for capacity in (16, 64):  # multiples of every ratio
+        assert LayerCache.for_layer(layer, 3, capacity).nbytes() == 3 * (footprint.per_sequence
+                                                                          + footprint.per_token * capacity)
+
+
+def test_at_dsv4_flash_dims_the_sparse_kinds_cache_a_fraction_of_dense_mla() -> None:
+    c = HybridAttentionConfig.from_preset("dsv4-flash")
+    dense = dense_mla_bytes_per_token(c)
+    assert dense == (c.mla_kv_lora_rank + c.qk_pos_emb_head_dim) * 2
+    assert cache_footprint(c, "M").per_token == dense
+    assert cache_footprint(c, "W").per_token == 0
+    assert cache_footprint(c, "C").per_token == (c.v_head_dim + c.dsa_indexer_head_dim) / 4 * 2
+    assert cache_footprint(c, "H").per_token == c.v_head_dim / c.hca_compress_ratio * 2

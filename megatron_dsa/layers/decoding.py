@@ -41,6 +41,7 @@ from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
 
 if TYPE_CHECKING:
+    from megatron_dsa.config import HybridAttentionConfig
     from megatron_dsa.layers.hybrid_attention import HybridAttention
 
 
@@ -283,3 +284,67 @@ def _attend_prefix(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, positions: Tens
     weights = torch.softmax(logits.masked_fill(future.unsqueeze(1), float("-inf")), dim=-1)
     return torch.einsum("thj,tjhd->thd", weights, values).to(q.dtype)
 
+
+
+# ---------------------------------------------------------------- a model's cache, and its size
+@dataclass
+class InferenceCache:
+    """One `LayerCache` per attention layer of a model, for `batch` sequences of up to `capacity` tokens."""
+
+    layers: list[LayerCache]
+
+    @classmethod
+    def for_layers(cls, layers: "list[HybridAttention]", batch: int, capacity: int,
+                   dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> "InferenceCache":
+        return cls([LayerCache.for_layer(layer, batch, capacity, dtype, device) for layer in layers])
+
+    @property
+    def seqlens(self) -> Tensor:
+        """`[B]` tokens cached per sequence."""
+        return self.layers[0].seqlens
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+@dataclass(frozen=True)
+class CacheFootprint:
+    """Cache bytes of one layer for one sequence: `per_token` more per token held, `per_sequence` fixed
+    (the window ring and the compressors' unfinished groups)."""
+
+    kind: str
+    per_token: float
+    per_sequence: int
+
+
+def cache_footprint(config: HybridAttentionConfig, kind: str, element_size: int = 2) -> CacheFootprint:
+    """What `LayerCache` holds for a layer of `kind` (W/C/H/M) with `config`'s dims, values of
+    `element_size` bytes (2: bf16). Long sequences are dominated by `per_token`."""
+    from megatron_dsa.layers.kinds import KINDS
+
+    c, spec = config, KINDS[kind]
+    if spec.core is not KINDS["M"].core:
+        ratio, indexer = spec.compress_ratio(c), spec.has_indexer(c)
+        per_token = (c.v_head_dim + (c.dsa_indexer_head_dim if indexer else 0)) / ratio if ratio else 0.0
+        fixed = max(c.csa_window_size - 1, 1) * c.v_head_dim
+        if ratio:
+            factor = 2 if ratio == OVERLAP_RATIO else 1  # coff: the ratio-4 compressor's doubled channels
+            widths = [factor * c.v_head_dim] + ([factor * c.dsa_indexer_head_dim] if indexer else [])
+            fixed += sum(2 * _pending_slots(ratio) * width for width in widths)  # kv and gate
+        return CacheFootprint(kind, per_token * element_size, fixed * element_size)
+    return CacheFootprint(kind, float(dense_mla_bytes_per_token(c, element_size)), 0)
+
+
+def dense_mla_bytes_per_token(config: HybridAttentionConfig, element_size: int = 2) -> int:
+    """A dense MLA latent cache's bytes per token per layer: the `kv_lora_rank` latent and the RoPE key."""
+    return (config.mla_kv_lora_rank + config.qk_pos_emb_head_dim) * element_size
+
+
+def footprint_table(config: HybridAttentionConfig, element_size: int = 2) -> str:
+    """A Markdown table of `cache_footprint` for every kind against the dense MLA latent cache."""
+    dense = dense_mla_bytes_per_token(config, element_size)
+    lines = ["| kind | bytes / token / layer | vs dense MLA | fixed bytes / sequence / layer |", "|---|---|---|---|"]
+    for kind in ("W", "C", "H", "M"):
+        f = cache_footprint(config, kind, element_size)
+        lines.append(f"| {kind} | {f.per_token:g} | {f.per_token / dense:.4f} | {f.per_sequence} |")
+    return "\n".join(lines)

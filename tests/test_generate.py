@@ -1,0 +1,115 @@
+"""Generation (`megatron_dsa.generate`): the model through the decoding cache equals the full forward,
+generation with the cache equals generation by recomputing every step, and the CLI samples from a
+main-job checkpoint and scores the retrieval task by generation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_dsa import HybridAttentionConfig
+from megatron_dsa.__main__ import main as cli_main
+from megatron_dsa.checkpointing import CheckpointWriter
+from megatron_dsa.data import RetrievalTask, seeded_generator
+from megatron_dsa.generate import generate, next_tokens, score_retrieval
+from megatron_dsa.model import HybridLM, ModelConfig
+from megatron_dsa.packed_seq import PackedSeqParams
+from megatron_dsa.train import History, JobConfig, TrainConfig, build_model, build_optimizer, job_extra
+
+
+def small_job() -> JobConfig:
+    attention = HybridAttentionConfig.from_preset("tiny", layer_pattern="WCHM", csa_window_size=6,
+                                                  hca_compress_ratio=8, dsa_indexer_topk=3)
+    return JobConfig(attention, ModelConfig(ffn_hidden_size=64, max_seq_len=96),
+                     TrainConfig(seq_len=96, corpus_max_bytes=200_000, retrieval_pairs=2))
+
+
+def model_fp64(seed: int = 0) -> HybridLM:
+    job = small_job()
+    torch.manual_seed(seed)
+    model = HybridLM(job.attention, job.model).double().eval()
+    with torch.no_grad():  # a larger scale than the init, so the greedy choices are not near-ties
+        for parameter in model.parameters():
+            parameter.mul_(8 if parameter.dim() >= 2 else 1)
+    return model
+
+
+@torch.no_grad()
+def test_the_model_through_the_cache_equals_the_full_forward() -> None:
+    model, lengths, extra = model_fp64(), [5, 17, 11], 9
+    tokens = torch.randint(0, 256, (3, max(lengths) + extra), generator=torch.Generator().manual_seed(0))
+    cache = model.new_inference_cache(3, max(lengths) + extra)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    stream = torch.cat([tokens[b, :n] for b, n in enumerate(lengths)]).unsqueeze(0)
+    prefill = model(stream, PackedSeqParams(cu_seqlens_q=cu, max_seqlen_q=max(lengths)), cache)[0]
+    steps = [model(torch.stack([tokens[b, n + i] for b, n in enumerate(lengths)]).unsqueeze(1),
+                   inference_cache=cache)[:, 0] for i in range(extra)]
+    for b, n in enumerate(lengths):
+        full = model(tokens[b:b + 1, :n + extra])[0]
+        assert float((prefill[cu[b]:cu[b + 1]] - full[:n]).abs().max()) < 1e-10
+        assert float((torch.stack([s[b] for s in steps]) - full[n:]).abs().max()) < 1e-10
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.9)])
+def test_generation_with_the_cache_equals_recomputing_every_step(temperature: float, top_p: float) -> None:
+    model = model_fp64(1)
+    draw = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=draw) for n in (3, 14, 9)]
+    runs = [generate(model, prompts, 24, temperature, top_p, torch.Generator().manual_seed(7), use_cache=cached)
+            for cached in (True, False)]
+    assert torch.equal(runs[0], runs[1])
+    assert len(set(runs[0].flatten().tolist())) > 3  # not one token repeated
+
+
+def test_top_p_keeps_the_smallest_nucleus_and_temperature_zero_is_greedy() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    draws = torch.stack([next_tokens(logits, 1.0, 0.7, torch.Generator().manual_seed(s)) for s in range(200)])
+    assert set(draws.flatten().tolist()) == {0, 1}
+    assert next_tokens(logits, 0.0, 1.0, None).tolist() == [0]
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model_fp64(), [torch.tensor([1, 2])], 2, top_p=0.0)
+
+
+def test_retrieval_scored_by_generation_counts_right_answers() -> None:
+    model = model_fp64()
+    task = RetrievalTask(seq_len=80, num_pairs=2, min_distance=6)
+    samples = task.sample(torch.randint(32, 127, (4000,), dtype=torch.uint8), 3, seeded_generator(0, "t", 0))
+    scores = score_retrieval(model, samples.tokens, samples.answer_positions)
+    # Independent count: greedy answers by the full forward, one answer byte at a time.
+    right = []
+    for row, positions in zip(samples.tokens, samples.answer_positions):
+        sequence = row[:positions[0]]
+        for position in positions:
+            token = model(sequence.unsqueeze(0))[0, -1].argmax()
+            right.append(bool(token == row[position]))
+            sequence = torch.cat((sequence, token.view(1)))
+    assert scores.samples == 3 and scores.generated_bytes == pytest.approx(sum(right) / len(right))
+
+
+def test_the_cli_samples_from_a_main_job_checkpoint(tmp_path, capsys) -> None:
+    job = small_job()
+    model = build_model(job, torch.device("cpu"))
+    writer = CheckpointWriter(tmp_path, None)
+    writer.save(3, model, build_optimizer(model, job.train), job_extra(3, job, History()))
+    writer.wait()
+    args = ["generate", "--checkpoint", str(tmp_path), "--prompt", "def f(", "--prompt", "x",
+            "--max-new-tokens", "5", "--dtype", "fp64"]
+    assert cli_main(args) == 0
+    model = model.double().eval()
+    prompts = [torch.tensor(list(b"def f(")), torch.tensor(list(b"x"))]
+    continuations = generate(model, prompts, 5)
+    expected = "".join(text + bytes(c.tolist()).decode(errors="replace") + "\n"
+                       for text, c in zip(("def f(", "x"), continuations))
+    assert capsys.readouterr().out == expected
+    assert cli_main(args + ["--temperature", "1.0", "--seed", "3"]) == 0
+    sampled = capsys.readouterr().out
+    assert cli_main(args + ["--temperature", "1.0", "--seed", "3", "--no-cache"]) == 0
+    assert capsys.readouterr().out == sampled
+    assert cli_main(["generate", "--checkpoint", str(tmp_path), "--retrieval", "2"]) == 0
+    assert "retrieval, 2 samples: generated answers" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="error: .*temperature"):
+        cli_main(args + ["--temperature", "-1"])
+    with pytest.raises(SystemExit, match="error: .*neither a checkpoint"):
+        cli_main(["generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"])
