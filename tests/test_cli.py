@@ -1,4 +1,4 @@
-"""The command line (`megatron-dsa` = `python -m megatron_dsa`: train, convert, info), packaged configs
+"""The command line (`megatron-dsa` = `python -m megatron_dsa`: train, convert, generate, info), packaged configs
 found from any directory, and the layer benchmark script."""
 
 from __future__ import annotations
@@ -38,21 +38,22 @@ def exit_of(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, s
 def test_help_lists_every_command(capsys: pytest.CaptureFixture) -> None:
     code, out, _ = exit_of(["--help"], capsys)
     assert code == 0
-    for command in ("train", "convert", "info"):
+    for command in ("train", "convert", "generate", "info"):
         assert re.search(rf"^\s+{command}\s+\S", out, re.M), out
 
 
-@pytest.mark.parametrize("command, option", [("train", "--preset"), ("convert", "--trust-pickle"), ("info", "--verbose")])
+@pytest.mark.parametrize("command, option", [("train", "--preset"), ("convert", "--trust-pickle"),
+                                             ("generate", "--top-p"), ("info", "--verbose")])
 def test_each_command_has_its_own_help(command: str, option: str, capsys: pytest.CaptureFixture) -> None:
     code, out, _ = exit_of([command, "--help"], capsys)
     assert code == 0
     assert out.startswith(f"usage: megatron-dsa {command}") and option in out
 
 
-def test_train_and_convert_share_their_modules_parsers(capsys: pytest.CaptureFixture) -> None:
-    from megatron_dsa import convert, train
+def test_train_convert_and_generate_share_their_modules_parsers(capsys: pytest.CaptureFixture) -> None:
+    from megatron_dsa import convert, generate, train
 
-    for module, command in ((train, "train"), (convert, "convert")):
+    for module, command in ((train, "train"), (convert, "convert"), (generate, "generate")):
         with pytest.raises(SystemExit):
             module.main(["--help"])
         module_help = capsys.readouterr().out

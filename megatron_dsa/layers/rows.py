@@ -2,8 +2,9 @@
 
 A layer's attention works on flat token rows (`ops.layout`). Which rows those are, and which keys
 and compressed entries their queries see, depends on how the sequence is held: whole on this process
-(`LocalRows`), split over context-parallel ranks (`layers.context_parallel.ContextParallelRows`),
-or, later, new rows appended to a decoding cache. The layer builds one row context per call
+(`LocalRows`) or split over context-parallel ranks (`layers.context_parallel.ContextParallelRows`).
+(New rows appended to a decoding cache take their own step, `layers.decoding`: their keys come from
+the cache's buffers, not from rows of this call.) The layer builds one row context per call
 (`token_rows`) and its cores ask it, never the parallel setup, for what they need:
 
 | call | gives |
