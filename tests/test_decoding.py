@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distributed import run_distributed
 from megatron_dsa import HybridAttentionConfig
 from megatron_dsa.layers.decoding import LayerCache, cache_footprint, dense_mla_bytes_per_token
 from megatron_dsa.layers.kinds import build_attention
 from megatron_dsa.packed_seq import PackedSeqParams
+from megatron_dsa.parallel import initialize_parallel_state
+from megatron_dsa.parallel.sharding import load_full_state_dict
 
 KINDS = ("W", "C", "H", "M")
 TOLERANCE = 1e-12
@@ -155,3 +158,39 @@ def test_at_dsv4_flash_dims_the_sparse_kinds_cache_a_fraction_of_dense_mla() -> 
     assert cache_footprint(c, "W").per_token == 0
     assert cache_footprint(c, "C").per_token == (c.v_head_dim + c.dsa_indexer_head_dim) / 4 * 2
     assert cache_footprint(c, "H").per_token == c.v_head_dim / c.hca_compress_ratio * 2
+
+
+def tensor_parallel_decoding_body(rank: int, world: int) -> None:
+    """TP-2 decoding == TP-1 decoding == the full forward, for every kind."""
+    state = initialize_parallel_state(tp_size=world)
+    for kind in KINDS:
+        reference, hidden = layer_and_input(kind, 17, batch=2, seed=5)
+        torch.manual_seed(0)
+        layer = build_attention(config(kind), kind=kind, parallel_state=state).double().eval()
+        load_full_state_dict(layer, reference.state_dict(), state)
+        with torch.no_grad():
+            expected = reference(hidden)[0]
+            chunks = [6, 1, 4] + [1] * 6
+            torch.testing.assert_close(run_in_chunks(layer, hidden, chunks), expected, rtol=0, atol=TOLERANCE,
+                                       msg=lambda m: f"kind {kind}, rank {rank}: {m}")
+
+
+def test_decoding_under_tensor_parallelism_equals_one_process() -> None:
+    run_distributed(tensor_parallel_decoding_body, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_bf16_decoding_on_the_gpu_is_as_close_to_float64_as_the_full_forward(kind: str) -> None:
+    """bf16 on the GPU (the fused backends where they serve): prefill + one token at a time is within
+    2× the full bf16 forward's error against the float64 forward, plus 1% of the output scale (a C
+    layer's top-k may break a near-tie differently in bf16, in either path)."""
+    layer, hidden = layer_and_input(kind, 300, batch=2, seed=6)
+    layer, hidden = layer.cuda(), hidden.cuda()
+    reference = layer(hidden)[0]
+    layer, hidden = layer.bfloat16(), hidden.bfloat16()
+    full = layer(hidden)[0].double()
+    decoded = run_in_chunks(layer, hidden, [137] + [1] * 163).double()
+    scale = float(reference.abs().max())
+    assert max_error(decoded, reference) <= 2 * max_error(full, reference) + 1e-2 * scale
