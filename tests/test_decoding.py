@@ -139,6 +139,22 @@ def test_bad_cached_calls_are_rejected_with_clear_errors() -> None:
         layer(hidden, inference_cache=LayerCache.for_layer(other, 2, 8))
     with pytest.raises(TypeError, match="LayerCache"):
         layer(hidden, inference_cache={})
+    with pytest.raises(ValueError, match="attention_mask"):
+        mask = torch.ones(8, 8, dtype=torch.bool).triu(1).view(1, 1, 8, 8)
+        layer(hidden, attention_mask=mask, inference_cache=LayerCache.for_layer(layer, 2, 8))
+    with pytest.raises(ValueError, match="segment b appends to cached sequence b"):
+        layer(hidden[:, :1], packed_seq_params=packed([8]), inference_cache=LayerCache.for_layer(layer, 2, 8))
+
+
+@pytest.mark.parametrize("kind", ["C", "M"])
+def test_an_fp32_cache_serves_bf16_rows_under_autocast(kind: str) -> None:
+    torch.manual_seed(0)
+    layer = build_attention(config(kind), kind=kind).eval()
+    hidden = torch.randn(12, 2, layer.config.hidden_size)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = layer(hidden)[0].float()
+        decoded = run_in_chunks(layer, hidden, [7] + [1] * 5).float()
+    assert max_error(decoded, full) < 0.05 * float(full.abs().max())
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -167,7 +167,8 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
     ring = cache.window.shape[1]
     window = _window_rows(new, before, c.csa_window_size, ring)
     kv_offset = new.num_rows + cache.batch * ring
-    parts = [kv, cache.window.flatten(0, 1)]
+    # Cached rows in the rows' dtype: under autocast they may differ from the cache's.
+    parts = [kv, cache.window.flatten(0, 1).to(kv.dtype)]
     selection = IndexSelection(window, None)
     if attention.compressor is not None:
         # New entries first: a row sees the entries its own chunk completes.
@@ -175,7 +176,7 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
                         cache.entries, inv_freq)
         entries = _visible_entries(new, (before + new.real_seqlens) // attention.ratio, cache.entries.shape[1],
                                    attention.ratio)
-        parts.append(cache.entries.flatten(0, 1))
+        parts.append(cache.entries.flatten(0, 1).to(kv.dtype))
         if attention.indexer is None:
             selection = IndexSelection(window, offset_valid(entries.rows(), kv_offset))
         else:
@@ -183,7 +184,8 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
             _append_entries(indexer.compressor, cache.compressors["indexer"], projected, new, before,
                             cache.indexer_keys, inv_freq)
             queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
-            selection = indexer.select((queries, cache.indexer_keys.flatten(0, 1), weights), entries,
+            keys = cache.indexer_keys.flatten(0, 1).to(queries.dtype)
+            selection = indexer.select((queries, keys, weights), entries,
                                        c.dsa_indexer_topk, window, kv_offset)
     attention.last_selection = selection
     out, _ = sparse_attention(q, torch.cat(parts), selection.all(), attention.attn_sink, c.softmax_scale, c)

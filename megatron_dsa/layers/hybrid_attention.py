@@ -117,8 +117,9 @@ class HybridAttention(HighPrecisionModule):
         if attention_mask is not None:
             raise ValueError("attention_mask is not supported with inference_cache: give different prompt "
                              "lengths as packed_seq_params (one segment per cached sequence)")
-        if self.parallel_state.cp_size > 1:
-            raise ValueError("inference_cache is not supported under context parallelism (cp_size > 1)")
+        if self.parallel_state.cp_size > 1 or self.config.sequence_parallel:
+            raise ValueError("inference_cache is not supported under context or sequence parallelism "
+                             "(cp_size > 1, sequence_parallel): decoding feeds every rank the whole new rows")
         if packed is not None:
             check_packed_hidden_states(full)
             validate_packed_seq_params(packed, full.shape[0])
