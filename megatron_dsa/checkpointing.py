@@ -15,10 +15,10 @@ from save to save (pinned, filled on a side CUDA stream; `prepare` allocates the
 background ahead of the first save) and returns: the next forward and backward
 overlap the copy, and only the next optimizer update waits for it. A background thread writes the
 files once the copy is done, over a gloo group of its own so the writer's collectives never
-interleave with the training's NCCL ones, and hashes what this rank wrote. A save is committed
-(`manifest.json` written, `step-N.partial` renamed to `step-N`, `latest` replaced, the older
-checkpoint removed) only after every rank finished writing, so a crash mid-save leaves the previous
-checkpoint intact.
+interleave with the training's NCCL ones, and hashes what this rank wrote. The same thread commits
+the save (`manifest.json` written, `step-N.partial` renamed to `step-N`, `latest` replaced, the
+older checkpoint removed) as soon as every rank finished writing, and not before, so a crash
+mid-save leaves the previous checkpoint intact.
 
 `manifest.json` holds the step, the config and its fingerprint, the saving layout (world, TP and
 CP sizes, each rank's TP / CP rank) and every file's size and SHA-256. `load_checkpoint` checks the
@@ -261,9 +261,9 @@ class _HostStaging:
 class CheckpointWriter:
     """Saves `{model, optimizer, extra}` under `<out_dir>/checkpoints` (see the module docstring).
 
-    `save` returns once the copy to host memory is under way; `wait` finishes the pending save and
-    commits it (every rank calls both, in the same order). `extra` must be JSON; its `config` entry,
-    if any, is fingerprinted into the manifest."""
+    `save` returns once the copy to host memory is under way; the save commits itself in the
+    background once every rank wrote it; `wait` waits for that (every rank calls both, in the same
+    order). `extra` must be JSON; its `config` entry, if any, is in the manifest with its fingerprint."""
 
     def __init__(self, out_dir: Path, state: Optional[ParallelState]):
         self.root = Path(out_dir) / CHECKPOINTS_DIR
@@ -274,7 +274,7 @@ class CheckpointWriter:
         self.hooked: set[int] = set()  # optimizers whose updates wait for the staging copy
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self.preparing: Optional[Future] = None  # the background allocation of `prepare`
-        self.pending: Optional[tuple[Future, Path, dict[str, Any], float]] = None
+        self.pending: Optional[Future] = None  # the background write (and commit) of the last save
         self.last_staging_seconds: Optional[float] = None  # host time `save` took
         self.last_save_seconds: Optional[float] = None  # wall time of the last committed save
 
@@ -314,8 +314,8 @@ class CheckpointWriter:
                     "cp_size": self.state.cp_size if self.state else 1}
         layout = {"rank": _world_rank(), "tp_rank": self.state.tp_rank if self.state else 0,
                   "cp_rank": self.state.cp_rank if self.state else 0}
-        future = self.executor.submit(self._write, staged, partial, self.staging.copied)
-        self.pending = (future, partial, {"manifest": manifest, "layout": layout}, started)
+        self.pending = self.executor.submit(self._write, staged, partial, self.staging.copied,
+                                            {"manifest": manifest, "layout": layout}, started)
         self.last_staging_seconds = time.perf_counter() - started
 
     def _check_finite(self, local: dict[str, Any], step: int) -> None:
@@ -327,8 +327,10 @@ class CheckpointWriter:
             raise CheckpointError(f"refusing to checkpoint step {step}: non-finite values in {named[:3]}"
                                   + (f" and {len(named) - 3} more tensors" if len(named) > 3 else ""))
 
-    def _write(self, staged: dict[str, Any], partial: Path, copied: Optional[torch.cuda.Event]) -> dict[str, Any]:
-        """Background thread: write this rank's shards, then hash the files it wrote."""
+    def _write(self, staged: dict[str, Any], partial: Path, copied: Optional[torch.cuda.Event],
+               described: dict[str, Any], started: float) -> Path:
+        """Background thread: write this rank's shards, hash the files it wrote and, once every rank
+        has, commit the save (this thread is the only user of the writer's group)."""
         if copied is not None:
             copied.synchronize()
         with _single_process_quiet():
@@ -337,26 +339,27 @@ class CheckpointWriter:
         mine = sorted(partial.glob(f"__{rank}_*.distcp")) + [partial / _rng_name(rank)]
         if rank == 0:
             mine.append(partial / ".metadata")  # written by the coordinator once every rank's shards are
-        return {path.name: _file_digest(path) for path in mine}
-
-    def wait(self) -> Optional[Path]:
-        """Finish the pending save (if any) and commit it; returns the committed directory."""
-        if self.pending is None:
-            return None
-        future, partial, described, started = self.pending
-        self.pending = None
-        written = _all_gather({"files": future.result(), **described["layout"]}, self.group)
+        files = {path.name: _file_digest(path) for path in mine}
+        written = _all_gather({"files": files, **described["layout"]}, self.group)
         final = partial.with_name(partial.name[:-len(PARTIAL_SUFFIX)])
-        if _world_rank() == 0:
-            manifest = dict(described["manifest"], ranks=[{key: value for key, value in rank.items() if key != "files"}
-                                                           for rank in written],
-                            files={name: digest for rank in written for name, digest in rank["files"].items()})
+        if rank == 0:
+            manifest = dict(described["manifest"],
+                            ranks=[{key: value for key, value in entry.items() if key != "files"} for entry in written],
+                            files={name: digest for entry in written for name, digest in entry["files"].items()})
             _write_atomically(partial / MANIFEST_NAME, json.dumps(manifest, indent=1))
             self._commit(partial, final)
         if self.group is not None:
             dist.barrier(group=self.group)  # nobody looks for `latest` before it names this save
         self.last_save_seconds = time.perf_counter() - started
         return final
+
+    def wait(self) -> Optional[Path]:
+        """Wait for the pending save (if any), committed as soon as every rank wrote it; returns its
+        directory. Raises what the background write raised."""
+        if self.pending is None:
+            return None
+        future, self.pending = self.pending, None
+        return future.result()
 
     def _commit(self, partial: Path, final: Path) -> None:
         previous = latest_checkpoint(self.root.parent)

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import sys
 import textwrap
 from pathlib import Path
@@ -247,3 +248,16 @@ def test_prepared_host_buffers_are_the_ones_the_saves_fill(tmp_path) -> None:
     writer.save(2, model, optimizer, {"step": 2})
     writer.wait()
     assert {path: buffer.data_ptr() for path, buffer in writer.staging.buffers.items()} == buffers
+
+
+def test_a_save_commits_itself_without_waiting_for_the_next_one(tmp_path) -> None:
+    """The newest complete save becomes `latest` while training goes on, not at the next save."""
+    model, optimizer = trained(None, seed=3)
+    writer = CheckpointWriter(tmp_path, None)
+    writer.save(1, model, optimizer, {"step": 1})
+    deadline = time.monotonic() + 60
+    while latest_checkpoint(tmp_path) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-000001"
+    assert (latest_checkpoint(tmp_path) / "manifest.json").is_file()
+    assert writer.wait() == latest_checkpoint(tmp_path)
