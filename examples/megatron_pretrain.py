@@ -45,14 +45,13 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing the package
 
-from megatron_dsa.data import (Batch, RetrievalTask, load_stdlib_corpus, make_batch,  # noqa: E402
-                               seeded_generator, split_corpus)
+from megatron_dsa.data import Batch, RetrievalTask, make_batch, seeded_generator  # noqa: E402
 from megatron_dsa.integrations.megatron import (hybrid_gpt_model, tracked_indexer_losses,  # noqa: E402
                                                 indexer_loss_scale, load_dist_checkpoint, require_megatron,
                                                 save_dist_checkpoint, set_indexer_loss_scale)
 from megatron_dsa.integrations.megatron_config import to_megatron_kwargs  # noqa: E402
 from megatron_dsa.parallel.context import chunks_per_sequence, shard_sequence  # noqa: E402
-from megatron_dsa.train import JobConfig, context_parallel_batch, learning_rate, resolve_device  # noqa: E402
+from megatron_dsa.train import JobConfig, context_parallel_batch, learning_rate, load_corpus, resolve_device  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -237,7 +236,7 @@ def run(job: JobConfig, args: argparse.Namespace, device: torch.device) -> list[
     start = load_checkpoint(model, args.load) if args.load is not None else 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
                                   betas=(train.adam_beta1, train.adam_beta2))
-    text = split_corpus(load_stdlib_corpus(train.corpus_max_bytes)).train
+    text = load_corpus(train).train
     task = job.retrieval_task()
     positions = torch.arange(train.seq_len, device=device).expand(train.batch_size, -1)
     if leader:
