@@ -143,3 +143,13 @@ def test_only_compressed_layers_let_the_answers_depend_on_the_values(pattern, se
         logits = [model(tokens[:, :-1]).gather(1, predicting.unsqueeze(-1).expand(-1, -1, 256))
                   for tokens in (samples.tokens, changed)]
     assert torch.equal(logits[0], logits[1]) != sees_the_values
+
+
+def test_the_window_only_control_differs_from_tiny_in_its_layer_pattern_only():
+    import yaml
+
+    tiny = yaml.safe_load(TINY_YAML.read_text())
+    control = yaml.safe_load((REPO_ROOT / "configs" / "tiny_window_only.yaml").read_text())
+    assert control["attention"].pop("layer_pattern") == "WWWW" and tiny["attention"].pop("layer_pattern") == "WCHC"
+    assert control["train"].pop("out_dir") != tiny["train"].pop("out_dir")
+    assert control == tiny

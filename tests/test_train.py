@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from megatron_dsa import train
+from megatron_dsa import compare, train
 from megatron_dsa.checkpointing import latest_checkpoint, load_checkpoint
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.data import Batch
@@ -199,3 +199,22 @@ def test_learning_rate_schedule_values():
     assert train.learning_rate(7, config) == pytest.approx(0.55)  # half way: (lr + min_lr) / 2
     assert train.learning_rate(10, config) == pytest.approx(0.1)
     assert train.learning_rate(25, config) == pytest.approx(0.1)
+
+
+def test_compare_overlays_runs_and_names_a_directory_without_history(tmp_path, capsys):
+    for name, pattern, accuracy in (("hybrid", "WCHC", 0.95), ("control", "WWWW", 0.11)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        history = train.History(evals=[train.EvalStats(step=0, val_lm_loss=5.5, retrieval_accuracy=0.0),
+                                       train.EvalStats(step=50, val_lm_loss=2.0, retrieval_accuracy=accuracy)])
+        train.write_history(history, run_dir)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump({"attention": {"layer_pattern": pattern}}))
+    out = tmp_path / "plots" / "both.png"
+    compare.main([str(tmp_path / "hybrid"), str(tmp_path / "control"), "--out", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("WCHC (hybrid): retrieval accuracy 0.950 at step 50")
+    assert printed[1].startswith("WWWW (control): retrieval accuracy 0.110 at step 50")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        compare.main([str(tmp_path), "--out", str(out)])
+    assert "holds no history.json" in capsys.readouterr().err
