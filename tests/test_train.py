@@ -78,6 +78,15 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert [s.indexer_losses for s in resumed.steps] == [s.indexer_losses for s in full.steps]
 
 
+def test_retrieval_loss_falls_in_a_few_steps(tmp_path):
+    """Smoke: on retrieval rows only, the answer-digit loss falls from uniform over bytes (ln 256)."""
+    config = small_job_yaml(tmp_path, retrieval_fraction=1.0, batch_size=4, eval_interval=100, checkpoint_interval=100)
+    history = train.main(["--config", str(config), "--steps", "20"])
+    losses = [s.retrieval_loss for s in history.steps]
+    assert all(s.lm_loss is None for s in history.steps)
+    assert losses[0] > 5.0 and sum(losses[-4:]) / 4 < losses[0] - 2.0, losses
+
+
 def test_answer_hits_counts_exact_arg_max_matches_on_masked_targets_only():
     """Hand-made logits over a vocabulary of 4: of the three masked targets two are hit; a hit on an
     unmasked position and a near miss (second-highest logit) do not count."""
