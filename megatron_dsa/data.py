@@ -4,9 +4,9 @@
   `tools/make_corpus.py`, pinned by its SHA-256 so every Python version trains on the same bytes),
   or any text file given as `train.corpus`; split into train / validation by interleaved blocks.
 * Retrieval: `k=v;` pairs (one-letter keys, one-digit values) at the start of a sequence, filler
-  text, then queries `?k=` at the end; the model must copy the value. Every value lies beyond the
-  reach of a stack of sliding windows, so only the compressed (C/H) paths of the hybrid attention
-  can carry it. Loss counts the answer bytes only.
+  text, then queries `?k=` at the end; the model must copy the value. With `configs/tiny.yaml`
+  every value lies beyond the reach of the whole stack of sliding windows (`window_reach`), so only
+  the compressed (C/H) paths of the hybrid attention can carry it. Loss counts the answer bytes only.
 
 Every batch is a pure function of `(seed, stream, index)`, so a resumed run sees the same batches.
 """
@@ -132,8 +132,8 @@ class RetrievalTask:
     `num_pairs` pairs of a distinct one-letter key and a random digit open the sequence (a pair is
     4 bytes: one group of the ratio-4 compressor); `num_queries` distinct keys of them are asked at
     the end, each answered by its value. The position that predicts an answer lies more than
-    `min_distance` positions after the value (give `window_reach` of the window-only stack), so a
-    model that only sees its sliding windows is at chance, 1/10 per answer.
+    `min_distance` positions after the value; where that exceeds `window_reach` of a window-only
+    stack, such a model cannot see the value and is at chance, 1/10 per answer.
     """
 
     seq_len: int

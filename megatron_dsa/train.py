@@ -1,4 +1,4 @@
-"""Train `HybridLM` on stdlib bytes plus the long-range retrieval task.
+"""Train `HybridLM` on the built-in corpus (bytes) plus the long-range retrieval task.
 
     python -m megatron_dsa.train --config configs/tiny.yaml [--steps N] [--out DIR] [--device cuda]
                                  [--resume [CKPT]] [--seed S] [--dtype fp32|bf16]
@@ -36,8 +36,9 @@ import torch.distributed as dist
 from megatron_dsa.backends import call_counts, reset_call_counts
 from megatron_dsa.checkpointing import CHECKPOINTS_DIR, CheckpointWriter, latest_checkpoint, load_checkpoint
 from megatron_dsa.config import HybridAttentionConfig, check_field_types
-from megatron_dsa.data import (BUILTIN, KEY_ALPHABET, Batch, CorpusError, CorpusSplit, RetrievalTask, load_corpus_bytes,
-                               make_batch, pack_documents, seeded_generator, split_corpus, window_reach)
+from megatron_dsa.data import (BUILTIN, KEY_ALPHABET, Batch, CorpusError, CorpusSplit, RetrievalTask,
+                               load_corpus_bytes, make_batch, pack_documents, seeded_generator, split_corpus,
+                               window_reach)
 from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import ParallelState, initialize_parallel_state

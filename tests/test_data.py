@@ -73,7 +73,11 @@ PAIR = re.compile(rb"([a-z])=([0-9]);")
 QUERY = re.compile(rb"\?([a-z])=([0-9])")
 
 
-def decode(sequence: bytes, num_pairs: int, num_queries: int) -> tuple[dict[bytes, tuple[bytes, int]], list[tuple[bytes, bytes, int]]]:
+Pairs = dict[bytes, tuple[bytes, int]]  # key -> (value, position of the value)
+Queries = list[tuple[bytes, bytes, int]]  # (key, answer, position of the answer)
+
+
+def decode(sequence: bytes, num_pairs: int, num_queries: int) -> tuple[Pairs, Queries]:
     """Parse one retrieval sequence from its bytes alone: `{key: (value, value position)}` of the
     pair list and `[(key, answer, answer position)]` of the queries."""
     pairs_text, rest = sequence.split(b"\n", 1)
