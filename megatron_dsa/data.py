@@ -4,7 +4,7 @@
   `tools/make_corpus.py`, pinned by its SHA-256 so every Python version trains on the same bytes),
   or any text file given as `train.corpus`; split into train / validation by interleaved blocks.
 * Retrieval: `k=v;` pairs (one-letter keys, one-digit values) at the start of a sequence, filler
-  text, then queries `?k=` at the end; the model must copy the value. With `configs/tiny.yaml`
+  text, then queries `?k` at the end; the model must write the value next. With `configs/tiny.yaml`
   every value lies beyond the reach of the whole stack of sliding windows (`window_reach`), so only
   the compressed (C/H) paths of the hybrid attention can carry it. Loss counts the answer bytes only.
 
@@ -25,13 +25,14 @@ from torch import Tensor
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 BUILTIN_CORPUS = "builtin-v1.txt.gz"
-BUILTIN_CORPUS_SHA256 = "776088dbcacdcecd630375b97543c4fa8d29fd4394da89682b31aaf10b931e28"
+BUILTIN_CORPUS_SHA256 = "6a0facbb6af11d3adac91bd5558f4b729e743bc0f40cf6c572943d009d9fc7e4"
 BUILTIN = "builtin"  # the `train.corpus` value that selects the built-in corpus
 KEY_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 VALUE_ALPHABET = b"0123456789"
-PAIR_BYTES = 4  # 'k=v;' and '?k=v'
+PAIR_BYTES = 4  # 'k=v;'
 PAIR_VALUE = 2  # offset of the value in 'k=v;'
-QUERY_ANSWER = 3  # offset of the answer in '?k=v'
+QUERY_BYTES = 3  # '?kv': the key itself predicts the answer
+QUERY_ANSWER = 2  # offset of the answer in '?kv'
 
 
 # ---------------------------------------------------------------- corpus
@@ -158,7 +159,7 @@ class RetrievalTask:
 
     @property
     def filler_len(self) -> int:
-        return self.seq_len + 1 - PAIR_BYTES * (self.num_pairs + self.num_queries) - 2  # 2: the '\n's
+        return self.seq_len + 1 - PAIR_BYTES * self.num_pairs - QUERY_BYTES * self.num_queries - 2  # 2: the '\n's
 
     @property
     def closest_distance(self) -> int:
@@ -167,7 +168,7 @@ class RetrievalTask:
 
     @property
     def _query_start(self) -> int:
-        return self.seq_len + 1 - PAIR_BYTES * self.num_queries
+        return self.seq_len + 1 - QUERY_BYTES * self.num_queries
 
     def sample(self, filler_text: Tensor, count: int, generator: torch.Generator) -> RetrievalSamples:
         """`count` sequences; filler windows are drawn from `filler_text` (uint8)."""
@@ -179,10 +180,10 @@ class RetrievalTask:
             values = _random_bytes(VALUE_ALPHABET, self.num_pairs, generator)
             asked = torch.randperm(self.num_pairs, generator=generator)[: self.num_queries].tolist()
             pairs = b"".join(key + b"=" + values[i:i + 1] + b";" for i, key in enumerate(keys))
-            queries = b"".join(b"?" + keys[i] + b"=" + values[i:i + 1] for i in asked)
+            queries = b"".join(b"?" + keys[i] + values[i:i + 1] for i in asked)
             sequences.append(list(pairs + b"\n" + bytes(fillers[row].tolist()) + b"\n" + queries))
             sources.append([PAIR_BYTES * i + PAIR_VALUE for i in asked])
-        answers = self._query_start + QUERY_ANSWER + PAIR_BYTES * torch.arange(self.num_queries)
+        answers = self._query_start + QUERY_ANSWER + QUERY_BYTES * torch.arange(self.num_queries)
         return RetrievalSamples(tokens=torch.tensor(sequences, dtype=torch.long).view(count, self.seq_len + 1),
                                 answer_positions=answers.expand(count, -1),
                                 source_positions=torch.tensor(sources, dtype=torch.long).view(count, self.num_queries))

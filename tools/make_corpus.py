@@ -44,8 +44,8 @@ WEATHER = ("rain fell all morning", "the wind came off the sea", "fog lay over t
            "the sun was warm on the stones", "snow had closed the high road", "the river ran high")
 TIMES = ("At dawn", "Before noon", "In the evening", "Late at night", "On market day", "In spring",
          "By the end of the week", "After the harvest", "In winter", "Every morning")
-VERBS = (("sold", "to"), ("carried", "to"), ("brought", "to"), ("sent", "to"), ("gave", "to"),
-         ("showed", "to"), ("lent", "to"), ("promised", "to"))
+VERBS = (("sold", "sold"), ("carried", "carried"), ("brought", "brought"), ("sent", "sent"), ("gave", "given"),
+         ("showed", "shown"), ("lent", "lent"), ("promised", "promised"))  # past tense, past participle
 FEELINGS = ("pleased", "tired", "worried", "proud", "surprised", "hungry", "cheerful", "restless")
 NUMBER_WORDS = ("two three four five six seven eight nine ten eleven twelve twenty forty "
                 "a hundred").split(" ")
@@ -60,11 +60,11 @@ def sentence(rng: random.Random) -> str:
     a, b = rng.sample(NAMES, 2)
     town, other = rng.sample(TOWNS, 2)
     trade, good, adjective = rng.choice(TRADES), rng.choice(GOODS), rng.choice(ADJECTIVES)
-    verb, preposition = rng.choice(VERBS)
+    verb, participle = rng.choice(VERBS)
     count = rng.randint(2, 99)
     kind = rng.randrange(12)
     if kind == 0:
-        return f"{a} the {trade} {verb} {count} {good} {preposition} {b} at {_place(rng)}."
+        return f"{a} the {trade} {verb} {count} {good} to {b} at {_place(rng)}."
     if kind == 1:
         return f"{rng.choice(TIMES)}, {a} walked from {town} to {other}, a road of {count} miles."
     if kind == 2:
@@ -76,7 +76,7 @@ def sentence(rng: random.Random) -> str:
     if kind == 5:
         return f"In the year {rng.randint(1200, 1899)}, {town} had {count} {trade}s and one {adjective} bridge."
     if kind == 6:
-        return f"{a} was {rng.choice(FEELINGS)}, because {b} had {verb} the {good} {preposition} {other}."
+        return f"{a} was {rng.choice(FEELINGS)}, because {b} had {participle} the {good} to {other}."
     if kind == 7:
         price = f"{rng.randint(1, 20)} shillings and {rng.randint(1, 11)} pence"
         return f"A cask of {good} cost {price} in {town}, but less in {other}."
