@@ -566,9 +566,9 @@ def describe_retrieval(job: JobConfig) -> str:
     reach = window_reach(attention.num_layers, attention.csa_window_size)
     verdict = ("beyond it: only C, H or M layers can reach the values" if task.closest_distance > reach
                else "within it: a window-only model could solve the task too")
-    return (f"retrieval: {task.num_pairs} pairs, {task.num_queries} queries per sequence; every answer is predicted "
-            f">= {task.closest_distance} tokens after its value, a window-only stack of {attention.num_layers} layers "
-            f"sees {reach} back ({verdict})")
+    return (f"retrieval: {task.num_pairs} key/value pair(s), {task.num_queries} query(ies) per sequence; every "
+            f"answer is predicted >= {task.closest_distance} tokens after its value, a window-only stack of "
+            f"{attention.num_layers} layers sees {reach} back ({verdict})")
 
 
 def setup_parallel(tp: int, cp: int, device: torch.device) -> Optional[ParallelState]:
