@@ -53,8 +53,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing the
 warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed", category=UserWarning,
                         module=r"megatron\.core")
 
-from megatron_dsa.data import (Batch, RetrievalTask, load_stdlib_corpus, make_batch,  # noqa: E402
-                               seeded_generator, split_corpus)
+from megatron_dsa.data import Batch, RetrievalTask, make_batch, seeded_generator  # noqa: E402
 from megatron_dsa.integrations.megatron import (hybrid_gpt_model, tracked_indexer_losses,  # noqa: E402
                                                 indexer_loss_scale, load_dist_checkpoint, require_megatron,
                                                 save_dist_checkpoint, set_indexer_loss_scale)
@@ -63,7 +62,7 @@ from megatron_dsa.packaged_configs import resolve_config  # noqa: E402
 from megatron_dsa.parallel.consistency import check_same_on_all_ranks  # noqa: E402
 from megatron_dsa.parallel.context import chunks_per_sequence, shard_sequence  # noqa: E402
 from megatron_dsa.train import (DIST_TIMEOUT_S, JobConfig, context_parallel_batch, learning_rate,  # noqa: E402
-                                resolve_device)
+                                load_corpus, resolve_device)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -259,7 +258,7 @@ def run(job: JobConfig, args: argparse.Namespace, device: torch.device) -> list[
     start = load_checkpoint(model, args.load) if args.load is not None else 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
                                   betas=(train.adam_beta1, train.adam_beta2))
-    text = split_corpus(load_stdlib_corpus(train.corpus_max_bytes)).train
+    text = load_corpus(train).train
     task = job.retrieval_task()
     positions = torch.arange(train.seq_len, device=device).expand(train.batch_size, -1)
     if leader:

@@ -14,10 +14,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing the package
 
-from megatron_dsa.data import load_stdlib_corpus, make_batch, seeded_generator, split_corpus  # noqa: E402
+from megatron_dsa.data import make_batch, seeded_generator  # noqa: E402
 from megatron_dsa.packaged_configs import resolve_config  # noqa: E402
 from megatron_dsa.train import (JobConfig, build_model, build_optimizer, compute_loss,  # noqa: E402
-                                learning_rate)
+                                learning_rate, load_corpus)
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     train = job.train
     model = build_model(job, torch.device("cpu"))  # seeded from train.seed
     optimizer = build_optimizer(model, train)
-    text = split_corpus(load_stdlib_corpus(train.corpus_max_bytes)).train
+    text = load_corpus(train).train
     task = job.retrieval_task()
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, layer kinds "
           f"{[layer.self_attention.kind.value for layer in model.layers]}")

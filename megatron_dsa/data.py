@@ -1,52 +1,77 @@
-"""Training data that needs no download: byte-level Python stdlib source, plus a long-range
-retrieval task.
+"""Training data that needs no download: a built-in byte corpus plus a long-range retrieval task.
 
-* LM text: the bytes of this interpreter's own standard-library `.py` files (deterministic order,
-  capped), split into train / validation by interleaved blocks.
-* Retrieval: `key=value;` pairs at the start of a sequence, filler text, then `?key=` at the end;
-  the model must produce the value. The answer lies far beyond the sliding window, so only the
-  compressed (C/H) paths of the hybrid attention can carry it. Loss counts the answer bytes only.
+* LM text: the built-in corpus, `corpus/builtin-v1.txt.gz` (English-like prose written by
+  `tools/make_corpus.py`, pinned by its SHA-256 so every Python version trains on the same bytes),
+  or any text file given as `train.corpus`; split into train / validation by interleaved blocks.
+* Retrieval: `k=v;` pairs (one-letter keys, one-digit values) at the start of a sequence, a run of
+  `.`, then queries `?k` at the end; the model must write the value next. With `configs/tiny.yaml`
+  every value lies beyond the reach of the whole stack of sliding windows (`window_reach`), so only
+  the compressed (C/H) paths of the hybrid attention can carry it. Loss counts the answer bytes only.
 
 Every batch is a pure function of `(seed, stream, index)`, so a resumed run sees the same batches.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import random
-import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-# Sub-trees of the stdlib directory that are not the standard library's own source.
-SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "__pycache__"})
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+BUILTIN_CORPUS = "builtin-v1.txt.gz"
+BUILTIN_CORPUS_SHA256 = "6a0facbb6af11d3adac91bd5558f4b729e743bc0f40cf6c572943d009d9fc7e4"
+BUILTIN = "builtin"  # the `train.corpus` value that selects the built-in corpus
 KEY_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 VALUE_ALPHABET = b"0123456789"
+PAIR_BYTES = 4  # 'k=v;'
+PAIR_VALUE = 2  # offset of the value in 'k=v;'
+QUERY_BYTES = 3  # '?kv': the key itself predicts the answer
+QUERY_ANSWER = 2  # offset of the answer in '?kv'
+FILLER = b"."  # the gap between the pairs and the queries
 
 
 # ---------------------------------------------------------------- corpus
-def stdlib_source_files() -> list[Path]:
-    """The stdlib's `.py` files sorted by relative path (tests and third-party packages excluded)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [path for path in root.rglob("*.py")
-             if not SKIPPED_DIRS.intersection(path.relative_to(root).parts[:-1])]
-    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+class CorpusError(ValueError):
+    """The corpus file is missing, damaged or unusable."""
 
 
-def load_stdlib_corpus(max_bytes: int) -> Tensor:
-    """Concatenated stdlib source, at most `max_bytes` bytes, as `[N]` uint8."""
+def load_corpus_bytes(corpus: str, max_bytes: int) -> Tensor:
+    """The first `max_bytes` bytes of the corpus as `[N]` uint8: `"builtin"` or a file path."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-    chunks, total = [], 0
-    for path in stdlib_source_files():
-        data = path.read_bytes()[: max_bytes - total]
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    data = load_builtin_corpus() if corpus == BUILTIN else _read_text_file(Path(corpus))
+    return torch.frombuffer(bytearray(data[:max_bytes]), dtype=torch.uint8)
+
+
+def load_builtin_corpus() -> bytes:
+    """The built-in corpus text, checked against its pinned SHA-256."""
+    path = CORPUS_DIR / BUILTIN_CORPUS
+    try:
+        data = gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
+        raise CorpusError(f"the built-in corpus {path} cannot be read ({error}); reinstall the package "
+                          f"or regenerate it with `python tools/make_corpus.py --write`") from error
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != BUILTIN_CORPUS_SHA256:
+        raise CorpusError(f"the built-in corpus {path} is damaged: its text has SHA-256 {digest}, expected "
+                          f"{BUILTIN_CORPUS_SHA256}; reinstall the package or regenerate it with "
+                          f"`python tools/make_corpus.py --write`")
+    return data
+
+
+def _read_text_file(path: Path) -> bytes:
+    if not path.is_file():
+        raise CorpusError(f"train.corpus {str(path)!r} is neither 'builtin' nor an existing file")
+    data = path.read_bytes()
+    if not data:
+        raise CorpusError(f"train.corpus {str(path)!r} is empty")
+    return data
 
 
 @dataclass(frozen=True)
@@ -86,10 +111,16 @@ def sample_windows(text: Tensor, count: int, length: int, generator: torch.Gener
 
 
 # ---------------------------------------------------------------- retrieval task
+def window_reach(num_layers: int, window: int) -> int:
+    """How far back a stack of `num_layers` sliding-window layers sees: each layer's window of
+    `window` tokens (itself included) adds `window - 1` positions."""
+    return num_layers * (window - 1)
+
+
 @dataclass(frozen=True)
 class RetrievalSamples:
-    """`tokens [n, S+1]`; `answer_positions` / `source_positions` `[n, value_len]`: where each
-    answer byte sits at the end and where the same byte was stated in the pair list."""
+    """`tokens [n, S+1]`; `answer_positions` / `source_positions` `[n, num_queries]`: where each
+    answer byte sits in the queries and where the same value was stated in the pair list."""
 
     tokens: Tensor
     answer_positions: Tensor
@@ -98,72 +129,67 @@ class RetrievalSamples:
 
 @dataclass(frozen=True)
 class RetrievalTask:
-    """`k1=v1;k2=v2;…\\n<filler>\\n?k=v`: sequences of `seq_len + 1` bytes ending in the answer.
+    """`a=3;q=7;…\n......\n?q7?a3…`: sequences of `seq_len + 1` bytes.
 
-    Every answer byte lies more than `min_distance` positions after the value it copies (give the
-    attention window), so a model that only sees its sliding window is at chance (1/10 per byte).
+    `num_pairs` pairs of a distinct one-letter key and a random digit open the sequence (a pair is
+    4 bytes: one group of the ratio-4 compressor); `num_queries` distinct keys of them are asked at
+    the end, each answered by its value. The position that predicts an answer lies more than
+    `min_distance` positions after the value; where that exceeds `window_reach` of a window-only
+    stack, such a model cannot see the value and is at chance, 1/10 per answer.
     """
 
     seq_len: int
     num_pairs: int = 8
-    key_len: int = 4  # with value_len 2, a pair is 8 bytes: whole compressor groups (r = 4, 16)
-    value_len: int = 2
-    min_distance: int = 16
+    num_queries: int = 4
+    min_distance: int = 60
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "num_pairs", "key_len", "value_len", "min_distance"):
+        for name in ("seq_len", "num_pairs", "num_queries", "min_distance"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"retrieval {name} must be a positive integer, got {value!r}")
-        if self.num_pairs > len(KEY_ALPHABET) ** self.key_len:
-            raise ValueError(f"retrieval num_pairs {self.num_pairs} exceeds the distinct keys of "
-                             f"length {self.key_len}")
-        closest = self._answer_start - self._source_start(self.num_pairs - 1)
-        if self._filler_len < 0 or closest <= self.min_distance:
-            raise ValueError(f"retrieval seq_len {self.seq_len} is too short for {self.num_pairs} pairs "
-                             f"with answers more than {self.min_distance} bytes after their source")
+        if self.num_pairs > len(KEY_ALPHABET):
+            raise ValueError(f"retrieval num_pairs {self.num_pairs} exceeds the {len(KEY_ALPHABET)} one-letter keys")
+        if self.num_queries > self.num_pairs:
+            raise ValueError(f"retrieval num_queries {self.num_queries} exceeds num_pairs {self.num_pairs} "
+                             f"(each query asks a different key)")
+        if self.filler_len < 0 or self.closest_distance <= self.min_distance:
+            raise ValueError(f"retrieval seq_len {self.seq_len} is too short for {self.num_pairs} pairs and "
+                             f"{self.num_queries} queries with every answer more than {self.min_distance} "
+                             f"positions after its value")
 
     @property
-    def _pair_stride(self) -> int:
-        return self.key_len + self.value_len + 2  # key '=' value ';'
+    def filler_len(self) -> int:
+        return self.seq_len + 1 - PAIR_BYTES * self.num_pairs - QUERY_BYTES * self.num_queries - 2  # 2: the '\n's
 
     @property
-    def _answer_start(self) -> int:
-        return self.seq_len + 1 - self.value_len
+    def closest_distance(self) -> int:
+        """Positions from the last pair's value to the position that predicts the first answer."""
+        return (self._query_start + QUERY_ANSWER - 1) - (PAIR_BYTES * (self.num_pairs - 1) + PAIR_VALUE)
 
     @property
-    def _filler_len(self) -> int:
-        query_len = 2 + self.key_len + 1  # '\n?' key '='
-        return self._answer_start - query_len - self.num_pairs * self._pair_stride - 1  # 1: '\n'
+    def _query_start(self) -> int:
+        return self.seq_len + 1 - QUERY_BYTES * self.num_queries
 
-    def _source_start(self, pair: int) -> int:
-        return pair * self._pair_stride + self.key_len + 1
-
-    def sample(self, filler_text: Tensor, count: int, generator: torch.Generator) -> RetrievalSamples:
-        """`count` sequences; filler windows are drawn from `filler_text` (uint8)."""
-        fillers = sample_windows(filler_text, count, self._filler_len, generator)
+    def sample(self, count: int, generator: torch.Generator) -> RetrievalSamples:
+        """`count` sequences. The gap is a constant run of `.` (FILLER), so the pairs are the only
+        compressed entries that carry anything (with corpus text there, 8 pairs stayed at chance
+        for 700 steps of tiny.yaml; so did 4 pairs with dots: see the README)."""
+        filler = FILLER * self.filler_len
         sequences, sources = [], []
-        for row in range(count):
-            keys = self._distinct_keys(generator)
-            values = [_random_bytes(VALUE_ALPHABET, self.value_len, generator) for _ in keys]
-            asked = int(torch.randint(0, self.num_pairs, (1,), generator=generator))
-            pairs = b"".join(key + b"=" + value + b";" for key, value in zip(keys, values))
-            sequences.append(list(pairs + b"\n" + bytes(fillers[row].tolist()) + b"\n?"
-                                  + keys[asked] + b"=" + values[asked]))
-            sources.append(self._source_start(asked))
-        offsets = torch.arange(self.value_len)
-        return RetrievalSamples(
-            tokens=torch.tensor(sequences, dtype=torch.long).view(count, self.seq_len + 1),
-            answer_positions=(self._answer_start + offsets).expand(count, -1),
-            source_positions=torch.tensor(sources, dtype=torch.long).view(-1, 1) + offsets)
-
-    def _distinct_keys(self, generator: torch.Generator) -> list[bytes]:
-        keys: list[bytes] = []
-        while len(keys) < self.num_pairs:
-            key = _random_bytes(KEY_ALPHABET, self.key_len, generator)
-            if key not in keys:
-                keys.append(key)
-        return keys
+        for _ in range(count):
+            letters = torch.randperm(len(KEY_ALPHABET), generator=generator)[: self.num_pairs].tolist()
+            keys = [KEY_ALPHABET[i:i + 1] for i in letters]
+            values = _random_bytes(VALUE_ALPHABET, self.num_pairs, generator)
+            asked = torch.randperm(self.num_pairs, generator=generator)[: self.num_queries].tolist()
+            pairs = b"".join(key + b"=" + values[i:i + 1] + b";" for i, key in enumerate(keys))
+            queries = b"".join(b"?" + keys[i] + values[i:i + 1] for i in asked)
+            sequences.append(list(pairs + b"\n" + filler + b"\n" + queries))
+            sources.append([PAIR_BYTES * i + PAIR_VALUE for i in asked])
+        answers = self._query_start + QUERY_ANSWER + QUERY_BYTES * torch.arange(self.num_queries)
+        return RetrievalSamples(tokens=torch.tensor(sequences, dtype=torch.long).view(count, self.seq_len + 1),
+                                answer_positions=answers.expand(count, -1),
+                                source_positions=torch.tensor(sources, dtype=torch.long).view(count, self.num_queries))
 
 
 def _random_bytes(alphabet: bytes, length: int, generator: torch.Generator) -> bytes:
@@ -193,7 +219,7 @@ def make_batch(text: Tensor, task: RetrievalTask, batch_size: int, retrieval_row
         raise ValueError(f"retrieval_rows must be in [0, {batch_size}], got {retrieval_rows}")
     seq_len = task.seq_len
     lm = sample_windows(text, batch_size - retrieval_rows, seq_len + 1, generator)
-    retrieval = task.sample(text, retrieval_rows, generator)
+    retrieval = task.sample(retrieval_rows, generator)
     tokens = torch.cat((lm, retrieval.tokens))
     loss_mask = torch.zeros(batch_size, seq_len, dtype=torch.bool)
     loss_mask[: lm.shape[0]] = True

@@ -168,13 +168,12 @@ def load_model(checkpoint: Path, device: torch.device, dtype: torch.dtype = torc
 
 
 def retrieval_samples(checkpoint: Path, count: int, seed: int) -> tuple[Tensor, Tensor]:
-    """`count` retrieval samples of the checkpoint's task, on its validation text."""
+    """`count` retrieval samples of the checkpoint's task."""
     from megatron_dsa.data import seeded_generator
-    from megatron_dsa.train import JobConfig, load_corpus
+    from megatron_dsa.train import JobConfig
 
     job = JobConfig.from_dict(read_manifest(resolve_checkpoint(checkpoint))["config"])
-    samples = job.retrieval_task().sample(load_corpus(job.train).validation, count,
-                                          seeded_generator(seed, "generate-retrieval", 0))
+    samples = job.retrieval_task().sample(count, seeded_generator(seed, "generate-retrieval", 0))
     return samples.tokens, samples.answer_positions
 
 

@@ -1,4 +1,4 @@
-"""Train `HybridLM` on stdlib bytes plus the long-range retrieval task.
+"""Train `HybridLM` on the built-in corpus (bytes) plus the long-range retrieval task.
 
     megatron-dsa train --preset tiny [--steps N] [--out DIR] [--device cuda] [--resume [CKPT]]
     megatron-dsa train --config my_job.yaml [--seed S] [--dtype fp32|bf16] ...
@@ -49,8 +49,9 @@ from megatron_dsa.config import HybridAttentionConfig, check_field_types
 from megatron_dsa.data_parallel import (DATA_PARALLEL_MODES, data_parallel_size, is_sharded, local_grad,
                                         reduce_data_parallel_grads, reshard_after_evaluation,
                                         shard_over_data_parallel)
-from megatron_dsa.data import (Batch, CorpusSplit, RetrievalTask, load_stdlib_corpus, make_batch,
-                               pack_documents, seeded_generator, split_corpus)
+from megatron_dsa.data import (BUILTIN, KEY_ALPHABET, Batch, CorpusError, CorpusSplit, RetrievalTask,
+                               load_corpus_bytes, make_batch, pack_documents, seeded_generator, split_corpus,
+                               window_reach)
 from megatron_dsa.model import SEQUENCE_PARALLEL_GRAD, HybridLM, ModelConfig
 from megatron_dsa.packaged_configs import packaged_configs, preset_config, resolve_config
 from megatron_dsa.packed_seq import PackedSeqParams
@@ -84,7 +85,9 @@ class TrainConfig:
     adam_beta2: float = 0.95
     grad_clip: float = 1.0
     retrieval_fraction: float = 0.25  # share of each batch's rows that are retrieval sequences
-    retrieval_pairs: int = 8
+    retrieval_pairs: int = 8  # key/value pairs at the start of a retrieval sequence (<= 26)
+    retrieval_queries: int = 4  # keys asked at its end (<= retrieval_pairs), one answer byte each
+    corpus: str = BUILTIN  # LM text: the built-in corpus (pinned by SHA-256) or a text file's path
     corpus_max_bytes: int = 4_000_000
     seed: int = 1234
     log_interval: int = 10
@@ -102,7 +105,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for name in ("steps", "batch_size", "seq_len", "retrieval_pairs", "corpus_max_bytes",
+        for name in ("steps", "batch_size", "seq_len", "retrieval_pairs", "retrieval_queries", "corpus_max_bytes",
                      "log_interval", "eval_interval", "eval_batches", "checkpoint_interval"):
             _require_int(name, getattr(self, name), minimum=1)
         _require_int("warmup_steps", self.warmup_steps, minimum=0)
@@ -127,6 +130,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"train.{name} must be in [0, 1], got {value!r}")
+        if self.retrieval_pairs > len(KEY_ALPHABET) or self.retrieval_queries > self.retrieval_pairs:
+            raise ValueError(f"train.retrieval_queries ({self.retrieval_queries}) must be <= train.retrieval_pairs "
+                             f"({self.retrieval_pairs}) <= {len(KEY_ALPHABET)} (each query asks a different "
+                             f"one-letter key)")
+        if self.corpus != BUILTIN and not Path(self.corpus).is_file():
+            raise ValueError(f"train.corpus must be {BUILTIN!r} or the path of a text file, got {self.corpus!r} "
+                             f"(no such file)")
         if self.dtype not in DTYPES:
             raise ValueError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -183,8 +193,10 @@ class JobConfig:
         self.retrieval_task()  # fail at load time if the task does not fit the sequence
 
     def retrieval_task(self) -> RetrievalTask:
+        """Every value lies beyond one sliding window of its query; `describe_retrieval` says whether
+        it also lies beyond the reach of a window-only stack of this depth (it does for tiny.yaml)."""
         return RetrievalTask(seq_len=self.train.seq_len, num_pairs=self.train.retrieval_pairs,
-                             min_distance=self.attention.csa_window_size)
+                             num_queries=self.train.retrieval_queries, min_distance=self.attention.csa_window_size)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "JobConfig":
@@ -237,7 +249,7 @@ class StepStats:
 class EvalStats:
     step: int  # completed steps when evaluated
     val_lm_loss: float
-    retrieval_accuracy: float  # answer bytes predicted exactly (chance 0.1)
+    retrieval_accuracy: float  # answer digits predicted exactly (chance 0.1)
 
 
 @dataclass
@@ -486,6 +498,13 @@ def train_batch(job: JobConfig, text: torch.Tensor, step: int) -> tuple[Batch, O
     return Batch(batch.inputs.reshape(1, -1), batch.targets, batch.loss_mask, batch.is_retrieval), packed
 
 
+def answer_hits(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(correct, counted)`: how many masked targets the arg-max of `logits [B, S, V]` predicts
+    exactly, and how many masked targets there are (for a retrieval batch: the answer bytes)."""
+    correct = ((logits.argmax(-1) == batch.targets) & batch.loss_mask).sum()
+    return correct, batch.loss_mask.sum()
+
+
 @torch.no_grad()
 def evaluate(model: HybridLM, job: JobConfig, validation_text: torch.Tensor, device: torch.device,
              completed_steps: int) -> EvalStats:
@@ -508,9 +527,9 @@ def evaluate(model: HybridLM, job: JobConfig, validation_text: torch.Tensor, dev
                 totals[0] += compute_loss(model(lm.inputs), lm, cp_group).row_losses[0].double()
             retrieval = shard_for_context_parallel(batch_rows(retrieval_batch, None, rows, device)[0], model)
             with autocast(device, train.dtype):
-                predicted = model(retrieval.inputs).argmax(-1)
-            totals[1] += ((predicted == retrieval.targets) & retrieval.loss_mask).sum()
-            totals[2] += retrieval.loss_mask.sum()
+                hits, asked = answer_hits(model(retrieval.inputs), retrieval)
+            totals[1] += hits
+            totals[2] += asked
     for group in (cp_group, state.dp_group if state.dp_size > 1 else None):
         if group is not None:
             dist.all_reduce(totals, group=group)
@@ -630,7 +649,23 @@ def format_eval(stats: EvalStats) -> str:
 
 # ---------------------------------------------------------------- the job
 def load_corpus(train: TrainConfig) -> CorpusSplit:
-    return split_corpus(load_stdlib_corpus(train.corpus_max_bytes))
+    """`train.corpus` (at most `corpus_max_bytes`) split into train / validation text."""
+    try:
+        return split_corpus(load_corpus_bytes(train.corpus, train.corpus_max_bytes))
+    except CorpusError as error:
+        raise JobStopped(str(error)) from error
+
+
+def describe_retrieval(job: JobConfig) -> str:
+    """One line: how far each retrieval answer lies from its value, against the reach of a
+    window-only (all `W`) stack of the same depth and window."""
+    task, attention = job.retrieval_task(), job.attention
+    reach = window_reach(attention.num_layers, attention.csa_window_size)
+    verdict = ("beyond it: only C, H or M layers can reach the values" if task.closest_distance > reach
+               else "within it: a window-only model could solve the task too")
+    return (f"retrieval: {task.num_pairs} key/value pair(s), {task.num_queries} query(ies) per sequence; every "
+            f"answer is predicted >= {task.closest_distance} tokens after its value, a window-only stack of "
+            f"{attention.num_layers} layers sees {reach} back ({verdict})")
 
 
 def check_launch(tp: int, cp: int, dp: Optional[int] = None) -> int:
@@ -720,6 +755,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
         f"rows x {accumulation} micro-batches x dp {dp_size} "
         f"({train.retrieval_rows} retrieval rows{', packed documents' if train.pack else ''})"
         + (f" | resumed at step {start}" if start else ""))
+    say(describe_retrieval(job))
     if not history.evals:
         history.evals.append(evaluate(model, job, validation_text, device, start))
         say(format_eval(history.evals[-1]))

@@ -23,7 +23,7 @@ def small_job() -> JobConfig:
     attention = HybridAttentionConfig.from_preset("tiny", layer_pattern="WCHM", csa_window_size=6,
                                                   hca_compress_ratio=8, dsa_indexer_topk=3)
     return JobConfig(attention, ModelConfig(ffn_hidden_size=64, max_seq_len=96),
-                     TrainConfig(seq_len=96, corpus_max_bytes=200_000, retrieval_pairs=2))
+                     TrainConfig(seq_len=96, corpus_max_bytes=200_000, retrieval_pairs=2, retrieval_queries=2))
 
 
 def model_fp64(seed: int = 0) -> HybridLM:
@@ -74,8 +74,8 @@ def test_top_p_keeps_the_smallest_nucleus_and_temperature_zero_is_greedy() -> No
 
 def test_retrieval_scored_by_generation_counts_right_answers() -> None:
     model = model_fp64()
-    task = RetrievalTask(seq_len=80, num_pairs=2, min_distance=6)
-    samples = task.sample(torch.randint(32, 127, (4000,), dtype=torch.uint8), 3, seeded_generator(0, "t", 0))
+    task = RetrievalTask(seq_len=80, num_pairs=2, num_queries=2, min_distance=6)
+    samples = task.sample(3, seeded_generator(0, "t", 0))
     scores = score_retrieval(model, samples.tokens, samples.answer_positions)
     # Independent count: greedy answers by the full forward, one answer byte at a time.
     right = []

@@ -173,7 +173,7 @@ def small_job(directory: Path) -> Path:
     job["attention"].update(num_layers=2, layer_pattern="CH")
     job["model"].update(max_seq_len=64)
     job["train"].update(batch_size=2, seq_len=64, retrieval_fraction=0.5, retrieval_pairs=2,
-                        corpus_max_bytes=40_000, warmup_steps=1)
+                        retrieval_queries=2, corpus_max_bytes=40_000, warmup_steps=1)
     path = directory / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -197,12 +197,12 @@ def check_example_gradients_under_context_parallel(config: Path) -> None:
     indexer parameters included, and its clip sees the CP 1 norm. Checked directly because Adam
     ignores a constant gradient scale, so equal losses alone would not catch a wrong factor."""
     from megatron.core import parallel_state
-    from megatron_dsa.data import load_stdlib_corpus, make_batch, seeded_generator, split_corpus
-    from megatron_dsa.train import JobConfig
+    from megatron_dsa.data import make_batch, seeded_generator
+    from megatron_dsa.train import JobConfig, load_corpus
 
     module, job = example_module(), JobConfig.from_yaml(config)
     train, cpu = job.train, torch.device("cpu")
-    text = split_corpus(load_stdlib_corpus(train.corpus_max_bytes)).train
+    text = load_corpus(train).train
     batch = make_batch(text, job.retrieval_task(), train.batch_size, train.retrieval_rows,
                        seeded_generator(train.seed, "megatron", 0))
     positions = torch.arange(train.seq_len).expand(train.batch_size, -1)

@@ -62,7 +62,7 @@ def train_builder_body(rank: int, world: int) -> None:
 
     state = initialize_parallel_state(tp_size=world)
     job = JobConfig(small_config("WCHM"), ModelConfig(ffn_hidden_size=64, max_seq_len=64),
-                    TrainConfig(seq_len=64, seed=SEED, retrieval_pairs=2))
+                    TrainConfig(seq_len=64, seed=SEED, retrieval_pairs=2, retrieval_queries=2))
     sharded = build_model(job, torch.device("cpu"), state)
     whole = build_model(job, torch.device("cpu"))
     assert_shards_are_slices(sharded, whole, partition_dims(sharded), "train.build_model")

@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from megatron_dsa import train
+from megatron_dsa import compare, train
 from megatron_dsa.checkpointing import latest_checkpoint, load_checkpoint
 from megatron_dsa.config import HybridAttentionConfig
-from megatron_dsa.data import RetrievalTask, make_batch, seeded_generator
+from megatron_dsa.data import Batch
 from megatron_dsa.model import HybridLM, ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ def small_job_yaml(tmp_path: Path, **train_values) -> Path:
     """configs/tiny.yaml shrunk to seconds: short sequences, small batches, a small corpus."""
     job = yaml.safe_load(TINY_YAML.read_text())
     job["model"]["max_seq_len"] = 64
-    job["train"].update(dict(batch_size=2, seq_len=64, retrieval_pairs=2, corpus_max_bytes=200_000,
+    job["train"].update(dict(batch_size=2, seq_len=64, retrieval_pairs=2, retrieval_queries=2, corpus_max_bytes=200_000,
                              warmup_steps=1, eval_batches=1, log_interval=1, eval_interval=2,
                              checkpoint_interval=2, out_dir=str(tmp_path / "run")), **train_values)
     path = tmp_path / "job.yaml"
@@ -78,23 +78,27 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert [s.indexer_losses for s in resumed.steps] == [s.indexer_losses for s in full.steps]
 
 
-def test_retrieval_task_is_deterministic_and_reaches_beyond_the_window():
-    window = HybridAttentionConfig.from_preset("tiny").csa_window_size
-    task = RetrievalTask(seq_len=256, num_pairs=8, min_distance=window)
-    text = torch.randint(32, 127, (4096,), dtype=torch.uint8)
-    first = task.sample(text, 5, seeded_generator(7, "test", 0))
-    again = task.sample(text, 5, seeded_generator(7, "test", 0))
-    other = task.sample(text, 5, seeded_generator(7, "test", 1))
-    assert torch.equal(first.tokens, again.tokens) and not torch.equal(first.tokens, other.tokens)
-    assert first.tokens.shape == (5, 257)
-    assert (first.answer_positions - first.source_positions > window).all()
-    answers = first.tokens.gather(1, first.answer_positions)
-    assert torch.equal(answers, first.tokens.gather(1, first.source_positions))
-    assert ((answers >= ord("0")) & (answers <= ord("9"))).all()
+def test_retrieval_loss_falls_in_a_few_steps(tmp_path):
+    """Smoke: on retrieval rows only, the answer-digit loss falls from uniform over bytes (ln 256)."""
+    config = small_job_yaml(tmp_path, retrieval_fraction=1.0, batch_size=4, eval_interval=100, checkpoint_interval=100)
+    history = train.main(["--config", str(config), "--steps", "20"])
+    losses = [s.retrieval_loss for s in history.steps]
+    assert all(s.lm_loss is None for s in history.steps)
+    assert losses[0] > 5.0 and sum(losses[-4:]) / 4 < losses[0] - 2.0, losses
 
-    batch = make_batch(text, task, 4, 2, seeded_generator(7, "test", 0))
-    assert batch.loss_mask[:2].all() and batch.is_retrieval.tolist() == [False, False, True, True]
-    assert batch.loss_mask[2:, -2:].all() and batch.loss_mask[2:].sum() == 4  # answer bytes only
+
+def test_answer_hits_counts_exact_arg_max_matches_on_masked_targets_only():
+    """Hand-made logits over a vocabulary of 4: of the three masked targets two are hit; a hit on an
+    unmasked position and a near miss (second-highest logit) do not count."""
+    targets = torch.tensor([[1, 2, 3, 0], [3, 3, 1, 2]])
+    loss_mask = torch.tensor([[False, True, False, True], [False, False, True, False]])
+    predicted = torch.tensor([[1, 2, 0, 0], [3, 0, 2, 2]])  # hits at (0,1), (0,3); miss at (1,2)
+    logits = torch.nn.functional.one_hot(predicted, 4).float() * 5.0
+    logits[1, 2, 1] = 4.0  # the right answer, but not the arg-max
+    batch = Batch(inputs=torch.zeros_like(targets), targets=targets, loss_mask=loss_mask,
+                  is_retrieval=torch.tensor([True, True]))
+    correct, counted = train.answer_hits(logits, batch)
+    assert (int(correct), int(counted)) == (2, 3)
 
 
 def test_example_script_runs(tmp_path):
@@ -108,6 +112,10 @@ def test_example_script_runs(tmp_path):
     ("train", "batch_size", 0),
     ("train", "lr", -1.0),
     ("train", "retrieval_fraction", 1.5),
+    ("train", "retrieval_queries", 0),
+    ("train", "retrieval_queries", 9),  # more than retrieval_pairs
+    ("train", "corpus", 7),
+    ("train", "corpus", "no/such/corpus.txt"),
     ("train", "dtype", "fp16"),
     ("model", "ffn_hidden_size", 0),
     ("model", "vocab_size", "256"),
@@ -212,3 +220,22 @@ def test_resuming_with_another_architecture_names_the_fields_before_reading_tens
         train.main(["--config", str(config), "--steps", "4", "--resume"])
     assert stopped.value.code == 1
     assert "was trained with a different `attention:` section (fields ['hidden_size'])" in capsys.readouterr().err
+
+
+def test_compare_overlays_runs_and_names_a_directory_without_history(tmp_path, capsys):
+    for name, pattern, accuracy in (("hybrid", "WCHC", 0.95), ("control", "WWWW", 0.11)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        history = train.History(evals=[train.EvalStats(step=0, val_lm_loss=5.5, retrieval_accuracy=0.0),
+                                       train.EvalStats(step=50, val_lm_loss=2.0, retrieval_accuracy=accuracy)])
+        train.write_history(history, run_dir)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump({"attention": {"layer_pattern": pattern}}))
+    out = tmp_path / "plots" / "both.png"
+    compare.main([str(tmp_path / "hybrid"), str(tmp_path / "control"), "--out", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("WCHC (hybrid): retrieval accuracy 0.950 at step 50")
+    assert printed[1].startswith("WWWW (control): retrieval accuracy 0.110 at step 50")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        compare.main([str(tmp_path), "--out", str(out)])
+    assert "holds no history.json" in capsys.readouterr().err

@@ -25,7 +25,7 @@ def tiny_job(tp: int, **train: object) -> job_module.JobConfig:
     attention = HybridAttentionConfig.from_preset("tiny", num_layers=2, layer_pattern="CW", csa_window_size=8,
                                                   dsa_indexer_topk=3, dsa_indexer_loss_coeff=0.1)
     # 4 rows, the last a retrieval row: DP ranks see different mixes of LM and retrieval rows.
-    settings = dict(seq_len=32, batch_size=4, retrieval_pairs=2, retrieval_fraction=0.25, warmup_steps=1, seed=5,
+    settings = dict(seq_len=32, batch_size=4, retrieval_pairs=2, retrieval_queries=2, retrieval_fraction=0.25, warmup_steps=1, seed=5,
                     eval_batches=1)
     return job_module.JobConfig(attention.replace(sequence_parallel=tp > 1),
                                 ModelConfig(ffn_hidden_size=64, max_seq_len=32),

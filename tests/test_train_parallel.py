@@ -22,8 +22,8 @@ TOLERANCE = 1e-4  # fp32; the parallel runs reorder sums (all-reduce, split GEMM
 
 def small_job(tmp_path: Path) -> Path:
     job = yaml.safe_load(Path("configs/tiny.yaml").read_text())
-    job["train"].update(batch_size=2, seq_len=128, retrieval_pairs=2, eval_batches=1, eval_interval=STEPS,
-                        checkpoint_interval=2, log_interval=1, corpus_max_bytes=200_000)
+    job["train"].update(batch_size=2, seq_len=128, retrieval_pairs=2, retrieval_queries=2, eval_batches=1,
+                        eval_interval=STEPS, checkpoint_interval=2, log_interval=1, corpus_max_bytes=200_000)
     job["model"]["max_seq_len"] = 128
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -94,9 +94,10 @@ def sequence_parallel_training_body(rank: int, world: int, cp: int) -> None:
     attention = HybridAttentionConfig.from_preset("tiny", num_layers=2, layer_pattern="CW", csa_window_size=8,
                                                   dsa_indexer_topk=3, dsa_indexer_loss_coeff=0.1)
     job = job_module.JobConfig(attention.replace(sequence_parallel=True), ModelConfig(ffn_hidden_size=64, max_seq_len=32),
-                               job_module.TrainConfig(seq_len=32, batch_size=2, retrieval_pairs=2, warmup_steps=1, seed=5))
+                               job_module.TrainConfig(seq_len=32, batch_size=2, retrieval_pairs=2, retrieval_queries=2,
+                                                      warmup_steps=1, seed=5))
     text = torch.randint(32, 127, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    task = RetrievalTask(seq_len=32, num_pairs=2, min_distance=8)
+    task = RetrievalTask(seq_len=32, num_pairs=2, num_queries=2, min_distance=8)
     models = {"parallel": job_module.build_model(job, torch.device("cpu"), state).double(),
               "single": job_module.build_model(dataclasses.replace(job, attention=attention), torch.device("cpu")).double()}
     optimizers = {name: job_module.build_optimizer(model, job.train) for name, model in models.items()}
