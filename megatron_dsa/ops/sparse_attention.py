@@ -1,4 +1,4 @@
-"""Sparse attention over index rows with a learnable sink (spec §5).
+"""Sparse attention over index rows with a learnable sink (docs/math.md §7).
 
 For query row `t`, head `h`, and the KV rows `K_t = {indices[t, i] ≥ 0}` of the tied key/value
 latent (MQA: one KV head, K = V):
