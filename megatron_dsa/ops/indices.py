@@ -12,7 +12,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.ops.device_cache import KeepsDeviceValues, device_cached_property
+from megatron_dsa.device_cache import KeepsDeviceValues, device_cached_property
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 
 INVALID = -1

@@ -15,7 +15,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.ops.device_cache import DeviceCache, KeepsDeviceValues, device_cached_property
+from megatron_dsa.device_cache import DeviceCache, KeepsDeviceValues, device_cached_property
 
 MAX_SHARED_LAYOUTS = 16  # uniform shapes kept (a training run uses one or two)
 
