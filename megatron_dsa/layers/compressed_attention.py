@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_dsa.backends import OpFamily, dispatch
 from megatron_dsa.backends.indexer_kl import indexer_kl_loss
-from megatron_dsa.backends.sparse_attention import sparse_attention
+from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
