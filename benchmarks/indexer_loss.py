@@ -1,6 +1,6 @@
 """Time of the Triton indexer-loss kernels against the unfused reference ops.
 
-Two parts of the indexer KL loss (spec §4.4), at the dsv4 attention dims (H local heads of D dims):
+Two parts of the indexer KL loss (docs/math.md §8), at the dsv4 attention dims (H local heads of D dims):
 - teacher: `attention_mass` + the L1 normalisation in torch vs `ops.indexer_loss.teacher_target`;
   TFLOPS count the per-head dots alone, 2·H·D per valid candidate;
 - KL: `kl_per_row` forward, and backward alone (= forward + backward − forward), vs the reference.

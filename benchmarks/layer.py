@@ -211,7 +211,7 @@ def measure(layers: Sequence[HybridAttention], x: Tensor, grad_out: Tensor, repe
 
 
 def essential_tflop(layer: HybridAttention, seq_len: int, batch: int) -> float:
-    """The layer step's essential work (kernels.md §7 conventions), from the last step's selection.
+    """The layer step's essential work (as counted in docs/performance.md, 'The whole layer'), from the last step's selection.
 
     Projections: `2·T·numel(W)` per weight, ×3 for forward + backward. Sparse attention: `2·H·ΣK_t·
     (D+D)` forward and `2·H·ΣK_t·(3D+2D)` backward over the valid selected rows `K_t`. Dense `M`:

@@ -74,7 +74,7 @@ class HybridAttentionConfig:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     csa_compress_rotary_base: float = 40000.0
-    rope_type: str = "yarn"  # only read by `M` layers; W/C/H fix their tables by kind (spec §1.3)
+    rope_type: str = "yarn"  # only read by `M` layers; W/C/H fix their tables by kind (docs/math.md §2.5)
     rotary_scaling_factor: float = 4.0
     original_max_position_embeddings: int = 65536
     beta_fast: float = 32.0
@@ -89,7 +89,7 @@ class HybridAttentionConfig:
     dsa_indexer_loss_coeff: float = 0.0
     dsa_indexer_use_sparse_loss: bool = True
     calculate_per_token_loss: bool = False
-    indexer_loss_backward_scale: float = 1.0  # gradient the KL loss receives (spec §4.5)
+    indexer_loss_backward_scale: float = 1.0  # gradient the KL loss receives (docs/math.md §9)
 
     # Kernels: "auto" (fastest backend that accepts each call, else the unfused reference) or a
     # backend name for every op; the overrides name one per op family (e.g. {"topk": "cudnn"}),
@@ -221,7 +221,7 @@ class HybridAttentionConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """Hybrid layers: D^-1/2, never YaRN-adjusted (spec §5)."""
+        """Hybrid layers: D^-1/2, never YaRN-adjusted (docs/math.md §2.5)."""
         return self.v_head_dim ** -0.5
 
     def backend_for(self, op: str) -> str:
@@ -339,7 +339,7 @@ def yarn_mscale(scaling_factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(scaling_factor) + 1.0
 
 
-# Layer patterns of the recipes (spec §2.3), MTP layer excluded.
+# Layer patterns of the recipes (kinds: docs/math.md §1), MTP layer excluded.
 _FLASH_PATTERN = "WWC" + "HC" * 20
 _PRO_PATTERN = "HHC" + "HC" * 29
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.ops.device_cache import capturing_now
+from megatron_dsa.device_cache import capturing_now
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Slow scalar-loop oracles for the hybrid-attention ops (spec: docs of each function name the §).
+"""Slow scalar-loop oracles for the hybrid-attention ops (each docstring names the docs/math.md section).
 
 Every oracle is written from the spec's formulas with plain Python loops over tokens, heads, keys and
 channels; none of them imports `megatron_dsa`. Differentiable oracles build their results from 0-d
@@ -21,7 +21,7 @@ from torch import Tensor
 
 INVALID = -1
 NEG_INF = float("-inf")
-FP32_TINY = 2.0 ** -126  # smallest normal float32: the teacher's L1 clamp (spec §4.4)
+FP32_TINY = 2.0 ** -126  # smallest normal float32: the teacher's L1 clamp (docs/math.md §8.2)
 
 
 # ----------------------------------------------------------------------------- scalar helpers
@@ -66,7 +66,7 @@ def segment_starts(lengths: Sequence[int]) -> list[int]:
     return starts
 
 
-# ----------------------------------------------------------------------------- RoPE (§1.3)
+# ---------------------------------------------------------------------------- RoPE (docs/math.md §2)
 
 def plain_inv_freq_oracle(rotary_dim: int, base: float, rotary_percent: float = 1.0) -> list[float]:
     """`f_i = base^(−2i/P')` for the first `P' = int(P·rotary_percent)` rotary dims, 0 (no rotation)
@@ -152,7 +152,7 @@ def rms_norm_vector_oracle(vec: Tensor, weight: Optional[Tensor], eps: float) ->
     return torch.stack([e * inv_rms * g for e, g in zip(elems, gains)])
 
 
-# ----------------------------------------------------------------------------- index tables (§3.3)
+# -------------------------------------------------------------------- index tables (docs/math.md §5)
 
 def window_rows_oracle(lengths: Sequence[int], window: int) -> list[list[int]]:
     """Row `t` at position `p` of its segment: token rows `max(0, p−W+1) … p` of that segment, then −1."""
@@ -192,7 +192,7 @@ def topk_oracle(scores: Sequence[Sequence[float]], valid: Sequence[Sequence[bool
     return table
 
 
-# ----------------------------------------------------------------------------- compressor (§3)
+# ---------------------------------------------------------------------- compressor (docs/math.md §4)
 
 def project_oracle(x: Tensor, weight: Tensor) -> Tensor:
     """`x @ weight^T` one output channel at a time: `[T, out]`."""
@@ -201,7 +201,7 @@ def project_oracle(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def gated_pool_oracle(kv: Tensor, gate: Tensor, ape: Tensor, lengths: Sequence[int], ratio: int) -> Tensor:
-    """Gated pooling (spec §3.1 steps 3–6) of token projections `kv, gate [T, coff·Dc]`, one entry per
+    """Gated pooling (docs/math.md §4.1–4.4) of token projections `kv, gate [T, coff·Dc]`, one entry per
     full group of each segment, `[Σ_b floor(L_b/r), Dc]`.
 
     r = 4 (coff 2): entry `j` pools 8 slots per channel `ch`: slots 0..3 = tokens of group `j−1` through
@@ -236,7 +236,7 @@ def gated_pool_oracle(kv: Tensor, gate: Tensor, ape: Tensor, lengths: Sequence[i
 
 def compressor_oracle(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
                       lengths: Sequence[int], ratio: int, inv_freq: Sequence[float], rotate: bool) -> Tensor:
-    """The whole compressor (spec §3.1 steps 1–9): projections of the raw input `x [T, d]` → gated
+    """The whole compressor (docs/math.md §4): projections of the raw input `x [T, d]` → gated
     pool → RMSNorm(weight) → RoPE at position `j·r` → Hadamard if `rotate`. `[Σ_b floor(L_b/r), Dc]`."""
     pooled = gated_pool_oracle(project_oracle(x, wkv), project_oracle(x, wgate), ape, lengths, ratio)
     entries = []
@@ -248,7 +248,7 @@ def compressor_oracle(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_w
     return torch.stack(entries) if entries else pooled
 
 
-# ----------------------------------------------------------------------------- indexer (§4.2)
+# ------------------------------------------------------------------------- indexer (docs/math.md §6)
 
 def indexer_scores_oracle(q: Tensor, k: Tensor, weights: Tensor, candidates: Sequence[Sequence[int]],
                           scale: float) -> Tensor:
@@ -267,11 +267,11 @@ def indexer_scores_oracle(q: Tensor, k: Tensor, weights: Tensor, candidates: Seq
     return torch.stack(rows)
 
 
-# ----------------------------------------------------------------------------- attention (§5)
+# ----------------------------------------------------------------------- attention (docs/math.md §7)
 
 def sparse_attention_oracle(query: Tensor, kv: Tensor, indices: Sequence[Sequence[int]], sink: Tensor,
                             scale: float) -> tuple[Tensor, Tensor]:
-    """Dense masked attention with a sink (spec §5): every KV row `k` is scanned and kept iff it is in
+    """Dense masked attention with a sink (docs/math.md §7.1): every KV row `k` is scanned and kept iff it is in
     row `t`'s index set (entries outside `[0, M)` are ignored). K = V = `kv`.
 
     `out[t,h] = Σ_k exp(s_k)/(exp(sink_h) + Σ exp(s)) · kv[k]`, `lse[t,h] = log Σ_k exp(s_k)` (sink
@@ -340,7 +340,7 @@ def grouped_projection_oracle(o: Tensor, weight: Tensor, groups: int) -> Tensor:
     return torch.stack(rows)
 
 
-# ----------------------------------------------------------------------------- indexer KL loss (§4.4)
+# ----------------------------------------------------------------- indexer KL loss (docs/math.md §8)
 
 def teacher_target_oracle(query: Tensor, kv: Tensor, window: Sequence[Sequence[int]],
                           candidates: Sequence[Sequence[int]], sink: Sequence[float], scale: float,
@@ -348,7 +348,7 @@ def teacher_target_oracle(query: Tensor, kv: Tensor, window: Sequence[Sequence[i
     """Detached teacher (floats): `target(j) ∝ Σ_h exp(a_h(j) − LSE_h)` over the valid candidates,
     `LSE_h = log(exp(sink_h) + Σ_window exp(a_h) + Σ_candidates exp(a_h))`, L1-normalised with the
     float32-tiny clamp. `include_window` / `include_sink` = False build the *wrong* denominators of
-    the regression negative control (spec §10.12)."""
+    the regression negative control (docs/math.md §8.2: window and sink count)."""
     q, kvl = query.detach().tolist(), kv.detach().tolist()
 
     def logit(t: int, h: int, row: int) -> float:

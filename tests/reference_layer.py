@@ -1,6 +1,6 @@
 """Independent float64 reference of one whole hybrid attention layer, per kind W / C / H / M.
 
-Written from the spec (`dsv4_hybrid_attention.md` §1, §3–§5, §13) and deliberately plain: one
+Written from the math (docs/math.md §1–§13) and deliberately plain: one
 sequence at a time, python loops for index sets and pooling slots, dense masked attention over an
 explicit visible set. It never imports `megatron_dsa.ops` or `megatron_dsa.layers`; it only reads
 parameters by their Megatron names (keys relative to the attention module, e.g. a layer's
@@ -49,7 +49,7 @@ def plain_inv_freq(rotary_dim: int, base: float) -> Tensor:
 
 def yarn_correction_range(rotary_dim: int, base: float, original_max_position: int,
                           beta_fast: float, beta_slow: float) -> tuple[int, int]:
-    """`(low, high)` of spec §1.3 (17, 28 for P=64, base 40000, L0 65536)."""
+    """`(low, high)` of docs/math.md §2.4 (17, 28 for P=64, base 40000, L0 65536)."""
 
     def c(num_rotations: float) -> float:
         return rotary_dim * math.log(original_max_position / (2 * math.pi * num_rotations)) / (
@@ -71,7 +71,7 @@ def yarn_inv_freq(rotary_dim: int, base: float, factor: float, original_max_posi
 
 
 def layer_inv_freq(config, kind: str) -> Tensor:
-    """The rotary table a layer of `kind` must use (spec §1.3; `M` follows `rope_type`)."""
+    """The rotary table a layer of `kind` must use (docs/math.md §2.3–2.5; `M` follows `rope_type`, docs/math.md §13)."""
     if config.rotary_percent != 1.0:
         raise NotImplementedError("the reference covers rotary_percent == 1 only")
     p = config.qk_pos_emb_head_dim
@@ -117,7 +117,7 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False
 
 def compress(x: Tensor, wkv: Tensor, wgate: Tensor, ape: Tensor, norm_weight: Tensor, ratio: int,
              eps: float, inv_freq: Tensor, hadamard: bool) -> Tensor:
-    """Compressed entries `[floor(S/r), Dc]` of one sequence `x [S, d]` (spec §3.1)."""
+    """Compressed entries `[floor(S/r), Dc]` of one sequence `x [S, d]` (docs/math.md §4)."""
     overlap = ratio == 4
     dc = wkv.shape[0] // (2 if overlap else 1)
     kv, gate = x @ wkv.T, x @ wgate.T
@@ -219,7 +219,7 @@ def _hybrid_sequence(p: Mapping[str, Tensor], cfg, kind: str, x: Tensor, want_lo
 
 def _indexer_scores(p: Mapping[str, Tensor], cfg, x: Tensor, cq: Tensor, inv_freq: Tensor,
                     n_visible) -> Tensor:
-    """`[S, C]` lightning-indexer scores (−inf where not visible), spec §4.1–4.2."""
+    """`[S, C]` lightning-indexer scores (−inf where not visible), docs/math.md §6.1–6.2."""
     seqlen = x.shape[0]
     n_heads, head_dim = cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim
     ip = "core_attention.indexer."
@@ -239,7 +239,7 @@ def _indexer_scores(p: Mapping[str, Tensor], cfg, x: Tensor, cq: Tensor, inv_fre
 
 def _kl_sum(cfg, q: Tensor, kv_full: Tensor, sink: Tensor, scores: Tensor, selection, window_keys,
             n_visible) -> Tensor:
-    """`Σ_t KL(teacher_t ‖ softmax(scores_t))` over the candidate sets (spec §4.4)."""
+    """`Σ_t KL(teacher_t ‖ softmax(scores_t))` over the candidate sets (docs/math.md §8)."""
     seqlen, dim = q.shape[0], q.shape[-1]
     total = scores.new_zeros(())
     for t in range(seqlen):

@@ -31,7 +31,7 @@ from megatron_dsa.backends import (
     reset_call_counts,
     resolve,
 )
-from megatron_dsa.backends.sparse_attention import sparse_attention
+from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
 from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl_per_row

@@ -20,7 +20,7 @@ from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.backends import (BackendUnavailableError, OpFamily, call_counts, dispatch, probes,
                                    reset_call_counts, resolve)
 from megatron_dsa.backends.flash_attn import FLASH_ATTENTION_3, ShapeClass
-from megatron_dsa.backends.sparse_attention import sparse_attention
+from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
 from megatron_dsa.ops.indexer_loss import indexer_kl as reference_indexer_kl

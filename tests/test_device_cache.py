@@ -4,8 +4,8 @@ the CUDA-graph GPU tests of the layer)."""
 
 import torch
 
-from megatron_dsa.ops import device_cache
-from megatron_dsa.ops.device_cache import DeviceCache
+from megatron_dsa import device_cache
+from megatron_dsa.device_cache import DeviceCache
 from megatron_dsa.ops.indices import visible_compressed_entries
 from megatron_dsa.ops.layout import TokenLayout
 

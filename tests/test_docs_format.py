@@ -121,3 +121,64 @@ def test_config_comments_count_the_rows_they_have(path: Path) -> None:
     for count, length in re.findall(r"(\d+) rows of (\d+) tokens", text):
         assert (int(count), int(length)) == (rows, train.seq_len), f"{path.name}: '{count} rows of {length}'"
     assert yaml.safe_load(text)  # the comments did not break the YAML
+
+
+# ------------------------------------------------------------------------------ section references
+# A reference is `docs/<name>.md §N`, optionally a range `§N–M` and more numbers after ", ", " and "
+# or "/": e.g. `docs/math.md §7.3`, `docs/math.md §6.1–6.2`, `docs/math.md §4.4, §14`.
+SECTION = r"§\d+(?:\.\d+)*(?:–§?\d+(?:\.\d+)*)?"
+REFERENCE = re.compile(rf"docs/(\w+)\.md ({SECTION}(?:(?:, | and |/){SECTION})*)")
+REFERRING_FILES = sorted(path for folder in ("megatron_dsa", "tests", "benchmarks", "tools", "examples")
+                         for path in (REPO_ROOT / folder).rglob("*.py")
+                         if path != Path(__file__).resolve()) + DOCUMENTS
+
+
+def numbered_sections(document: str) -> set[str]:
+    """Section numbers of headings like `## 7. Sparse attention` or `### 7.3 Backward`."""
+    return set(re.findall(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", document, re.M))
+
+
+def section_reference_problems(text: str, sections: dict[str, set[str]]) -> list[str]:
+    """Each `§` of `text` that is not part of a reference, or names a document or section that does not
+    exist. `sections` maps a document name (`math`) to its section numbers."""
+    problems, covered = [], set()
+    for match in REFERENCE.finditer(text):
+        covered.update(range(*match.span()))
+        name = match.group(1)
+        for number in re.findall(r"\d+(?:\.\d+)*", match.group(2)):
+            if number not in sections.get(name, set()):
+                problems.append(f"docs/{name}.md has no section {number} (cited as {match.group(0)!r})")
+    for index in (i for i, char in enumerate(text) if char == "§" and i not in covered):
+        line = text.count("\n", 0, index) + 1
+        problems.append(f"line {line}: '§' outside a docs/<name>.md reference: "
+                        f"{text.splitlines()[line - 1].strip()!r}")
+    return problems
+
+
+DOCUMENT_SECTIONS = {path.stem: numbered_sections(path.read_text())
+                     for path in (REPO_ROOT / "docs").glob("*.md")}
+
+
+@pytest.mark.parametrize("path", REFERRING_FILES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_section_references_name_sections_that_exist(path: Path) -> None:
+    """No `spec §N` of a document outside the repo; every `docs/x.md §N` names a heading of docs/x.md."""
+    text = path.read_text()
+    assert "spec §" not in text.lower(), f"{path.name} cites the spec, which is not in the repo"
+    assert not section_reference_problems(text, DOCUMENT_SECTIONS), \
+        f"{path.name}: " + "; ".join(section_reference_problems(text, DOCUMENT_SECTIONS))
+
+
+def test_the_section_check_catches_stray_and_missing_sections() -> None:
+    sections = {"math": {"7", "7.3", "8", "8.2", "14"}}
+    good = "see docs/math.md §7.3 and docs/math.md §8–8.2, §14 / docs/math.md §7/§8"
+    assert section_reference_problems(good, sections) == []
+    assert section_reference_problems("(spec §5)", sections) == [
+        "line 1: '§' outside a docs/<name>.md reference: '(spec §5)'"]
+    assert section_reference_problems("docs/math.md §7.4", sections) == [
+        "docs/math.md has no section 7.4 (cited as 'docs/math.md §7.4')"]
+    assert section_reference_problems("docs/math.md §8–9", sections) == [
+        "docs/math.md has no section 9 (cited as 'docs/math.md §8–9')"]
+    assert section_reference_problems("docs/kernels.md §1", sections) == [
+        "docs/kernels.md has no section 1 (cited as 'docs/kernels.md §1')"]
+    assert numbered_sections("## 7. Sparse attention\n### 7.3 Backward\n#### 7.3.1 Sink\n## Notes\n") \
+        == {"7", "7.3", "7.3.1"}

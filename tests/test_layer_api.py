@@ -1,4 +1,4 @@
-"""Layer API: parameter inventory (spec §1.1, §10.1), precision of kept-fp32 parameters, state-dict
+"""Layer API: parameter inventory (docs/math.md §3, §4, §10, §13), precision of kept-fp32 parameters, state-dict
 round trips, config validation, YAML, presets and input checking of `forward`."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def tiny(**overrides) -> HybridAttentionConfig:
 
 # ------------------------------------------------------------------------------ inventory
 def expected_inventory(c: HybridAttentionConfig, kind: str) -> dict[str, tuple[int, ...]]:
-    """Parameter names (relative to the attention module) and shapes from spec §1.1 (W/C/H) and
+    """Parameter names (relative to the attention module) and shapes from docs/math.md §3, §4, §10 (W/C/H) and
     Megatron's MLASelfAttention (M)."""
     d, heads, rq, p, dv = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.qk_pos_emb_head_dim, c.v_head_dim
     if kind == "M":
@@ -88,7 +88,7 @@ def test_parameter_inventory(preset, kind):
 
 
 def test_flash_and_pro_shapes_quoted_in_the_spec():
-    """The literal numbers of spec §1.1 (guards the formula above as well as the layer)."""
+    """The dsv4-flash and dsv4-pro shapes of the recipes (guards the formula above as well as the layer)."""
     flash = HybridAttentionConfig.from_preset("dsv4-flash")
     flash_c = inventory(meta_layer(flash, "C"))
     assert flash_c["linear_q_down_proj.weight"] == (1024, 4096)
@@ -165,8 +165,8 @@ def test_low_precision_cast_keeps_sink_and_ape_values(kind, cast):
 @pytest.mark.parametrize("kind", ["C", "H"])
 def test_kept_params_return_to_fp32_after_a_double_round_trip(kind):
     """`.double()` may upcast attn_sink / ape, but `.float()` must bring every parameter back to fp32
-    (torch's `Module.float` contract), and a following `.bfloat16()` must leave them fp32 (spec §1.1
-    'fp32, kept fp32'), not float64."""
+    (torch's `Module.float` contract), and a following `.bfloat16()` must leave them fp32 (the
+    sink and `ape` are kept fp32, docs/math.md §4), not float64."""
     layer = HybridAttention(tiny(), kind=kind).double().float()
     assert {p.dtype for p in layer.parameters()} == {torch.float32}
     layer = HybridAttention(tiny(), kind=kind).double().bfloat16()

@@ -155,7 +155,7 @@ def _split(grads: dict) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 def test_zero_upstream_grad_trains_only_the_indexer(sparse):
-    """Spec §10.10: with a zero upstream gradient and coeff > 0 only the indexer learns, and its
+    """docs/math.md §9: with a zero upstream gradient and coeff > 0 only the indexer learns, and its
     grads equal the reference gradient of the KL loss."""
     config = make_config(dsa_indexer_use_sparse_loss=sparse)
     layer = make_layer(config, "C")
@@ -177,7 +177,7 @@ def test_zero_upstream_grad_trains_only_the_indexer(sparse):
 
 
 def test_zero_coefficient_gives_exact_zero_indexer_grads():
-    """Spec §10.10 / bug A1.5: coeff = 0 ⇒ indexer grads exist and are exactly zero, and every other
+    """docs/math.md §9 / bug A1.5: coeff = 0 ⇒ indexer grads exist and are exactly zero, and every other
     gradient equals both a coeff > 0 run and a run without any indexer loss (eval mode)."""
     x, upstream = inputs(make_config())
     zero_coeff = make_layer(make_config(dsa_indexer_loss_coeff=0.0), "C")

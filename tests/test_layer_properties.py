@@ -86,7 +86,7 @@ def test_sequences_in_a_batch_do_not_mix(case):
     assert torch.equal(out[:, 0], base[:, 0]) and torch.equal(out[:, 2], base[:, 2])
 
 
-# ------------------------------------------------------------------------------ §10.16 batching
+# ------------------------------------------------------------------------------ batching
 @pytest.mark.parametrize("case", list(KIND_CASES))
 def test_batch_equals_loop_of_single_sequences(case):
     kind, layer = kind_layer(case)
@@ -120,7 +120,7 @@ COMPRESSOR_PREFIXES = ("core_attention.compressor.", INDEXER_PREFIX)
                                          ("H-r8", 7), ("H-r16", 5), ("H-r16", 15)])
 def test_sequence_shorter_than_ratio_is_window_only(case, seqlen):
     """S < r: no compressed entry, window-only attention (equal to the reference), no NaN, and the
-    compressor / indexer parameters get exact-zero gradients, not None (spec §13, DDP)."""
+    compressor / indexer parameters get exact-zero gradients, not None (docs/math.md §9, DDP)."""
     kind, layer = kind_layer(case)
     x, upstream = inputs(layer.config, seqlen)
     out, x_grad, grads = run_layer(layer, x, upstream)
@@ -150,7 +150,7 @@ def _loss_calls() -> int:
 
 @pytest.mark.parametrize("mode", ["eval", "no_grad", "eval+no_grad", "inference_mode"])
 def test_eval_selects_training_topk_and_skips_the_loss(mode):
-    """Spec §10.28 / A1.5 mirror: the no-grad path picks the same top-k and never computes the KL."""
+    """docs/math.md §9 / A1.5 mirror: the no-grad path picks the same top-k and never computes the KL."""
     _, layer = kind_layer("C-sparse")
     x, _ = inputs(layer.config, SEQLEN)
     reset_call_counts()
@@ -204,7 +204,7 @@ def test_tied_indexer_scores_select_the_lowest_entries():
 
 # ------------------------------------------------------------------------------ RoPE per kind
 def test_mscale_and_rope_type_do_not_change_hybrid_layers():
-    """A9.2 / spec §10.3: W/C/H are pure rotations with tables fixed by kind."""
+    """A9.2 / docs/math.md §2.5: W/C/H are pure rotations with tables fixed by kind."""
     changed = dict(mscale=0.5, mscale_all_dim=2.0, rope_type="rope", calculate_per_token_loss=False)
     for kind in ("W", "C", "H"):
         layer = make_layer(make_config(), kind)
@@ -232,7 +232,7 @@ def test_mla_does_depend_on_rope_type_and_mscale():
 
 
 def test_rotary_tables_per_kind():
-    """W: plain table at rotary_base; C/H: YaRN at csa_compress_rotary_base (spec §1.3, §10.3)."""
+    """W: plain table at rotary_base; C/H: YaRN at csa_compress_rotary_base (docs/math.md §2.3–2.4)."""
     config = make_config(rotary_base=10000.0, csa_compress_rotary_base=40000.0)
     p = config.qk_pos_emb_head_dim
     plain = plain_inv_freq(p, config.rotary_base)
@@ -250,7 +250,7 @@ def test_rotary_tables_per_kind():
 
 @pytest.mark.parametrize("base,low,high", [(40000.0, 17, 28), (160000.0, 15, 25)])
 def test_recipe_yarn_table(base, low, high):
-    """Recipe values P=64, L0=65536, s=4: correction range from spec §1.3 and the layer's table."""
+    """Recipe values P=64, L0=65536, s=4: correction range from docs/math.md §2.4 and the layer's table."""
     assert yarn_correction_range(64, base, 65536, 32.0, 1.0) == (low, high)
     config = make_config(hidden_size=64, num_attention_heads=2, v_head_dim=128, qk_pos_emb_head_dim=64,
                          o_groups=2, dsa_indexer_head_dim=64, csa_compress_rotary_base=base,
@@ -265,7 +265,7 @@ def test_recipe_yarn_table(base, low, high):
 
 # ------------------------------------------------------------------------------ loss plumbing
 def test_indexer_loss_backward_scale_is_linear():
-    """indexer_loss_backward_scale multiplies the KL gradient (and only it); spec §4.5."""
+    """indexer_loss_backward_scale multiplies the KL gradient (and only it); docs/math.md §9."""
     x, upstream = inputs(make_config(), SEQLEN)
     results = {}
     for scale in (1.0, 2.5):

@@ -1,4 +1,4 @@
-"""Compressor tests (spec §3, §10.4, §10.7) against the scalar-loop gated-pooling oracle.
+"""Compressor tests (docs/math.md §4) against the scalar-loop gated-pooling oracle.
 
 Tolerance: fp64 op vs fp64 oracle (values and autograd gradients), rtol 1e-10 / atol 1e-12 — only
 summation order differs. Segment-isolation checks are exact (`torch.equal`): an entry of another
@@ -83,7 +83,7 @@ def test_gated_pool_matches_oracle(ratio):
 @pytest.mark.parametrize("rotate", [False, True], ids=["main", "indexer_hadamard"])
 @pytest.mark.parametrize("ratio", sorted(CASES))
 def test_compress_forward_and_grads_match_oracle(ratio, rotate):
-    """Spec §10.7: value and gradients for x, wkv, wgate, ape and the norm weight."""
+    """docs/math.md §4: value and gradients for x, wkv, wgate, ape and the norm weight."""
     lengths = CASES[ratio]
     dc = 8 if ratio == 4 else 4  # power of two for the Hadamard
     p = make_params(sum(lengths), dc, ratio)
@@ -165,7 +165,7 @@ def test_multi_segment_never_mixes_segments(ratio):
 
 
 def test_compressed_rope_equals_strided_full_length_table():
-    """Spec §10.4: the compressor's rotation at `j·r` equals rotating the unrotated entries with the
+    """docs/math.md §2.6: the compressor's rotation at `j·r` equals rotating the unrotated entries with the
     angles of a full-length (C·r) table taken at stride r."""
     ratio, lengths = 4, [13, 8, 3]
     p = make_params(sum(lengths), 8, ratio, seed=2)

@@ -1,5 +1,5 @@
 """Dense causal attention (GQA, qk dim != v dim, packed segments; bug classes A5.2, A5.7, A6.1) and the
-grouped "wo_a" output projection (spec §1.2 step 6), against scalar-loop oracles.
+grouped "wo_a" output projection (docs/math.md §10), against scalar-loop oracles.
 
 Tolerance: fp64 op vs fp64 oracle (values and autograd gradients), rtol 1e-10 / atol 1e-12.
 """

@@ -1,4 +1,4 @@
-"""Hadamard transform (spec §3.1 step 9, §13) and RMSNorm tests against scalar-loop oracles.
+"""Hadamard transform (docs/math.md §4.6) and RMSNorm (docs/math.md §3) tests against scalar-loop oracles.
 
 Tolerance: fp64 vs fp64 oracle, rtol 1e-10 / atol 1e-12 (rounding-order differences only).
 """

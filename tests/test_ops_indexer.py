@@ -1,4 +1,4 @@
-"""Lightning-indexer score and top-k tests (spec §4.2–4.3, §10.9; bug classes A2.1, A3.5, A4.1).
+"""Lightning-indexer score and top-k tests (docs/math.md §6.2–6.3; bug classes A2.1, A3.5, A4.1).
 
 Scores: fp64 op vs fp64 scalar oracle, rtol 1e-10 / atol 1e-12 (summation order only). Selections
 are integers and compared exactly.
@@ -68,7 +68,7 @@ def test_scores_with_no_compressed_keys():
 
 @pytest.mark.parametrize("topk", [1, 2, 3, 10])
 def test_topk_over_visible_entries_matches_brute_force(topk):
-    """Spec §10.9: per row, the `min(KI, C)` best visible entries (ties to lower index), −1 padded;
+    """docs/math.md §6.3: per row, the `min(KI, C)` best visible entries (ties to lower index), −1 padded;
     all −1 for `t < r−1`; every selection lies in the ratio-causal visible set (A3.5)."""
     ratio, lengths = 4, [13, 13]
     layout = TokenLayout.uniform(2, 13, torch.device("cpu"))

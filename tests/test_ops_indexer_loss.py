@@ -1,4 +1,4 @@
-"""Indexer KL loss (spec §4.4, §6.1.4–5, §10.11–10.14; bug classes A2.2, A2.3, A3.1).
+"""Indexer KL loss (docs/math.md §8; bug classes A2.2, A2.3, A3.1).
 
 The oracle (`indexer_loss_oracle`) builds the teacher from the full denominator
 `exp(sink) + Σ_window + Σ_candidates`, head-sums, L1-normalises, and takes a loop KL against the
@@ -92,7 +92,7 @@ def test_loss_and_student_grads_match_oracle(mode, per_token):
 
 
 def test_student_gradient_is_pred_minus_target():
-    """Spec §4.4: ∂loss/∂I(t,j) = (coeff/N)·(pred_j − target_j) on valid columns, 0 elsewhere."""
+    """docs/math.md §8.6: ∂loss/∂I(t,j) = (coeff/N)·(pred_j − target_j) on valid columns, 0 elsewhere."""
     p = Problem(seed=2)
     candidates, student = p.dense()
     loss, target = p.package_loss(candidates, student, sparse=False, per_token=False)
@@ -133,7 +133,7 @@ def test_teacher_is_detached():
 
 
 def test_masked_minus_inf_student_positions_match_trimmed_row():
-    """A3.1 / §10.14: −inf at masked columns gives a finite loss equal to the loss on the trimmed row,
+    """A3.1 / docs/math.md §8.3: −inf at masked columns gives a finite loss equal to the loss on the trimmed row,
     and a finite gradient that is exactly 0 at the masked columns."""
     student = torch.tensor([[0.2, float("-inf"), -1.0, float("-inf"), 0.7]], dtype=F64, requires_grad=True)
     valid = torch.isfinite(student.detach())
@@ -174,7 +174,7 @@ def test_rows_without_candidates_give_zero_loss_and_grad():
 
 
 def test_denominator_regression_with_negative_control():
-    """A2.3 / §10.12 (guards #5960/#6349): one row, 3 compressed keys, 2 window keys, sink = +2, two heads.
+    """A2.3 / docs/math.md §8.2 (guards #5960/#6349): one row, 3 compressed keys, 2 window keys, sink = +2, two heads.
     The package equals the full-denominator oracle, and dropping the window or the sink from the
     teacher denominator changes the loss by more than 1e-3 (so the check has power)."""
     kv = torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 2.0], [1.0, 1.0]], dtype=F64)  # 2 window, 3 comp.
@@ -202,7 +202,7 @@ def test_denominator_regression_with_negative_control():
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
 def test_tiny_positive_mass_normalises_to_one(dtype, rtol):
-    """§10.13: head-summed masses [1e-30, 2e-30] normalise to [1/3, 2/3] (clamp at float32 tiny only)."""
+    """docs/math.md §8.2: head-summed masses [1e-30, 2e-30] normalise to [1/3, 2/3] (clamp at float32 tiny only)."""
     query = torch.ones(1, 1, 1, dtype=dtype)
     kv = torch.tensor([[0.0], [math.log(2.0)]], dtype=dtype)
     full_lse = torch.tensor([[-math.log(1e-30)]], dtype=dtype)

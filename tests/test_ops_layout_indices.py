@@ -1,4 +1,4 @@
-"""Row layouts and index tables (spec §3.2–3.3, §4.3, §10.5–10.6; bug classes A3.5, A4.1, A4.3, A4.4).
+"""Row layouts and index tables (docs/math.md §5, §6.3, §11; bug classes A3.5, A4.1, A4.3, A4.4).
 
 Everything here is integer-valued, so every comparison is exact (tier T0, `==` / `torch.equal`).
 """
@@ -131,7 +131,7 @@ def test_compressed_layout_rejects_ratio_below_two():
 
 
 def test_padded_packed_layout_uses_real_lengths():
-    """Per-segment padding (THD, spec §3.2): real lengths [5, 9, 3] stored at multiples of 4. Only real
+    """Per-segment padding (THD, docs/math.md §11): real lengths [5, 9, 3] stored at multiples of 4. Only real
     tokens are compressed, real rows see exactly the unpadded visibility and windows, and no row
     (padding included) sees more entries than its segment has."""
     real, padded = [5, 9, 3], [8, 12, 4]

@@ -1,4 +1,4 @@
-"""RoPE op tests (spec §1.3, §10.2–10.4, bug class A9.2) against the complex-multiplication oracle.
+"""RoPE op tests (docs/math.md §2, bug class A9.2) against the complex-multiplication oracle.
 
 Tolerance: fp64 op vs fp64 oracle, only rounding differs (cos/sin from `math` vs torch, summation
 order), so rtol 1e-10 / atol 1e-12 is ~10^5 ulp of headroom and still far below any real error.
@@ -68,7 +68,7 @@ def test_inverse_undoes_rotation():
 
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_writes_new_storage(inverse):
-    """Bug class A1.1 / spec §6.1.1: the (inverse) rotation never writes into its input."""
+    """Bug class A1.1 / docs/math.md §2.1: the (inverse) rotation never writes into its input."""
     x = torch.randn(5, 2, 8, dtype=F64)
     before, version = x.clone(), x._version
     inv_freq = _inv_freq_tensor([1.0, 0.1])
@@ -130,7 +130,7 @@ def test_yarn_ramp_endpoints_for_recipe():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_cos_sin_is_a_pure_rotation(dtype):
-    """A9.2 / spec §1.3: no YaRN mscale baked in, cos² + sin² == 1 and norms are preserved."""
+    """A9.2 / docs/math.md §2.5: no YaRN mscale baked in, cos² + sin² == 1 and norms are preserved."""
     inv_freq = yarn_inv_freq(64, 40000.0, 4.0, 65536)
     cos, sin = rope_cos_sin(torch.arange(0, 9000, 7), inv_freq, dtype)
     tol = 1e-12 if dtype == torch.float64 else 1e-6
@@ -141,7 +141,7 @@ def test_cos_sin_is_a_pure_rotation(dtype):
 
 
 def test_compressed_positions_equal_strided_full_table():
-    """Spec §10.4: rotating compressed entry `j` at `j·r` equals indexing a table built for the full
+    """docs/math.md §2.6: rotating compressed entry `j` at `j·r` equals indexing a table built for the full
     length `C·r` at rows `::r` (here the oracle rotation with angles from that full table)."""
     ratio, lengths = 4, [13, 8]
     layout = TokenLayout(torch.tensor([0, 13, 21]), num_rows=21, max_seqlen=13).compressed(ratio)

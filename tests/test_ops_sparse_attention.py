@@ -1,4 +1,4 @@
-"""Sparse attention with a learnable sink (spec §5, §6.1, §10.8; bug classes A2.5, A3.2, A4.2, A4.4, A8.2).
+"""Sparse attention with a learnable sink (docs/math.md §7; bug classes A2.5, A3.2, A4.2, A4.4, A8.2).
 
 Reference: the dense masked scalar-loop oracle (`sparse_attention_oracle`), differentiated by autograd.
 Tolerances: fp64 op vs fp64 oracle (values and gradients) rtol 1e-10 / atol 1e-12 — summation order
@@ -89,7 +89,7 @@ def test_gradients_with_out_and_lse_loss_match_oracle_autograd():
 
 
 def test_sink_gradient_formula():
-    """`∂L/∂sink_h = −Σ_t p_sink(t,h)·<dO[t,h], O[t,h]>` (spec §5), out-only loss, fp64 sink."""
+    """`∂L/∂sink_h = −Σ_t p_sink(t,h)·<dO[t,h], O[t,h]>` (docs/math.md §7.3), out-only loss, fp64 sink."""
     query, kv, indices, _ = make_problem(seed=3)
     sink = torch.tensor([4.0, -4.0], dtype=F64, requires_grad=True)
     out, lse = sparse_attention(query, kv, indices, sink, 0.3)
@@ -101,7 +101,7 @@ def test_sink_gradient_formula():
 
 
 def test_fully_masked_rows_give_zero_output_and_finite_zero_grads():
-    """A3.2 / §10.8: no valid key ⇒ out 0, lse −inf, and no NaN anywhere in the backward."""
+    """A3.2 / docs/math.md §7.2: no valid key ⇒ out 0, lse −inf, and no NaN anywhere in the backward."""
     query, kv, indices, sink = make_problem(seed=4)
     masked = [1, 4]
     indices[masked] = INVALID

@@ -1,5 +1,5 @@
 """Packed (THD) input on a CUDA GPU: no host syncs, CUDA-graph replay with changed boundaries, and
-bf16 accuracy against the float32 CPU result (bug class A5.5, spec §10.26).
+bf16 accuracy against the float32 CPU result (bug class A5.5, docs/math.md §11).
 
 Skipped without a GPU (the `gpu` marker, see conftest.py).
 """

@@ -1,5 +1,5 @@
-"""Packed (THD) input, metamorphic checks in float64 on CPU (spec §3.2, §4.4, §6.1.8, §6.1.12,
-§10.17–19; bug classes A3.6, A4.6, A5.2–A5.7).
+"""Packed (THD) input, metamorphic checks in float64 on CPU (docs/math.md §11, §8.5; bug
+classes A3.6, A4.6, A5.2–A5.7).
 
 The reference for a pack of segments is one ordinary `[L, 1, d]` call per segment: the layer must
 never let RoPE, the window, compression, top-k or the indexer loss cross a segment boundary, and
@@ -86,7 +86,7 @@ def test_single_segment_thd_equals_sbhd(variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_padded_equals_unpadded(variant):
     """Per-segment padding changes nothing for real tokens (A3.6): outputs, input grads, param
-    grads and the loss (whose mean divides by real rows only, spec §4.4) equal the unpadded pack."""
+    grads and the loss (whose mean divides by real rows only, docs/math.md §8.5) equal the unpadded pack."""
     layer = layer_for(variant)
     lengths = [17, 9, 26]
     width = layer.config.hidden_size

@@ -211,7 +211,7 @@ def combine_separate(layer: HybridAttention, runs: Sequence[Optional[Run]],
         per-token:  loss = Σ_b loss_b,                 indexer grads = Σ_b g_b
         mean:       loss = Σ_b (L_b / N) · loss_b,     indexer grads = Σ_b (L_b / N) · g_b
     (the packed mean is the row-weighted mean of the per-segment means; indexer parameters get
-    gradient only from the KL loss, spec §4.1/§4.5).
+    gradient only from the KL loss, docs/math.md §6.1, §9).
     """
     config = layer.config
     total = sum(lengths)

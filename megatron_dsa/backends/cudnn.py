@@ -53,7 +53,7 @@ from megatron_dsa.backends.triton_kernels.availability import triton_decline_rea
 from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl_per_row
 from megatron_dsa.backends.triton_kernels.kl_slots import kl_slots as triton_kl_slots
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
-from megatron_dsa.ops.device_cache import DeviceCache, device_scalar
+from megatron_dsa.device_cache import DeviceCache, device_scalar
 from megatron_dsa.ops.indexer_loss import KLFn, indexer_kl, kl_per_row
 from megatron_dsa.ops.indices import UniformVisibleRows
 from megatron_dsa.ops.sparse_attention import sparse_attention_forward as reference_sparse_forward

@@ -103,7 +103,7 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
 
 FLASHMLA = Backend(
     name="flashmla",
-    priority=30,  # the fastest sparse forward on Hopper (kernels.md §7)
+    priority=30,  # the fastest sparse forward on Hopper (docs/performance.md, 'Kernels')
     ops={OpFamily.SPARSE_ATTENTION_FWD: sparse_attention_forward},
     probe=probe,
     version=lambda: probes.versions_line("flash_mla"),

@@ -470,7 +470,7 @@ def sparse_call(query: Tensor, kv: Tensor, indices: Tensor) -> dict[str, Any]:
 
 def sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
                      requested: registry.Requested) -> tuple[Tensor, Tensor]:
-    """`backends.sparse_attention.sparse_attention` inside a `torch.compile` trace: the forward backend is
+    """`backends.dispatched_sparse_attention.sparse_attention` inside a `torch.compile` trace: the forward backend is
     chosen now; the backward's when the backward is traced (it depends on whether `lse` takes a gradient)."""
     forward = registry.traced_choice(OpFamily.SPARSE_ATTENTION_FWD, requested, **sparse_call(query, kv, indices))
     backward = registry.requested_name(OpFamily.SPARSE_ATTENTION_BWD, requested)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Optional
 
 import torch
 
-from megatron_dsa.ops.device_cache import capturing
+from megatron_dsa.device_cache import capturing
 
 logger = logging.getLogger(__name__)
 _SELF_TEST_VERDICTS: dict[Hashable, Optional[str]] = {}

@@ -29,7 +29,7 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Protocol, Union
 
 import torch
 
-from megatron_dsa.ops.device_cache import capturing_now
+from megatron_dsa.device_cache import capturing_now
 
 logger = logging.getLogger("megatron_dsa.backends")
 

@@ -86,7 +86,7 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
 
 TORCH_SDPA = Backend(
     name="torch_sdpa",
-    priority=10,  # slow on Hopper for 192/128 (kernels.md §1.4): the last fused choice
+    priority=10,  # slow on Hopper for head dims 192/128: the last fused choice
     ops={OpFamily.DENSE_ATTENTION: batched_dense_attention(_kernel)},
     probe=probe,
     version=lambda: f"torch {torch.__version__}",

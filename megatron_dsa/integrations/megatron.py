@@ -12,7 +12,7 @@ at its (global, 1-indexed) layer number, and answers Megatron's `self_attention(
 `(output, None)`. Parameter names are Megatron's, so `decoder.layers.{i}.self_attention.*` is the
 Megatron-Core DSv4 attention state dict.
 
-Indexer KL loss (spec §4.5, §12.2): each training forward records the coefficient-scaled loss in
+Indexer KL loss (docs/math.md §9, §14): each training forward records the coefficient-scaled loss in
 Megatron's DSA indexer-loss tracker (`DSAIndexerLossLoggingHelper`, which Megatron-LM's training
 loop logs as "indexer loss"; the MoE aux-loss tracker too on request), and its backward scale is
 the process-wide value set by `set_indexer_loss_scale`, which the training loop sets before every
@@ -55,7 +55,7 @@ def require_megatron() -> None:
         raise ImportError(INSTALL_HINT) from error
 
 
-# ---------------------------------------------------------------- indexer loss scale (spec §12.2)
+# ------------------------------------------------------------ indexer loss scale (docs/math.md §14)
 def indexer_loss_scale(num_microbatches: int, cp_size: int = 1, calculate_per_token_loss: bool = False,
                        loss_scale: float = 1.0) -> float:
     """Megatron's backward scale for an auxiliary loss: `loss_scale · cp / num_microbatches`

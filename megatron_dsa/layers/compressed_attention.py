@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_dsa.backends import OpFamily, dispatch
 from megatron_dsa.backends.indexer_kl import indexer_kl_loss
-from megatron_dsa.backends.sparse_attention import sparse_attention
+from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.ops.compressor import channel_factor
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 class Compressor(HighPrecisionModule):
-    """Gated-pooling compressor (spec §3); `ape` stays float32 under low-precision casts."""
+    """Gated-pooling compressor (docs/math.md §4); `ape` stays float32 under low-precision casts."""
 
     keep_high_precision = {"ape": torch.float32}
 
@@ -67,13 +67,13 @@ class Compressor(HighPrecisionModule):
 
 
 class LightningIndexer(nn.Module):
-    """Scores compressed entries for each query token (spec §4.1–4.2). Inputs must be detached."""
+    """Scores compressed entries for each query token (docs/math.md §6.1–6.2). Inputs must be detached."""
 
     def __init__(self, config: HybridAttentionConfig, ratio: int):
         super().__init__()
         c = self.config = config
         self.heads, self.head_dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
-        self.scale = self.head_dim ** -0.5  # applied once, inside the scores (spec §4.2)
+        self.scale = self.head_dim ** -0.5  # applied once, inside the scores (docs/math.md §6.2)
         self.linear_wq_b = linear(c.q_lora_rank, self.heads * self.head_dim, c.init_method_std)
         self.linear_weights_proj = linear(c.hidden_size, self.heads, c.init_method_std)
         self.compressor = Compressor(c, self.head_dim, ratio, rotate=True)
@@ -146,7 +146,7 @@ class LightningIndexer(nn.Module):
 
 
 class IndexerLossAutoScaler(torch.autograd.Function):
-    """Identity on `output`; in backward the loss receives `scale` as its gradient (spec §4.5).
+    """Identity on `output`; in backward the loss receives `scale` as its gradient (docs/math.md §9).
 
     This is how the indexer KL loss joins the main backward without changing the main output.
     """
@@ -270,7 +270,7 @@ class CompressedSparseAttention(HighPrecisionModule):
                       selection: IndexSelection, entries: VisibleEntries,
                       features: tuple[Tensor, Tensor, Tensor], lse: Tensor,
                       real_queries: Union[int, Tensor]) -> Tensor:
-        """Coefficient-scaled KL between the indexer and the main attention (spec §4.4).
+        """Coefficient-scaled KL between the indexer and the main attention (docs/math.md §8).
 
         The sparse loss scores only the selected entries (`[T, K]`); the dense loss scores every
         visible entry (`[T, C]`, as its definition needs). The mean divides this call's KL sum by

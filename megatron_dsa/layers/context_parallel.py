@@ -337,7 +337,7 @@ class _RingSchedule:
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """The `p2p` ring (TransformerEngine's algorithm, spec kernels.md §4) as one autograd Function.
+    """The `p2p` ring (TransformerEngine's algorithm; docs/parallelism.md, 'the P2P ring') as one autograd Function.
 
     Forward: K/V (packed as one `[N, G·(Dqk+Dv)]` buffer) travel to the next rank `cp − 1` times;
     each step's transfer is posted before the step's blocks are computed, so it overlaps them. The

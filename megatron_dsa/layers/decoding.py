@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.sparse_attention import sparse_attention
+from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO

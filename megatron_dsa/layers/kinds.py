@@ -64,7 +64,7 @@ def plain_rope_table(c: HybridAttentionConfig) -> Tensor:
 
 
 def compressed_rope_table(c: HybridAttentionConfig) -> Tensor:
-    """YaRN at `csa_compress_rotary_base` (C and H layers, spec §1.3)."""
+    """YaRN at `csa_compress_rotary_base` (C and H layers, docs/math.md §2.4)."""
     return yarn_inv_freq(c.qk_pos_emb_head_dim, c.csa_compress_rotary_base, c.rotary_scaling_factor,
                          c.original_max_position_embeddings, c.beta_fast, c.beta_slow)
 

@@ -1,4 +1,4 @@
-"""Gated-pooling compressor (spec §3): `r` token rows → one compressed entry.
+"""Gated-pooling compressor (docs/math.md §4): `r` token rows → one compressed entry.
 
 ratio 4 ("CSA", overlapping): entry `j` pools 8 slots, the previous group's tokens through the
 first `Dc` channels and its own group's tokens through the last `Dc` channels (`coff = 2`);
@@ -34,7 +34,7 @@ def gated_pool(kv: Tensor, gate: Tensor, ape: Tensor, layout: CompressedLayout) 
     Returns   `[capacity, Dc]` in `kv.dtype`; unused capacity rows hold finite garbage.
 
     The softmax and the weighted sum run in float32 (float64 for float64 inputs) and are rounded once,
-    like the fused kernels (Megatron's eager path rounds the weights to bf16 first; spec §8.4).
+    like the fused kernels (Megatron's eager path rounds the weights to bf16 first; docs/math.md §4.4, §14).
     """
     r, coff = layout.ratio, channel_factor(layout.ratio)
     if kv.shape != gate.shape or kv.shape[-1] % coff or ape.shape != (r, kv.shape[-1]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_dsa.ops.device_cache import DeviceCache, device_scalar
+from megatron_dsa.device_cache import DeviceCache, device_scalar
 
 _MATRICES: DeviceCache[Tensor] = DeviceCache()  # one per (n, dtype, device); a few KiB each
 

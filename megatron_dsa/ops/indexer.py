@@ -1,4 +1,4 @@
-"""Lightning-indexer scores (spec §4.2), memory-bounded.
+"""Lightning-indexer scores (docs/math.md §6.2), memory-bounded.
 
 `I(t, c) = Σ_h w[t,h] · scale · ReLU(<q[t,h], k[c]>)` needs the per-head dots `[T, HI, C]` — 64×
 larger than the scores for the DSv4 dims. The autograd Function below computes them one row chunk

@@ -1,4 +1,4 @@
-"""Indexer KL loss (spec §4.4): the indexer (student) learns the main attention's mass (teacher).
+"""Indexer KL loss (docs/math.md §8): the indexer (student) learns the main attention's mass (teacher).
 
 For query row `t` with candidate set `C_t` (selected top-k for the sparse loss, all visible compressed
 entries for the dense loss):

@@ -1,4 +1,4 @@
-"""Index rows: which KV rows each query token attends (−1 = no entry), spec §3.3 and §4.3.
+"""Index rows: which KV rows each query token attends (−1 = no entry), docs/math.md §5 and §6.3.
 
 KV rows live in the flat space `kv_full = [token rows (T) ; compressed rows (capacity)]`, so a
 window entry is a token row id and compressed entry `c` is row `T + c`.
@@ -12,7 +12,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.ops.device_cache import KeepsDeviceValues, device_cached_property
+from megatron_dsa.device_cache import KeepsDeviceValues, device_cached_property
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 
 INVALID = -1
@@ -52,7 +52,7 @@ class VisibleEntries(KeepsDeviceValues):
     """The compressed entries each query row may see, without a `[T, C]` matrix.
 
     Column `j` of row `t` is entry `j` of row `t`'s sequence, kept at row `table[group[t], j]` of the
-    compressed buffer; it is visible when `j < count[t]` (ratio-causal, spec §3.3). The `[T, C]` id
+    compressed buffer; it is visible when `j < count[t]` (ratio-causal, docs/math.md §5.3). The `[T, C]` id
     matrix is `O(S²/r)` (16 GiB of int64 at 64k rows × 32k entries), so it is only ever built in
     row chunks (`rows`).
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.ops.device_cache import DeviceCache, KeepsDeviceValues, device_cached_property
+from megatron_dsa.device_cache import DeviceCache, KeepsDeviceValues, device_cached_property
 
 MAX_SHARED_LAYOUTS = 16  # uniform shapes kept (a training run uses one or two)
 
@@ -152,7 +152,7 @@ class TokenLayout(KeepsDeviceValues):
 
 @dataclass(frozen=True, eq=False)
 class CompressedLayout(KeepsDeviceValues):
-    """Compressed entries of a `TokenLayout` at ratio `r` (spec §3.1–3.2).
+    """Compressed entries of a `TokenLayout` at ratio `r` (docs/math.md §4.1, §11).
 
     Segment `b` of length `L_b` has `C_b = floor(L_b / r)` entries; entry `j` summarises tokens
     `[j·r, (j+1)·r)` of its segment (plus group `j−1` for the overlapping r=4 compressor) and sits
@@ -235,7 +235,7 @@ class CompressedLayout(KeepsDeviceValues):
         return own, previous
 
     def visible_counts(self) -> Tensor:
-        """`[T]` entries token `t` may see: `min(floor((pos+1)/r), C_b)` (ratio-causal, §3.3)."""
+        """`[T]` entries token `t` may see: `min(floor((pos+1)/r), C_b)` (ratio-causal, docs/math.md §5.3)."""
         causal = torch.div(self.tokens.positions + 1, self.ratio, rounding_mode="floor")
         entries = self.cu_compressed[1:] - self.cu_compressed[:-1]
         return torch.minimum(causal, entries[self.tokens.segment_ids])

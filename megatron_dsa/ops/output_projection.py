@@ -1,4 +1,4 @@
-"""Grouped low-rank output projection "wo_a" (spec §1.2 step 6)."""
+"""Grouped low-rank output projection "wo_a" (docs/math.md §10)."""
 
 from __future__ import annotations
 

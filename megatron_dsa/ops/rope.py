@@ -1,4 +1,4 @@
-"""Partial rotary embeddings with the interleaved-pair convention (spec §1.3).
+"""Partial rotary embeddings with the interleaved-pair convention (docs/math.md §2).
 
 The last `P` dims of a head are `P/2` adjacent pairs `(x[2i], x[2i+1])`, rotated by `θ_i = pos·f_i`:
     y[2i]   = x[2i]·cos θ_i − x[2i+1]·sin θ_i
@@ -93,7 +93,7 @@ def rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
          amplitude: float = 1.0) -> Tensor:
     """Convenience: rotate `x [T, Dh]` or `x [T, H, Dh]` at `positions [T]` (new storage).
 
-    Compressed entry `j` passes position `j·r` (spec §1.3).
+    Compressed entry `j` passes position `j·r` (docs/math.md §2.6).
     """
     cos, sin = rope_cos_sin(positions, inv_freq, x.dtype, amplitude)
     if x.dim() == positions.dim() + 2:  # a head axis between rows and dims

@@ -1,4 +1,4 @@
-"""Sparse attention over index rows with a learnable sink (spec §5).
+"""Sparse attention over index rows with a learnable sink (docs/math.md §7).
 
 For query row `t`, head `h`, and the KV rows `K_t = {indices[t, i] ≥ 0}` of the tied key/value
 latent (MQA: one KV head, K = V):
@@ -172,7 +172,7 @@ def sparse_attention(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, s
 
     Indices outside `[0, M)` (−1 by convention) are ignored. Returns `out [N, H, D]` in the query
     dtype and `lse [N, H]` (float32, float64 for float64 input), sink excluded. `kernels` picks the
-    forward/backward implementation (the reference by default; see `backends.sparse_attention`).
+    forward/backward implementation (the reference by default; see `backends.dispatched_sparse_attention`).
     """
     check_sparse_inputs(query, kv, indices, sink)
     return SparseAttentionFunction.apply(query, kv, indices, sink, float(scale), kernels)

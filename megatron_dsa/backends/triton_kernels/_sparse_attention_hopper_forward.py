@@ -22,7 +22,7 @@ publishes it, and everything else is scaled to `m1`: consumer 0 rescales its acc
 are added at the end. The maximum starts at the sink, as in the Triton kernel, so that exp2(sink - m)
 cannot overflow. Exponentials run in base 2 with log2(e) folded into `qk_scale`.
 
-Importing this module imports triton's Gluon; `sparse_attention.py` does so only when it launches the
+Importing this module imports triton's Gluon; `sparse_attention_launch.py` does so only when it launches the
 kernel (never under the CPU interpreter, which cannot run Gluon).
 """
 

@@ -1,4 +1,4 @@
-"""Indexer KL loss (spec §4.4) as Triton kernels: the teacher's attention mass and the per-row KL.
+"""Indexer KL loss (docs/math.md §8) as Triton kernels: the teacher's attention mass and the per-row KL.
 
 `attention_mass` is the heavy part of `megatron_dsa.ops.indexer_loss.teacher_target`: the head-summed
 probabilities `Σ_h exp(scale·<q[t,h], kv[c]> − full_lse[t,h])` of each candidate. The caller completes

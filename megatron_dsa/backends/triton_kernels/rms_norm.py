@@ -25,7 +25,7 @@ from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.rope import row_block
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows
-from megatron_dsa.ops.device_cache import device_scalar
+from megatron_dsa.device_cache import device_scalar
 from megatron_dsa.ops.precision import compute_dtype
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -37,7 +37,7 @@ DWEIGHT_PROGRAMS = 512
 def eps_tensor(eps: float, op: str, compute: torch.dtype, device: torch.device) -> Tensor:
     """`eps [1]` in the statistics dtype, after checking it (the message names `op`).
 
-    Made once per value (see `ops.device_cache.device_scalar`); float64 eps stays exact."""
+    Made once per value (see `megatron_dsa.device_cache.device_scalar`); float64 eps stays exact."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"{op} eps must be a float, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps < 0:

@@ -17,7 +17,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
-from megatron_dsa.ops.device_cache import device_scalar
+from megatron_dsa.device_cache import device_scalar
 from megatron_dsa.ops.precision import compute_dtype
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

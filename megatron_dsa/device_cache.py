@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any, Callable, Generic, Hashable, Optional, TypeVar
 
 import torch
+from torch import Tensor
 
 Value = TypeVar("Value")
 
