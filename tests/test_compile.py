@@ -6,7 +6,9 @@ implementations and registered backwards, without code generation: what a full-g
 and one kind under `inductor`. Tolerance: float32 with rtol 1e-4 / atol 1e-5; the compiled path runs the
 same reference kernels, but the grouped output projection is a plain einsum there (the compiler cannot
 trace the strided `out=` GEMM) and inductor reorders sums, so results agree to float32 rounding, not bitwise.
-The GPU tests compile the fused Triton kernels and check, through the call counters, that they ran.
+The GPU tests compile the fused Triton kernels with inductor in bf16 and check, through the call counters,
+that they ran; there compiled and eager are each compared with a float64 step (inductor keeps fused
+intermediates in float32, so bf16 results differ from eager's by eager's own rounding error).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from reference_layer import randomize_parameters_
 
 KINDS = ("W", "C", "H", "M")
 RTOL, ATOL = 1e-4, 1e-5
-BF16_RTOL, BF16_ATOL = 2e-2, 2e-2
 # Op families each kind runs in training (forward and backward), by the custom ops' counters.
 FAMILIES = {
     "W": {"rms_norm", "rope", "norm_rope", "sparse_attention_fwd", "sparse_attention_bwd"},
@@ -225,20 +226,52 @@ def _direct_forward(name: str, args: list) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ GPU: fused kernels
+def _assert_as_close_to_float64_as_eager(eager, compiled, reference) -> None:
+    """Each tensor of the compiled step (output, input and parameter gradients, indexer loss) is within 2× the
+    eager step's error against the float64 `reference` step, plus 1% of the tensor's scale (max |reference|).
+
+    Not element-wise against eager: in bf16, eager rounds every op's result to bf16, while inductor's
+    generated kernels keep a fused chain of elementwise ops in float32 and round once at the end (the
+    downcast-upcast pairs between fused ops are elided; torch's `emulate_precision_casts` documents
+    this). Compiled and eager then differ by about eager's own error, which reaches ~1% of a gradient's
+    scale (measured on CPU with float32 intermediates as the stand-in: 2 on a kv_layernorm gradient of
+    scale 555), far outside rtol = atol = 2e-2 per element, while both stay equally close to float64. A
+    compiled graph that drops a term, a kernel or a gradient is off by its whole size, far outside this."""
+    (out, grad_x, grads, loss), (c_out, c_grad_x, c_grads, c_loss), (r_out, r_grad_x, r_grads, r_loss) = (
+        eager, compiled, reference)
+    assert set(c_grads) == set(grads) == set(r_grads)
+    pairs = [("output", out, c_out, r_out), ("input grad", grad_x, c_grad_x, r_grad_x)]
+    pairs += [(name, grads[name], c_grads[name], r_grads[name]) for name in grads]
+    if r_loss is not None:
+        pairs.append(("indexer loss", loss, c_loss, r_loss))
+    for name, mine, theirs, truth in pairs:
+        assert mine is not None and theirs is not None, name
+        error = lambda t: float((t.double() - truth).abs().max())  # noqa: E731
+        bound = 2 * error(mine) + 1e-2 * float(truth.abs().max())
+        assert error(theirs) <= bound, (f"{name}: compiled error {error(theirs):.3g} against float64 exceeds "
+                                        f"{bound:.3g} (eager's {error(mine):.3g})")
+
+
 @pytest.mark.gpu
-# Failed for every kind on its first GPU run (H200, torch 2.11, Triton 3.6); the cause is not yet
-# diagnosed (no device time was left). Strict: it must be fixed, and the mark removed, to pass.
+# Failed for every kind on its first GPU run (H200, torch 2.11, Triton 3.6), when it compared compiled with
+# eager element-wise at rtol = atol = 2e-2 in bf16, which inductor's float32 intermediates cannot meet (see
+# `_assert_as_close_to_float64_as_eager`; the same body passes on CPU in float32 under the Triton
+# interpreter). Strict until a GPU run confirms the float64-anchored bound, then unmark.
 @pytest.mark.xfail(strict=True, reason="fused Triton backends under torch.compile fail on GPU (issue 27)")
 @pytest.mark.parametrize("kind", ("W", "C", "H"))
 def test_fullgraph_compile_fused_triton_matches_eager(kind):
     layer = _layer(kind, torch.bfloat16, "cuda", attention_backend="triton")
+    # Float64 on the unfused backend (Triton's attention has no float64 kernel), holding the bf16 weights exactly.
+    reference = _layer(kind, torch.float64, "cuda", attention_backend="unfused")
+    reference.load_state_dict(layer.state_dict())
     x = torch.randn(64, 2, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     eager = _step(layer, x)
+    expected = _step(reference, x.double())
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     reset_call_counts()
-    _assert_steps_equal(eager, _step(compiled, x), BF16_RTOL, BF16_ATOL)
-    assert _compiled_families("triton") == FAMILIES[kind]
-    assert not _compiled_families("unfused")
+    _assert_as_close_to_float64_as_eager(eager, _step(compiled, x), expected)
+    assert _compiled_families("triton") == FAMILIES[kind], call_counts()
+    assert not _compiled_families("unfused"), call_counts()
 
 
 @pytest.mark.gpu
