@@ -87,7 +87,8 @@ class DeviceCache(Generic[Value]):
         if value is not None:
             return value
         value = build()
-        if not (capturing(device) or torch.compiler.is_compiling()):
+        # The trace first: Dynamo cannot trace the CUDA capture query (a graph break).
+        if not (torch.compiler.is_compiling() or capturing(device)):
             if self._max_entries is not None and len(self._entries) >= self._max_entries:
                 self._entries.pop(next(iter(self._entries)))
             self._entries[key] = value

@@ -63,3 +63,21 @@ def test_a_layout_built_outside_a_capture_keeps_nothing_first_built_inside_it(mo
     monkeypatch.setattr(device_cache, "capturing_now", lambda: False)
     assert shared.segment_starts is shared.segment_starts and shared.compressed(4) is shared.compressed(4)
     assert torch.equal(shared.segment_starts, torch.arange(32) // 16 * 16)
+
+
+def test_a_compiled_trace_builds_without_asking_cuda_whether_it_captures(monkeypatch):
+    """Dynamo cannot trace `torch.cuda.is_current_stream_capturing()` (a torch call returning a bool: a graph
+    break, an error under `fullgraph=True`), and on a CUDA build `torch.cuda.is_available()` folds to True,
+    so a cache miss on a CUDA device inside a trace must not reach that query. Emulated on CPU: `capturing`
+    asks the query as it does for a CUDA device, which answers False as a CUDA build does outside a capture."""
+    monkeypatch.setattr(torch.cuda.graphs, "_cuda_isCurrentStreamCapturing", lambda: False)
+    monkeypatch.setattr(device_cache, "capturing", lambda device: torch.cuda.is_current_stream_capturing())
+    cache: DeviceCache[torch.Tensor] = DeviceCache()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda x: x + cache.get("one", x.device, lambda: torch.ones(2)), fullgraph=True,
+                                 backend="eager")
+        assert torch.equal(compiled(torch.zeros(2)), torch.ones(2))
+    finally:
+        torch._dynamo.reset()
+    assert cache.get("one", CPU, lambda: torch.zeros(2)).sum() == 0  # a value built in a trace is not kept
