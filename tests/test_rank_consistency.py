@@ -66,14 +66,15 @@ def stalled_step_body(rank: int, world: int, out: str) -> None:
     """Rank 1 stalls while fetching its first batch; rank 0's TP all-reduce times out (the group's 8 s),
     and its error must name rank 1. Both ranks leave with os._exit: the group is broken by design."""
     from megatron_dsa import train as job_module
+    from megatron_dsa.job import loop
 
     os.environ["WORLD_SIZE"] = str(world)
     job = job_module.JobConfig.from_yaml("configs/tiny.yaml", steps=2, out_dir=out, seq_len=64, batch_size=2,
                                          retrieval_pairs=2, retrieval_queries=2, eval_batches=1, corpus_max_bytes=200_000)
     job = dataclasses.replace(job, model=dataclasses.replace(job.model, max_seq_len=64))
     if rank == 1:
-        original = job_module.train_batch
-        job_module.train_batch = lambda *args: (time.sleep(30), original(*args))[1]
+        original = loop.train_batch  # where the training loop looks it up
+        loop.train_batch = lambda *args: (time.sleep(30), original(*args))[1]
         try:
             job_module.run(job, tp=2, dist_timeout_s=8.0)
         finally:
