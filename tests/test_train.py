@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,9 +180,14 @@ def test_default_run_directory_names_the_layout():
     assert train.layout_suffix(2, False, 2) == "-tp2-cp2"
 
 
-def test_training_stops_at_a_non_finite_gradient_and_keeps_a_finite_checkpoint(tmp_path, capsys):
+def test_training_stops_at_a_non_finite_gradient_and_keeps_a_finite_checkpoint(tmp_path, capsys, monkeypatch):
     """lr 1e4 without clipping diverges within a few steps: the job exits with an error naming the
-    step before applying it, and every checkpoint it wrote holds finite tensors."""
+    step before applying it, and every checkpoint it wrote holds finite tensors. Hashing is slowed
+    so a save is still in flight when the job stops: the job must let it commit first."""
+    from megatron_dsa import checkpointing
+
+    digest = checkpointing._file_digest
+    monkeypatch.setattr(checkpointing, "_file_digest", lambda path: (time.sleep(0.3), digest(path))[1])
     config = str(small_job_yaml(tmp_path, lr=1e4, min_lr=1e4, grad_clip=0.0, checkpoint_interval=1))
     with pytest.raises(SystemExit) as stopped:
         train.main(["--config", config, "--steps", "30"])
@@ -190,6 +196,8 @@ def test_training_stops_at_a_non_finite_gradient_and_keeps_a_finite_checkpoint(t
     assert "the gradient norm is" in message and "stopped before the update" in message
     latest = latest_checkpoint(tmp_path / "run")
     assert latest is not None
+    # The job ended only after the save in flight committed: nothing half-written is left behind.
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.partial")), "a save was still in flight"
     job = train.JobConfig.from_yaml(config)
     model = train.build_model(job, torch.device("cpu"))
     optimizer = train.build_optimizer(model, job.train)

@@ -17,7 +17,7 @@ import yaml
 from tqdm import tqdm
 
 from megatron_dsa.backends import call_counts, reset_call_counts
-from megatron_dsa.checkpointing import CHECKPOINTS_DIR, CheckpointWriter
+from megatron_dsa.checkpointing import CHECKPOINTS_DIR, CheckpointError, CheckpointWriter
 from megatron_dsa.data_parallel import data_parallel_size, shard_over_data_parallel
 from megatron_dsa.job.batches import load_corpus, train_batch
 from megatron_dsa.job.config import JobConfig
@@ -141,28 +141,32 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
     progress = tqdm(range(start, train.steps), initial=start, total=train.steps, desc="train",
                     dynamic_ncols=True, disable=not (leader and progress_bar and sys.stderr.isatty()))
     write = tqdm.write if leader else (lambda *args, **kwargs: None)
-    for step in progress:
-        with naming_stalled_ranks(checks, f"step {step + 1}", min(dist_timeout_s, STALL_PROBE_S)):
-            batch, packed = train_batch(job, corpus.train, step)  # the global batch; train_step takes this rank's rows
-            stats = train_step(model, optimizer, batch, step, train, device, packed)
-        history.steps.append(stats)
-        progress.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}")
-        if step == start:
-            write("backend per op (first step):\n" + format_backends(call_counts()))
-            checkpoints.prepare(model, optimizer)  # the optimizer has its state now
-        completed = step + 1
-        if completed % train.log_interval == 0 or step == start:
-            write(format_step(stats))
-        if completed % train.eval_interval == 0 or completed == train.steps:
-            history.evals.append(evaluate(model, job, validation_text, device, completed))
-            write(format_eval(history.evals[-1]))
-        if completed % train.checkpoint_interval == 0 or completed == train.steps:
-            checkpoints.save(completed, model, optimizer, job_extra(completed, job, history))
-            write(f"checkpoint of step {completed}: the save took {checkpoints.last_staging_seconds:.2f} s of "
-                  f"this step (host buffers: {checkpoints.staging.allocated_bytes / 2**30:.2f} GiB, allocated "
-                  f"in the background after the first step); copying and writing go on in the background")
-            if leader:
-                write_history(history, out_dir)
+    try:
+        for step in progress:
+            with naming_stalled_ranks(checks, f"step {step + 1}", min(dist_timeout_s, STALL_PROBE_S)):
+                batch, packed = train_batch(job, corpus.train, step)  # the global batch; train_step takes this rank's rows
+                stats = train_step(model, optimizer, batch, step, train, device, packed)
+            history.steps.append(stats)
+            progress.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}")
+            if step == start:
+                write("backend per op (first step):\n" + format_backends(call_counts()))
+                checkpoints.prepare(model, optimizer)  # the optimizer has its state now
+            completed = step + 1
+            if completed % train.log_interval == 0 or step == start:
+                write(format_step(stats))
+            if completed % train.eval_interval == 0 or completed == train.steps:
+                history.evals.append(evaluate(model, job, validation_text, device, completed))
+                write(format_eval(history.evals[-1]))
+            if completed % train.checkpoint_interval == 0 or completed == train.steps:
+                checkpoints.save(completed, model, optimizer, job_extra(completed, job, history))
+                write(f"checkpoint of step {completed}: the save took {checkpoints.last_staging_seconds:.2f} s of "
+                      f"this step (host buffers: {checkpoints.staging.allocated_bytes / 2**30:.2f} GiB, allocated "
+                      f"in the background after the first step); copying and writing go on in the background")
+                if leader:
+                    write_history(history, out_dir)
+    except (JobStopped, CheckpointError):  # every rank stops here together
+        checkpoints.wait()  # the save in flight commits (or fails) before the job ends
+        raise
     progress.close()
     committed = checkpoints.wait()
     if leader:
