@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from megatron_dsa.parallel.consistency import gather_objects
 from megatron_dsa.parallel.sharding import partition_dims
 from megatron_dsa.parallel.state import ParallelState
 
@@ -85,15 +86,6 @@ def _world_rank() -> int:
 
 def _group_rank_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-
-
-def _all_gather(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
-    """`value` of every rank of `group`, in rank order (`[value]` without a group)."""
-    if group is None:
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, value, group=group)
-    return gathered
 
 
 def _map_tensors(value: Any, function: Callable[[str, Tensor], Any], path: str = "") -> Any:
@@ -321,7 +313,7 @@ class CheckpointWriter:
     def _check_finite(self, local: dict[str, Any], step: int) -> None:
         """Every rank raises when any rank's shards hold NaN or inf (no rank is left in a barrier)."""
         bad = non_finite_tensors(local)
-        everyone = _all_gather(bad, self.group)
+        everyone = gather_objects(bad, self.group)
         if any(everyone):
             named = [f"{path} (rank {rank})" for rank, paths in enumerate(everyone) for path in paths]
             raise CheckpointError(f"refusing to checkpoint step {step}: non-finite values in {named[:3]}"
@@ -340,7 +332,7 @@ class CheckpointWriter:
         if rank == 0:
             mine.append(partial / ".metadata")  # written by the coordinator once every rank's shards are
         files = {path.name: _file_digest(path) for path in mine}
-        written = _all_gather({"files": files, **described["layout"]}, self.group)
+        written = gather_objects({"files": files, **described["layout"]}, self.group)
         final = partial.with_name(partial.name[:-len(PARTIAL_SUFFIX)])
         if rank == 0:
             manifest = dict(described["manifest"],
@@ -398,11 +390,11 @@ def verify_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None) -> 
     rank, size = _group_rank_size(group)
     problems = [problem for name in sorted(files)[rank::size]
                 if (problem := _file_problem(path / name, files[name])) is not None]
-    problems = [problem for share in _all_gather(problems, group) for problem in share]
+    problems = [problem for share in gather_objects(problems, group) for problem in share]
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems[:3])
                               + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
-    readers = _all_gather((str(path.resolve()), fingerprint(manifest)), group)
+    readers = gather_objects((str(path.resolve()), fingerprint(manifest)), group)
     if len(set(readers)) > 1:
         raise CheckpointError("the ranks resume from different checkpoints: "
                               + ", ".join(f"rank {index}: {where}" for index, (where, _) in enumerate(readers)))

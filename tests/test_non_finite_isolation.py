@@ -212,7 +212,7 @@ def test_fused_dense_backends_isolate_nan_on_gpu(backend, layout_kind):
     try:
         layer = HybridAttention(config, kind="M").cuda().to(torch.bfloat16)
     except BackendUnavailableError as error:
-        pytest.skip(str(error))
+        pytest.skip(f"the requested {backend} backend cannot run on this machine: {error}")  # e.g. not installed
     seqlen, hidden = 256, config.hidden_size
     x = torch.randn(seqlen, 2, hidden, device="cuda", dtype=torch.bfloat16)
     packed = None
@@ -224,7 +224,7 @@ def test_fused_dense_backends_isolate_nan_on_gpu(backend, layout_kind):
     try:
         clean = _run(layer, x, grad_out, packed)
     except BackendUnavailableError as error:
-        pytest.skip(str(error))
+        pytest.skip(f"the requested {backend} backend cannot run on this machine: {error}")  # e.g. not installed
     bad_x = x.clone()
     bad_x[100, 0] = float("nan")
     bad = _run(layer, bad_x, grad_out, packed)

@@ -35,14 +35,23 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def gather_objects(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """`value` (picklable) of every rank of `group`, in group-rank order; `[value]` without a group
+    or without torch.distributed."""
+    if group is None and not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
 def check_same_on_all_ranks(what: str, values: Mapping[str, Any],
                             group: Optional[dist.ProcessGroup] = None) -> None:
     """Raise `RankMismatchError` (on every rank) when `values` (a nested mapping) differs between the
     ranks of `group`; the message names each differing field and which ranks hold which value."""
     if not dist.is_initialized():
         return
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, flatten(values), group=group)
+    gathered = gather_objects(flatten(values), group)
     ranks = [dist.get_global_rank(group, index) if group is not None else index for index in range(len(gathered))]
     error = mismatch_error(what, gathered, ranks)
     if error is not None:
