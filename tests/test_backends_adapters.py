@@ -621,6 +621,18 @@ def test_torch_sdpa_cpu_kernel_is_explicit_only_and_matches_the_reference(vendor
         torch.testing.assert_close(a, b, **EXACT)
 
 
+def test_torch_sdpa_declines_float64_on_a_gpu_where_its_kernel_has_none(vendors) -> None:
+    """A float64 M layer on a GPU (a float64 reference run there) must keep the reference: the CUDA
+    memory-efficient kernel raises inside aten for float64 (seen on an H200 when nothing else declined)."""
+    on_gpu_generation(vendors, (9, 0))
+    call = dict(device=torch.device("cuda"), head_dim=16, v_head_dim=8, heads=4, groups=2,
+                layout=TokenLayout.uniform(2, 7, torch.device("cpu")), lse_grad=False)
+    assert resolve(OpFamily.DENSE_ATTENTION, **call, dtype=torch.bfloat16)[0] == "torch_sdpa"
+    assert resolve(OpFamily.DENSE_ATTENTION, **call, dtype=torch.float64)[0] == "unfused"
+    with pytest.raises(BackendUnavailableError, match="dtype torch.float64 unsupported"):
+        resolve(OpFamily.DENSE_ATTENTION, "torch_sdpa", **call, dtype=torch.float64)
+
+
 def m_layer_runs(config: HybridAttentionConfig, backend: str, hidden: torch.Tensor) -> list[tuple]:
     """An M layer with `dense_attention` on `backend` and an unfused one with the same weights, each run
     forward and backward on `hidden`: `(out, d hidden, parameter grads, call counts)` per layer."""

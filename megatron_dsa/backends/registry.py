@@ -134,6 +134,12 @@ def registered_backends(op: Optional[OpFamily] = None) -> list[Backend]:
     return sorted(_BACKENDS.values(), key=lambda b: -(b.priority if op is None else b.priority_for(op)))
 
 
+def as_family(op: "OpFamily | str") -> OpFamily:
+    """`op` as an `OpFamily` without calling the enum on a member: code `torch.compile` traces runs this,
+    and Dynamo (torch 2.11, Python 3.12) cannot trace an enum's construction (it breaks the graph)."""
+    return op if isinstance(op, OpFamily) else OpFamily(op)
+
+
 def requested_name(op: OpFamily, requested: Requested) -> str:
     """The backend name (or `auto`) `requested` asks for `op`."""
     return requested if isinstance(requested, str) else requested.backend_for(op.value)
@@ -198,7 +204,7 @@ def dispatch(op: OpFamily, requested: Requested = AUTO, **call: Any) -> Callable
     Under `torch.compile` the backend is chosen while tracing and the returned callable (same contract)
     calls the family's custom op (`backends.library`), which counts the call when it runs."""
     if torch.compiler.is_compiling():
-        return _TRACEABLE[OpFamily(op)](traced_choice(op, requested, **call))
+        return _TRACEABLE[as_family(op)](traced_choice(op, requested, **call))
     name, impl = resolve(op, requested, **call)
     key = (name, OpFamily(op).value)
 
@@ -232,7 +238,7 @@ def traced_choice(op: OpFamily, requested: Requested = AUTO, **call: Any) -> str
     time on the call description's host values (a layout passes as its `HostLayout`), and the compiled
     graph keeps the answer. The description's values must be trace-time constants (shapes are, unless
     compiled with dynamic shapes)."""
-    op = OpFamily(op)
+    op = as_family(op)
     layouts = tuple((key, value.uniform_shape) for key, value in call.items() if hasattr(value, "uniform_shape"))
     plain = tuple((key, value) for key, value in call.items() if not hasattr(value, "uniform_shape"))
     return _constant_choice(op.value, requested_name(op, requested), plain, layouts)

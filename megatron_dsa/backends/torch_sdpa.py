@@ -72,6 +72,10 @@ def layout_problem(call: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+# The CUDA memory-efficient kernel's dtypes (float64 raises inside aten); the CPU kernel also takes float64.
+CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
     device = call.get("device")
     on_cpu = device is not None and torch.device(device).type == "cpu"
@@ -79,6 +83,7 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         "the CPU kernel runs only when 'torch_sdpa' is requested by name"
         if on_cpu and not call.get("explicit") else None,
         None if on_cpu or device is None else probes.gpu_problem(call, (8, 9, 10, 11, 12), "torch SDPA"),
+        None if on_cpu else probes.dtype_problem(call, CUDA_DTYPES),
         layout_problem(call),
         dense_problem(call),
     )
