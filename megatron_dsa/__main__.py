@@ -183,7 +183,7 @@ def describe_info(verbose: bool = False, width: int = WIDTH) -> str:
     """What `megatron-dsa info` prints: every line fits `width` columns."""
     from megatron_dsa.backends import availability_table
     from megatron_dsa.backends.flash_attn import describe_generations
-    from megatron_dsa.backends.triton_kernels.sparse_attention_launch import describe_hopper_kernels
+    from megatron_dsa.backends.triton_kernels.sparse_attention import describe_hopper_kernels
 
     rows = availability_table()
     lines = [f"megatron_dsa {megatron_dsa.__version__}", describe_torch()]
