@@ -157,7 +157,7 @@ def _take_field(fields: dict[str, int], row: KindRow, ratio: int, where: str, wh
 
 @dataclass
 class HybridAttentionConfig:
-    """All knobs of one stack of hybrid attention layers (shapes in the spec notation)."""
+    """All knobs of one stack of hybrid attention layers (shapes in the notation of docs/math.md)."""
 
     # Model shape.
     hidden_size: int = 4096  # d
