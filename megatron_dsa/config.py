@@ -83,8 +83,9 @@ def register_kind(row: Row) -> Row:
         for other in (other for other in KINDS.values() if other.named_by_ratio):
             fixed = isinstance(row.ratio, int)
             if (other.ratio == row.ratio) if fixed else isinstance(other.ratio, str):
-                raise ValueError(f"kinds {other.symbol!r} and {symbol!r} would both be named by ratio "
-                                 f"{row.ratio if fixed else 'field'} in a per-layer ratio list")
+                what = f"ratio {row.ratio}" if fixed else "every ratio no kind fixes"
+                raise ValueError(f"kinds {other.symbol!r} and {symbol!r} would both be named by {what} in a "
+                                 f"per-layer ratio list")
     KINDS[symbol] = row
     return row
 
