@@ -36,7 +36,7 @@ from timing import DTYPES, cuda_available, median_ms, kernel_parser  # noqa: E40
 from megatron_dsa.backends import BackendUnavailableError, OpFamily, resolve  # noqa: E402
 from megatron_dsa.backends.dispatched_sparse_attention import sparse_call  # noqa: E402
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason  # noqa: E402
-from megatron_dsa.backends.triton_kernels.sparse_attention_launch import (  # noqa: E402
+from megatron_dsa.backends.triton_kernels.sparse_attention import (  # noqa: E402
     hopper_shape_decline,
     kernel_choice,
     portable_kernels,

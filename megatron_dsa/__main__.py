@@ -3,7 +3,7 @@
     train     the main training job (`python -m megatron_dsa.train`, same arguments)
     convert   convert attention checkpoints (`python -m megatron_dsa.convert`, same arguments)
     generate  sample from a trained checkpoint (`python -m megatron_dsa.generate`, same arguments)
-    info      versions, the device, and which kernel backend can run which op family here
+    info      versions, the device, the layer kinds, and which kernel backend can run which op family here
 
 `train`, `convert` and `generate` hand their arguments to their module's own parser, so each option is
 defined once and `megatron-dsa train --help` is the module's help.
@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 import megatron_dsa
+from megatron_dsa.config import KINDS
 
 PROG = "megatron-dsa"
 WIDTH = 100  # `info` lines fit a 100-column terminal (--verbose wraps its long reasons)
@@ -52,8 +53,8 @@ def run_generate(argv: list[str], prog: str) -> int:
 
 def run_info(argv: list[str], prog: str) -> int:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Versions, the device, and per kernel backend the op families it can run "
-                               "here, or why it declines.")
+        prog=prog, description="Versions, the device, the layer kinds (the letters of layer_pattern), and "
+                               "per kernel backend the op families it can run here, or why it declines.")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="every backend's versions and full decline reasons per op family, and which "
                              "FlashAttention generation and Triton sparse-attention kernel would serve")
@@ -67,7 +68,8 @@ COMMANDS = {
     "convert": Command("convert attention checkpoints (Megatron / Hugging Face <-> ours, TP merge / split)", run_convert),
     "generate": Command("sample from a trained checkpoint (greedy or temperature / top-p) through the decoding cache",
                         run_generate),
-    "info": Command("show versions, the device and the kernel backends this machine can run", run_info),
+    "info": Command("show versions, the device, the layer kinds and the kernel backends this machine can run",
+                    run_info),
 }
 
 
@@ -91,6 +93,13 @@ def describe_devices() -> list[str]:
         major, minor = torch.cuda.get_device_capability(index)
         lines.append(f"cuda:{index} {torch.cuda.get_device_name(index)} (compute capability {major}.{minor})")
     return lines
+
+
+def describe_kinds() -> list[str]:
+    """The kind table (`config.KINDS`, registered kinds included): letter, name, compress ratio, core."""
+    rows = [(row.symbol, row.name, str(row.ratio), type(row.core).__name__) for row in KINDS.values()]
+    table = format_table(("kind", "name", "compress ratio", "core"), rows)
+    return ["layer kinds (the letters of layer_pattern):", *("  " + line for line in table.splitlines())]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -174,12 +183,12 @@ def describe_info(verbose: bool = False, width: int = WIDTH) -> str:
     """What `megatron-dsa info` prints: every line fits `width` columns."""
     from megatron_dsa.backends import availability_table
     from megatron_dsa.backends.flash_attn import describe_generations
-    from megatron_dsa.backends.triton_kernels.sparse_attention_launch import describe_hopper_kernels
+    from megatron_dsa.backends.triton_kernels.sparse_attention import describe_hopper_kernels
 
     rows = availability_table()
     lines = [f"megatron_dsa {megatron_dsa.__version__}", describe_torch()]
     lines += [f"device: {device}" for device in describe_devices()]
-    lines.append("")
+    lines += ["", *describe_kinds(), ""]
     if not verbose:
         lines.append("kernel backends: what each can run here (--verbose: versions, full reasons, kernels)")
         lines += summarise_backends(rows, width)

@@ -1,12 +1,18 @@
-"""Configuration of the hybrid attention layer.
+"""Configuration of the hybrid attention layer, and the table of layer kinds it reads its pattern with.
 
 `HybridAttentionConfig` mirrors the Megatron-Core `TransformerConfig` fields the DeepSeek-V4 hybrid
-attention reads (names kept so configs translate one to one), plus the per-layer pattern string:
+attention reads (names kept so configs translate one to one), plus the per-layer pattern string, one
+letter per layer from the kind table `KINDS`. The package's kinds:
 
     W  window-only attention (compress ratio 0, plain RoPE)
     C  compressed sparse attention (ratio 4, overlapping compressor, lightning indexer top-k)
     H  heavily compressed attention (ratio `hca_compress_ratio`, default 128, all visible entries)
     M  dense causal multi-latent attention (DeepSeek-V3 style)
+
+`KINDS` lives here, at the bottom of the package, so that validating a pattern, the ratio of a kind
+and the translations of ratio lists read the same rows the layers are built from; the rows
+themselves (`layers.kinds.KindSpec`: traits, RoPE table, halo rule and core) are put in by
+`megatron_dsa.layers.kinds` through `register_kind`, which importing `megatron_dsa` runs.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, TypeVar, Union
 
 import yaml
 
@@ -24,6 +30,8 @@ CSA_COMPRESS_RATIO = 4
 
 
 class LayerKind(str, Enum):
+    """Names of the package's own kinds (their letters in `KINDS`); a kind registered later has a letter only."""
+
     WINDOW = "W"
     CSA = "C"
     HCA = "H"
@@ -31,6 +39,7 @@ class LayerKind(str, Enum):
 
     @classmethod
     def parse(cls, value: Union["LayerKind", str]) -> "LayerKind":
+        """The member of a letter (one of the package's own kinds), else ValueError."""
         if isinstance(value, LayerKind):
             return value
         try:
@@ -41,9 +50,115 @@ class LayerKind(str, Enum):
             ) from None
 
 
+# ---------------------------------------------------------------- the kind table
+class KindRow(Protocol):
+    """What the config reads of a row of `KINDS` (the whole row: `layers.kinds.KindSpec`)."""
+
+    symbol: str  # its letter in layer_pattern
+    name: str  # a few words for messages
+    ratio: Union[int, str]  # compress ratio r (0: none), or the name of the config field holding it
+    named_by_ratio: bool  # a per-layer ratio list (Megatron's, the release's) names this kind by r alone
+
+    def compress_ratio(self, config: "HybridAttentionConfig") -> int: ...
+
+    def has_indexer(self, config: "HybridAttentionConfig") -> bool: ...
+
+
+# Pattern letter → row, in registration order (the package's W, C, H, M first).
+KINDS: dict[str, KindRow] = {}
+Row = TypeVar("Row", bound=KindRow)
+
+
+def register_kind(row: Row) -> Row:
+    """Adds `row` to `KINDS` under its letter, after checking that the letter is free and one upper-case
+    ASCII letter (patterns are upper-cased), that its ratio is an int >= 0 or an int field of the config,
+    and that a ratio list still names every kind it names in one way only."""
+    symbol = row.symbol
+    if not (isinstance(symbol, str) and len(symbol) == 1 and "A" <= symbol <= "Z"):
+        raise ValueError(f"a kind's symbol must be one upper-case ASCII letter, got {symbol!r}")
+    if symbol in KINDS:
+        raise ValueError(f"kind {symbol!r} is already registered ({KINDS[symbol].name})")
+    _check_ratio(row)
+    if row.named_by_ratio:
+        for other in (other for other in KINDS.values() if other.named_by_ratio):
+            fixed = isinstance(row.ratio, int)
+            if (other.ratio == row.ratio) if fixed else isinstance(other.ratio, str):
+                what = f"ratio {row.ratio}" if fixed else "every ratio no kind fixes"
+                raise ValueError(f"kinds {other.symbol!r} and {symbol!r} would both be named by {what} in a "
+                                 f"per-layer ratio list")
+    KINDS[symbol] = row
+    return row
+
+
+def _check_ratio(row: KindRow) -> None:
+    ratio = row.ratio
+    if isinstance(ratio, str):
+        field_type = {f.name: str(f.type) for f in dataclasses.fields(HybridAttentionConfig)}.get(ratio)
+        if field_type != "int":
+            raise ValueError(f"kind {row.symbol!r}: ratio {ratio!r} is not an int field of HybridAttentionConfig")
+    elif not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 0:
+        raise ValueError(f"kind {row.symbol!r}: ratio must be an int >= 0 or a config field name, got {ratio!r}")
+
+
+def lookup_kind(kind: Union[LayerKind, str]) -> KindRow:
+    """The row of a kind's letter (or `LayerKind`), else ValueError listing the kinds."""
+    symbol = kind.value if isinstance(kind, LayerKind) else kind
+    if not isinstance(symbol, str) or symbol not in KINDS:
+        raise ValueError(f"layer kind must be one of {describe_kinds()}, got {kind!r}")
+    return KINDS[symbol]
+
+
+def as_layer_kind(symbol: str) -> Union[LayerKind, str]:
+    """The `LayerKind` member of a letter, or the letter itself for a kind registered outside the package."""
+    return LayerKind(symbol) if symbol in _PACKAGE_LETTERS else symbol
+
+
+_PACKAGE_LETTERS = frozenset(kind.value for kind in LayerKind)
+
+
+def describe_kinds() -> str:
+    """`W (window), C (CSA), ...`: every kind of the table, for messages."""
+    if not KINDS:  # the rows come with megatron_dsa.layers.kinds, which importing megatron_dsa loads
+        return "the kinds of megatron_dsa.layers.kinds (not imported yet: none registered)"
+    return ", ".join(f"{row.symbol} ({row.name})" for row in KINDS.values())
+
+
+def pattern_from_ratios(ratios: list[int], what: str) -> tuple[str, dict[str, int]]:
+    """A per-layer compress-ratio list (`what`: its name in messages) → `(layer_pattern, config fields)`.
+
+    Each entry names the kind of `KINDS` named by ratio that has it as its fixed ratio (0 → W, 4 → C),
+    else the one whose ratio is a config field (H: `hca_compress_ratio`), which the entry then sets:
+    one value per model, checked by the config's rule for that field."""
+    by_ratio = [row for row in KINDS.values() if row.named_by_ratio]
+    fixed = {row.ratio: row for row in by_ratio if isinstance(row.ratio, int)}
+    free = next((row for row in by_ratio if isinstance(row.ratio, str)), None)
+    symbols, fields = [], {}
+    for position, ratio in enumerate(ratios):
+        row = fixed.get(ratio, free) if isinstance(ratio, int) and not isinstance(ratio, bool) else None
+        if row is None:
+            raise ValueError(f"{what}[{position}] = {ratio!r} names no layer kind: "
+                             + ", ".join(f"{row.symbol} takes {row.ratio}" for row in by_ratio))
+        if row is free:
+            _take_field(fields, free, ratio, f"{what}[{position}]", what)
+        symbols.append(row.symbol)
+    return "".join(symbols), fields
+
+
+def _take_field(fields: dict[str, int], row: KindRow, ratio: int, where: str, what: str) -> None:
+    """Sets `row`'s ratio field to `ratio`, which must be the model's only one and pass the config's rule."""
+    taken = fields.setdefault(row.ratio, ratio)
+    if taken != ratio:
+        raise ValueError(f"{what} mixes {row.name} ratios {sorted((taken, ratio))}: {row.symbol} layers take "
+                         f"one ratio per model ({row.ratio})")
+    try:
+        HybridAttentionConfig(**{row.ratio: ratio})
+    except ValueError as error:
+        raise ValueError(f"{where} = {ratio}: {error}") from None
+
+
 @dataclass
 class HybridAttentionConfig:
-    """All knobs of one stack of hybrid attention layers (shapes in the spec notation)."""
+    """All knobs of one stack of hybrid attention layers (shapes in the notation of docs/math.md)."""
 
     # Model shape.
     hidden_size: int = 4096  # d
@@ -179,12 +294,12 @@ class HybridAttentionConfig:
 
     def _expand_pattern(self, pattern: str) -> str:
         if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"layer_pattern must be a non-empty string of W/C/H/M, got {pattern!r}")
+            raise ValueError(f"layer_pattern must be a non-empty string of {'/'.join(KINDS)}, got {pattern!r}")
         pattern = pattern.replace(" ", "").upper()
         for position, symbol in enumerate(pattern):
-            if symbol not in {kind.value for kind in LayerKind}:
+            if symbol not in KINDS:
                 raise ValueError(f"layer_pattern symbol {symbol!r} at position {position} is not one "
-                                 f"of W (window), C (CSA), H (HCA), M (dense MLA)")
+                                 f"of {describe_kinds()}")
         if len(pattern) == 1:
             return pattern * self.num_layers
         if len(pattern) != self.num_layers:
@@ -228,24 +343,24 @@ class HybridAttentionConfig:
         """Backend requested for op family `op`: its override, else `attention_backend`."""
         return self.attention_backend_overrides.get(op, self.attention_backend)
 
-    def layer_kind(self, layer_number: int) -> LayerKind:
-        """Kind of 1-indexed layer `layer_number` (Megatron numbering)."""
+    def layer_kind(self, layer_number: int) -> Union[LayerKind, str]:
+        """Kind of 1-indexed layer `layer_number` (Megatron numbering): a `LayerKind` for the package's
+        own kinds, the letter for one registered outside it."""
         if not 1 <= layer_number <= self.num_layers:
             raise ValueError(f"layer_number must be in [1, {self.num_layers}], got {layer_number}")
-        return LayerKind(self.layer_pattern[layer_number - 1])
+        return as_layer_kind(self.layer_pattern[layer_number - 1])
 
     def compress_ratio(self, kind: Union[LayerKind, str]) -> int:
-        """Compression ratio r of a layer kind (0 = no compressor)."""
-        kind = LayerKind.parse(kind)
-        return {LayerKind.WINDOW: 0, LayerKind.CSA: CSA_COMPRESS_RATIO,
-                LayerKind.HCA: self.hca_compress_ratio, LayerKind.MLA: 0}[kind]
+        """Compression ratio r of a layer kind (0 = no compressor), from its row of `KINDS`."""
+        return lookup_kind(kind).compress_ratio(self)
 
     def has_indexer(self, kind: Union[LayerKind, str]) -> bool:
-        return LayerKind.parse(kind) is LayerKind.CSA and not self.csa_dense_mode
+        """Whether a lightning indexer picks the compressed entries of a layer kind, from its row of `KINDS`."""
+        return lookup_kind(kind).has_indexer(self)
 
     @property
     def csa_compress_ratios(self) -> list[int]:
-        """Megatron's per-layer ratio list (`M` layers have no Megatron ratio and map to 0)."""
+        """Megatron's per-layer ratio list (a kind a ratio does not name, as `M`, gives its own ratio: 0)."""
         return [self.compress_ratio(symbol) for symbol in self.layer_pattern]
 
     # ---------------------------------------------------------------- (de)serialisation

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import Tensor
 
-import megatron_dsa.backends.triton_kernels.sparse_attention_launch as triton_sparse
-from megatron_dsa.backends.triton_kernels.sparse_attention_launch import (
+import megatron_dsa.backends.triton_kernels.sparse_attention as triton_sparse
+from megatron_dsa.backends.triton_kernels.sparse_attention import (
     sparse_attention_backward,
     sparse_attention_forward,
 )

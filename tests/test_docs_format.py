@@ -125,12 +125,16 @@ def test_config_comments_count_the_rows_they_have(path: Path) -> None:
 
 # ------------------------------------------------------------------------------ section references
 # A reference is `docs/<name>.md §N`, optionally a range `§N–M` and more numbers after ", ", " and "
-# or "/": e.g. `docs/math.md §7.3`, `docs/math.md §6.1–6.2`, `docs/math.md §4.4, §14`.
+# or "/": e.g. `docs/math.md §7.3`, `docs/math.md §6.1–6.2`, `docs/math.md §4.4, §14`. In prose it may
+# read `docs/<name>.md section N` (the name may be in backticks).
 SECTION = r"§\d+(?:\.\d+)*(?:–§?\d+(?:\.\d+)*)?"
 REFERENCE = re.compile(rf"docs/(\w+)\.md ({SECTION}(?:(?:, | and |/){SECTION})*)")
-REFERRING_FILES = sorted(path for folder in ("megatron_dsa", "tests", "benchmarks", "tools", "examples")
-                         for path in (REPO_ROOT / folder).rglob("*.py")
-                         if path != Path(__file__).resolve()) + DOCUMENTS
+PROSE_REFERENCE = re.compile(r"docs/(\w+)\.md`? (sections? \d+(?:\.\d+)*(?:(?:, | and |–)\d+(?:\.\d+)*)*)")
+# Every file of the repository that may cite a section: code, docs, configs (hidden folders left out).
+REFERRING_FILES = sorted(path for pattern in ("*.py", "*.md", "*.yaml", "*.toml", "*.txt")
+                         for path in REPO_ROOT.rglob(pattern)
+                         if not any(part.startswith(".") for part in path.relative_to(REPO_ROOT).parts)
+                         and path != Path(__file__).resolve())
 
 
 def numbered_sections(document: str) -> set[str]:
@@ -142,7 +146,7 @@ def section_reference_problems(text: str, sections: dict[str, set[str]]) -> list
     """Each `§` of `text` that is not part of a reference, or names a document or section that does not
     exist. `sections` maps a document name (`math`) to its section numbers."""
     problems, covered = [], set()
-    for match in REFERENCE.finditer(text):
+    for match in (*REFERENCE.finditer(text), *PROSE_REFERENCE.finditer(text)):
         covered.update(range(*match.span()))
         name = match.group(1)
         for number in re.findall(r"\d+(?:\.\d+)*", match.group(2)):
@@ -180,5 +184,8 @@ def test_the_section_check_catches_stray_and_missing_sections() -> None:
         "docs/math.md has no section 9 (cited as 'docs/math.md §8–9')"]
     assert section_reference_problems("docs/kernels.md §1", sections) == [
         "docs/kernels.md has no section 1 (cited as 'docs/kernels.md §1')"]
+    assert section_reference_problems("see `docs/math.md` section 7 and docs/math.md sections 8–8.2", sections) == []
+    assert section_reference_problems("docs/math.md section 9", sections) == [
+        "docs/math.md has no section 9 (cited as 'docs/math.md section 9')"]
     assert numbered_sections("## 7. Sparse attention\n### 7.3 Backward\n#### 7.3.1 Sink\n## Notes\n") \
         == {"7", "7.3", "7.3.1"}

@@ -79,7 +79,9 @@ def test_transformers_style_config_and_overrides() -> None:
 @pytest.mark.parametrize("change, message", [
     (dict(layer_types=None), "no per-layer attention kinds: expected 'layer_types'"),
     (dict(compress_rates={"compressed_sparse_attention": 8}), "our C layers .* compress by 4"),
-    (dict(layer_types=None, compress_ratios=[0, 16, 32]), r"ratios \[16, 32\] .* one ratio >= 8"),
+    (dict(layer_types=None, compress_ratios=[0, 16, 32]), r"compress_ratios mixes HCA ratios \[16, 32\]: H layers "
+                                                          r"take one ratio per model"),
+    (dict(layer_types=None, compress_ratios=[0, 4, 2]), r"compress_ratios\[2\] = 2: hca_compress_ratio must be >= 8"),
     (dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"]), "unknown \\['full_attention'\\]"),
     (dict(num_key_value_heads=2), "num_key_value_heads is 2"),
     (dict(rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,

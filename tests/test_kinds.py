@@ -1,13 +1,19 @@
-"""A layer kind is one row of `layers.kinds.KINDS` plus its core.
+"""A layer kind is one row of the kind table (`config.KINDS`, filled by `layers.kinds`) plus its core.
 
 The toy kind `X` below is the whole of what a new kind takes: a C-like kind whose compressor pools 16
 tokens (not overlapping) and whose indexer picks among those entries, built on the existing sparse
 core. It is checked against an independent construction (an H layer at its ratio, which attends every
 visible entry: the same thing when the indexer's top-k covers every entry), against itself split over
 two context-parallel ranks (the halo comes from its row), and for its parameter names and shapes.
+Registered (`register_kind`, one row, nothing else touched) it is a letter of `layer_pattern` that the
+config, the layers, a model, the Megatron translation and `megatron-dsa info` all know.
 """
 
 from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+from typing import Iterator
 
 import pytest
 import torch
@@ -15,8 +21,13 @@ import torch.distributed as dist
 
 from distributed import run_distributed
 from megatron_dsa import HybridAttention, HybridAttentionConfig, LayerKind
+from megatron_dsa.__main__ import describe_info
+from megatron_dsa.integrations.megatron_config import (DSV4_FIELDS, SHARED_FIELDS, hybrid_config_from_megatron,
+                                                       to_megatron_kwargs)
 from megatron_dsa.layers.cores import SPARSE_MLA
-from megatron_dsa.layers.kinds import KINDS, KindSpec, build_attention, compressed_rope_table, window_and_groups_halo
+from megatron_dsa.layers.kinds import (KINDS, KindSpec, build_attention, compressed_rope_table, register_kind,
+                                       window_and_groups_halo)
+from megatron_dsa.model import HybridLM, ModelConfig
 from megatron_dsa.parallel import initialize_parallel_state
 from megatron_dsa.parallel.context import shard_sequence
 from megatron_dsa.parallel.sharding import load_full_state_dict
@@ -24,15 +35,19 @@ from megatron_dsa.parallel.sharding import load_full_state_dict
 TOY_RATIO = 16
 
 
-def toy_ratio(config: HybridAttentionConfig) -> int:
-    return TOY_RATIO
-
-
 def always(config: HybridAttentionConfig) -> bool:
     return True
 
 
-TOY = KindSpec("X", toy_ratio, always, compressed_rope_table, window_and_groups_halo, SPARSE_MLA)
+TOY = KindSpec("X", "toy", TOY_RATIO, always, compressed_rope_table, window_and_groups_halo, SPARSE_MLA)
+
+
+@pytest.fixture
+def registered_toy() -> Iterator[KindSpec]:
+    """TOY as a row of the table for one test (registered: its one line; then taken out again)."""
+    register_kind(TOY)
+    yield TOY
+    del KINDS[TOY.symbol]
 
 
 def config(**overrides) -> HybridAttentionConfig:
@@ -128,13 +143,67 @@ def test_the_toy_kind_under_context_parallelism_equals_one_process() -> None:
     run_distributed(toy_context_parallel_body, 2)
 
 
-def test_every_pattern_letter_has_a_row() -> None:
-    assert sorted(KINDS) == sorted(kind.value for kind in LayerKind)
+def test_the_package_kinds_are_the_rows_layer_kind_names() -> None:
+    assert list(KINDS) == [kind.value for kind in LayerKind] == list("WCHM")
     assert all(KINDS[kind.value].kind is kind for kind in LayerKind)
+    c = config(num_layers=4, layer_pattern="WCHM", hca_compress_ratio=32)
+    assert c.csa_compress_ratios == [0, 4, 32, 0]
+    assert [c.has_indexer(kind) for kind in "WCHM"] == [False, True, False, False]
+    assert not c.replace(csa_dense_mode=True).has_indexer(LayerKind.CSA)
+
+
+def test_a_registered_toy_kind_is_a_pattern_letter_everywhere(registered_toy: KindSpec) -> None:
+    """One `register_kind` row: the config takes its letter, a model of that pattern builds and trains,
+    the Megatron translation carries it as layer_pattern (a ratio list cannot name it) and info lists it."""
+    cfg = config(num_layers=3, layer_pattern="wxc")
+    assert cfg.layer_pattern == "WXC" and cfg.layer_kind(2) == "X" and cfg.csa_compress_ratios == [0, TOY_RATIO, 4]
+    assert cfg.compress_ratio("X") == TOY_RATIO and cfg.has_indexer("X")
+    with pytest.raises(ValueError, match=r"'Q' at position 0 is not one of W \(window\), .*, X \(toy\)"):
+        config(layer_pattern="Q")
+
+    torch.manual_seed(0)
+    model = HybridLM(cfg, ModelConfig(vocab_size=32, ffn_hidden_size=16, max_seq_len=64))
+    toy_layer = model.layers[1].self_attention
+    assert toy_layer.kind_spec is TOY and toy_layer.core_attention.compressor.ratio == TOY_RATIO
+    logits = model(torch.randint(0, 32, (2, 40)))
+    logits.square().mean().backward()
+    assert torch.isfinite(logits).all() and toy_layer.linear_kv_proj.weight.grad.abs().sum() > 0
+    assert set(model.indexer_losses()) == {2, 3}  # the toy layer's indexer and the C layer's
+
+    kwargs, overrides = to_megatron_kwargs(cfg, {"csa_compress_ratios", *SHARED_FIELDS, *DSV4_FIELDS})
+    assert "csa_compress_ratios" not in kwargs and overrides["layer_pattern"] == "WXC"
+    back = hybrid_config_from_megatron(SimpleNamespace(**kwargs), **overrides)
+    assert back.replace(qk_head_dim=None, kv_lora_rank=None, num_query_groups=None) == cfg  # M dims: given there
+
+    assert re.search(rf"^  X +toy +{TOY_RATIO} +SparseMLACore$", describe_info(), re.M)
+
+
+def test_a_kind_is_a_pattern_letter_only_while_registered() -> None:
+    with pytest.raises(ValueError, match=r"'X' at position 1 is not one of W \(window\), C \(CSA\), H \(HCA\), "
+                                         r"M \(dense MLA\)$"):
+        config(num_layers=2, layer_pattern="WX")
+    with pytest.raises(ValueError, match="layer kind must be one of .*, got 'X'"):
+        config().compress_ratio("X")
+
+
+@pytest.mark.parametrize("row, message", [
+    (TOY.__class__(**{**vars(TOY), "symbol": "C"}), r"kind 'C' is already registered \(CSA\)"),
+    (TOY.__class__(**{**vars(TOY), "symbol": "x"}), "symbol must be one upper-case ASCII letter, got 'x'"),
+    (TOY.__class__(**{**vars(TOY), "ratio": -1}), "kind 'X': ratio must be an int >= 0 or a config field name"),
+    (TOY.__class__(**{**vars(TOY), "ratio": "csa_dense_mode"}), "'csa_dense_mode' is not an int field"),
+    (TOY.__class__(**{**vars(TOY), "ratio": 4, "named_by_ratio": True}), "kinds 'C' and 'X' would both be named"),
+    (TOY.__class__(**{**vars(TOY), "ratio": "csa_window_size", "named_by_ratio": True}),
+     "kinds 'H' and 'X' would both be named"),
+])
+def test_register_kind_rejects_a_row_the_table_cannot_take(row: KindSpec, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        register_kind(row)
+    assert list(KINDS) == list("WCHM")
 
 
 def test_a_row_that_does_not_fit_its_core_or_the_pattern_is_rejected() -> None:
-    no_compressor = KindSpec("Y", lambda c: 0, always, compressed_rope_table, window_and_groups_halo, SPARSE_MLA)
+    no_compressor = KindSpec("Y", "no compressor", 0, always, compressed_rope_table, window_and_groups_halo,
+                             SPARSE_MLA)
     with pytest.raises(ValueError, match="kind 'Y' has an indexer but no compressor"):
         HybridAttention(config(), kind=no_compressor)
     with pytest.raises(ValueError, match=r"kind 'X' conflicts with layer_pattern\[1\] = 'H'"):

@@ -77,11 +77,16 @@ def test_attention_backend_enum_and_per_layer_comm_type() -> None:
 
 
 def test_pattern_from_ratios_and_conflicts() -> None:
-    assert layer_pattern_from_ratios([0, 0, 4, 128, 4, 0], 5) == ("WWCHC", 128)  # MTP entry ignored
+    # MTP entry ignored
+    assert layer_pattern_from_ratios([0, 0, 4, 128, 4, 0], 5) == ("WWCHC", {"hca_compress_ratio": 128})
+    assert layer_pattern_from_ratios([0, 4], 2) == ("WC", {})
     with pytest.raises(ValueError, match="mixes HCA ratios"):
         layer_pattern_from_ratios([16, 128], 2)
-    with pytest.raises(ValueError, match=r"csa_compress_ratios\[1\] = 2 is not 0, 4 or >= 8"):
+    with pytest.raises(ValueError, match=r"csa_compress_ratios\[1\] = 2: hca_compress_ratio must be >= 8"):
         layer_pattern_from_ratios([0, 2], 2)
+    with pytest.raises(ValueError, match=r"csa_compress_ratios\[0\] = 'x' names no layer kind: W takes 0, C takes 4, "
+                                         r"H takes hca_compress_ratio"):
+        layer_pattern_from_ratios(["x"], 1)
     namespace, overrides = megatron(DEV_FIELDS)
     overrides.pop("hca_compress_ratio")
     with pytest.raises(ValueError, match="conflicting values for layer_pattern: csa_compress_ratios gives 'WCHC'"):

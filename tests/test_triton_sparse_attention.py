@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import Tensor
 
-import megatron_dsa.backends.triton_kernels.sparse_attention_launch as triton_sparse
-from megatron_dsa.backends.triton_kernels.sparse_attention_launch import sparse_attention_forward
+import megatron_dsa.backends.triton_kernels.sparse_attention as triton_sparse
+from megatron_dsa.backends.triton_kernels.sparse_attention import sparse_attention_forward
 from cuda_graphs import capture
 from interp_triton_sparse_attention import NAMES, make_inputs, reference, run_triton
 from triton_support import ptxas_report, run_interpreted, without_interpreter  # noqa: F401  (fixture)
@@ -44,7 +44,7 @@ def test_module_imports_without_triton():
     """The package must work without triton: importing the module is fine, a call says why it cannot run."""
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch\n"
-            "from megatron_dsa.backends.triton_kernels.sparse_attention_launch import sparse_attention_forward\n"
+            "from megatron_dsa.backends.triton_kernels.sparse_attention import sparse_attention_forward\n"
             "try:\n"
             "    sparse_attention_forward(torch.zeros(1, 1, 16), torch.zeros(2, 16),"
             " torch.zeros(1, 1, dtype=torch.long), torch.zeros(1), 1.0)\n"
@@ -172,11 +172,13 @@ HOPPER_SIGNATURES = {
 
 def hopper_kernel(pass_name: str):
     if pass_name == "forward":
-        from megatron_dsa.backends.triton_kernels._sparse_attention_hopper_forward import (
+        from megatron_dsa.backends.triton_kernels._sparse_attention_hopper_forward_kernels import (
             sparse_attention_fwd_hopper_kernel,
         )
         return sparse_attention_fwd_hopper_kernel, 4, [dict(H=64, D=512), dict(H=128, D=512)]
-    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper import sparse_attention_bwd_hopper_kernel
+    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper_backward_kernels import (
+        sparse_attention_bwd_hopper_kernel,
+    )
     return sparse_attention_bwd_hopper_kernel, 8, [dict(H=64, D=512, HAS_DLSE=False, num_warps=8),
                                                    dict(H=128, D=512, HAS_DLSE=True, num_warps=8)]
 

@@ -11,7 +11,7 @@ import torch
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.backends.triton_kernels import (compressor, indexer, indexer_loss, norm_rope, rms_norm, rope,
-                                                  selection, sparse_attention_launch, topk_order)
+                                                  selection, sparse_attention, topk_order)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl
 
@@ -48,8 +48,8 @@ TRITON = Backend(
     name="triton",
     priority=15,  # after the measured vendor kernels (cuDNN, FlashMLA, FlashAttention), before unfused
     ops={
-        OpFamily.SPARSE_ATTENTION_FWD: sparse_attention_launch.sparse_attention_forward,
-        OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_launch.sparse_attention_backward,
+        OpFamily.SPARSE_ATTENTION_FWD: sparse_attention.sparse_attention_forward,
+        OpFamily.SPARSE_ATTENTION_BWD: sparse_attention.sparse_attention_backward,
         OpFamily.INDEXER_SCORES: indexer.indexer_scores,
         OpFamily.TOPK: topk_order.topk,
         OpFamily.SELECTION_ROWS: selection.selection_rows,

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
-from megatron_dsa.config import CSA_COMPRESS_RATIO, HybridAttentionConfig, LayerKind
+from megatron_dsa.config import CSA_COMPRESS_RATIO, HybridAttentionConfig, LayerKind, pattern_from_ratios
 from megatron_dsa.integrations.checkpoint import check_layer, join_layers, layer_template, split_layers
 from megatron_dsa.parallel.sharding import split_for_tp
 
@@ -153,21 +153,21 @@ def from_hf_config(source: Union[str, Path, Mapping[str, Any]], **overrides: Any
                          f"shares one K = V head (num_key_value_heads = 1)")
     if values.get("attention_bias", False):
         raise ValueError("attention_bias = true is not supported: the DeepSeek-V4 attention has no biases")
-    pattern, hca_ratio = _layer_pattern(values, num_layers)
+    pattern, ratio_fields = _layer_pattern(values, num_layers)
     fields = dict(
         hidden_size=get("hidden_size"), num_attention_heads=get("num_attention_heads"), num_layers=num_layers,
         layer_pattern=pattern, q_lora_rank=get("q_lora_rank"), v_head_dim=get("head_dim"),
         qk_pos_emb_head_dim=_rope_head_dim(values, get("head_dim")), o_groups=get("o_groups"),
         o_lora_rank=get("o_lora_rank"), qk_layernorm=True, layernorm_epsilon=get("rms_norm_eps"),
-        csa_window_size=get("sliding_window"), hca_compress_ratio=hca_ratio,
+        csa_window_size=get("sliding_window"), **ratio_fields,
         dsa_indexer_n_heads=get("index_n_heads"), dsa_indexer_head_dim=get("index_head_dim"),
         dsa_indexer_topk=get("index_topk"), **_rope_fields(values, get),
     )
     return HybridAttentionConfig.from_dict({**fields, **overrides})
 
 
-def _layer_pattern(values: Mapping[str, Any], num_layers: int) -> tuple[str, int]:
-    """`(W/C/H pattern, HCA ratio)` of the first `num_layers` layers."""
+def _layer_pattern(values: Mapping[str, Any], num_layers: int) -> tuple[str, dict[str, int]]:
+    """`(W/C/H pattern, the ratio fields it sets: hca_compress_ratio)` of the first `num_layers` layers."""
     if values.get("layer_types") is not None:
         return _pattern_from_layer_types(values, num_layers)
     if values.get("compress_ratios") is not None:
@@ -176,7 +176,7 @@ def _layer_pattern(values: Mapping[str, Any], num_layers: int) -> tuple[str, int
                      "or 'compress_ratios' (the release)")
 
 
-def _pattern_from_layer_types(values: Mapping[str, Any], num_layers: int) -> tuple[str, int]:
+def _pattern_from_layer_types(values: Mapping[str, Any], num_layers: int) -> tuple[str, dict[str, int]]:
     layer_types = list(values["layer_types"])[:num_layers]
     unknown = sorted({t for t in layer_types if t not in _LAYER_TYPES})
     if unknown or len(layer_types) != num_layers:
@@ -188,20 +188,15 @@ def _pattern_from_layer_types(values: Mapping[str, Any], num_layers: int) -> tup
     if rates["compressed_sparse_attention"] != CSA_COMPRESS_RATIO:
         raise ValueError(f"compressed_sparse_attention compresses by {rates['compressed_sparse_attention']}; "
                          f"our C layers (overlapping compressor) compress by {CSA_COMPRESS_RATIO}")
-    return "".join(_LAYER_TYPES[t].value for t in layer_types), int(rates["heavily_compressed_attention"])
+    pattern = "".join(_LAYER_TYPES[t].value for t in layer_types)
+    return pattern, {"hca_compress_ratio": int(rates["heavily_compressed_attention"])}
 
 
-def _pattern_from_ratios(ratios: Iterable[Any], num_layers: int) -> tuple[str, int]:
-    ratios = list(ratios)[:num_layers]
-    if len(ratios) != num_layers or not all(isinstance(r, int) and r >= 0 for r in ratios):
-        raise ValueError(f"compress_ratios must give a ratio >= 0 for each of the {num_layers} layers, "
-                         f"got {ratios}")
-    hca = sorted({r for r in ratios if r not in (0, CSA_COMPRESS_RATIO)})
-    if len(hca) > 1 or (hca and hca[0] < 8):
-        raise ValueError(f"compress_ratios holds the ratios {hca} besides 0 and {CSA_COMPRESS_RATIO}; "
-                         f"our H layers take one ratio >= 8 per model")
-    kinds = {0: LayerKind.WINDOW.value, CSA_COMPRESS_RATIO: LayerKind.CSA.value}
-    return "".join(kinds.get(r, LayerKind.HCA.value) for r in ratios), hca[0] if hca else 128
+def _pattern_from_ratios(ratios: Iterable[Any], num_layers: int) -> tuple[str, dict[str, int]]:
+    ratios = list(ratios)
+    if len(ratios) < num_layers:
+        raise ValueError(f"compress_ratios must give a ratio for each of the {num_layers} layers, got {ratios}")
+    return pattern_from_ratios(ratios[:num_layers], "compress_ratios")
 
 
 def _rope_head_dim(values: Mapping[str, Any], head_dim: int) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from megatron_dsa.config import CSA_COMPRESS_RATIO, HybridAttentionConfig, LayerKind
+from megatron_dsa.config import KINDS, HybridAttentionConfig, pattern_from_ratios
 
 # Same name and meaning in Megatron's TransformerConfig / MLATransformerConfig and in ours.
 SHARED_FIELDS = (
@@ -45,8 +45,9 @@ def hybrid_config_from_megatron(megatron_config: Any, layer_pattern: Optional[st
                                 **overrides: Any) -> HybridAttentionConfig:
     """`HybridAttentionConfig` for the attention layers of a model built from `megatron_config`.
 
-    `layer_pattern` (W/C/H/M per layer) is needed unless the config has `csa_compress_ratios`
-    (Megatron `dev`); `overrides` give fields the Megatron config lacks, e.g. `o_groups=8`.
+    `layer_pattern` (one letter of `config.KINDS` per layer) is needed unless the config has
+    `csa_compress_ratios` (Megatron `dev`); `overrides` give fields the Megatron config lacks, e.g.
+    `o_groups=8`.
     """
     _reject_unsupported(megatron_config)
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(HybridAttentionConfig)})
@@ -61,8 +62,8 @@ def hybrid_config_from_megatron(megatron_config: Any, layer_pattern: Optional[st
         _merge(values, ours, megatron_value)
     from_ratios = _pattern_from_ratios(megatron_config, values)
     if layer_pattern is None and from_ratios is None:
-        raise ValueError("give layer_pattern (one of W/C/H/M per layer): the Megatron config has no "
-                         "csa_compress_ratios")
+        raise ValueError(f"give layer_pattern (one of {'/'.join(KINDS)} per layer): the Megatron config has "
+                         f"no csa_compress_ratios")
     config = HybridAttentionConfig.from_dict({**values, "layer_pattern": layer_pattern or from_ratios})
     if from_ratios is not None and config.layer_pattern != from_ratios:
         raise ValueError(f"conflicting values for layer_pattern: csa_compress_ratios gives "
@@ -80,7 +81,9 @@ def to_megatron_kwargs(config: HybridAttentionConfig, megatron_fields: Optional[
     """
     names = set(SHARED_FIELDS) if megatron_fields is None else set(megatron_fields)
     kwargs: dict[str, Any] = {"add_bias_linear": False}
-    overrides: dict[str, Any] = {"hca_compress_ratio": config.hca_compress_ratio}
+    # Ratios held in fields of ours (H's hca_compress_ratio): Megatron has only the per-layer list.
+    overrides: dict[str, Any] = {row.ratio: getattr(config, row.ratio) for row in KINDS.values()
+                                 if isinstance(row.ratio, str)}
 
     def put(megatron_name: str, ours: str, value: Any, megatron_value: Any = None) -> None:
         if megatron_name in names:
@@ -94,8 +97,8 @@ def to_megatron_kwargs(config: HybridAttentionConfig, megatron_fields: Optional[
         put(field, field, derived.get(field, getattr(config, field)))
     put("cp_partition_mode", "cp_partition", config.cp_partition)
     put("cp_comm_type", "cp_comm_type", config.cp_comm_type, _CP_COMM_TO_MEGATRON[config.cp_comm_type])
-    # Megatron's ratio list cannot express dense MLA (M) layers.
-    if "csa_compress_ratios" in names and LayerKind.MLA.value not in config.layer_pattern:
+    # Megatron's ratio list names only the kinds a ratio alone names (not M, nor most added kinds).
+    if "csa_compress_ratios" in names and all(KINDS[symbol].named_by_ratio for symbol in set(config.layer_pattern)):
         kwargs["csa_compress_ratios"] = config.csa_compress_ratios
     else:
         overrides["layer_pattern"] = config.layer_pattern
@@ -104,27 +107,13 @@ def to_megatron_kwargs(config: HybridAttentionConfig, megatron_fields: Optional[
     return kwargs, overrides
 
 
-def layer_pattern_from_ratios(ratios: list[int], num_layers: int) -> tuple[str, Optional[int]]:
-    """Megatron's `csa_compress_ratios` → `(layer_pattern, hca_compress_ratio or None)`.
-
-    0 → W, 4 → C, any ratio >= 8 → H (all H layers must share one ratio). Entries after
+def layer_pattern_from_ratios(ratios: list[int], num_layers: int) -> tuple[str, dict[str, int]]:
+    """Megatron's `csa_compress_ratios` → `(layer_pattern, config fields)` (`config.pattern_from_ratios`:
+    0 → W, 4 → C, any other ratio → H, which sets `hca_compress_ratio`, one per model). Entries after
     `num_layers` belong to MTP layers and are ignored."""
     if len(ratios) < num_layers:
         raise ValueError(f"csa_compress_ratios has {len(ratios)} entries but num_layers is {num_layers}")
-    symbols, hca = [], set()
-    for position, ratio in enumerate(ratios[:num_layers]):
-        if ratio == 0:
-            symbols.append(LayerKind.WINDOW.value)
-        elif ratio == CSA_COMPRESS_RATIO:
-            symbols.append(LayerKind.CSA.value)
-        elif ratio >= 8:
-            symbols.append(LayerKind.HCA.value)
-            hca.add(ratio)
-        else:
-            raise ValueError(f"csa_compress_ratios[{position}] = {ratio} is not 0, 4 or >= 8")
-    if len(hca) > 1:
-        raise ValueError(f"csa_compress_ratios mixes HCA ratios {sorted(hca)}; one ratio per model")
-    return "".join(symbols), hca.pop() if hca else None
+    return pattern_from_ratios(ratios[:num_layers], "csa_compress_ratios")
 
 
 def _translated_fields(megatron_config: Any) -> dict[str, Any]:
@@ -171,13 +160,13 @@ def _merge(values: dict[str, Any], name: str, megatron_value: Any) -> None:
 
 
 def _pattern_from_ratios(megatron_config: Any, values: dict[str, Any]) -> Optional[str]:
-    """The pattern `csa_compress_ratios` gives (Megatron `dev`), merging its HCA ratio; else None."""
+    """The pattern `csa_compress_ratios` gives (Megatron `dev`), merging the ratio fields it sets; else None."""
     ratios = getattr(megatron_config, "csa_compress_ratios", None)
     if ratios is None:
         return None
-    pattern, hca = layer_pattern_from_ratios(list(ratios), values.get("num_layers", 1))
-    if hca is not None:
-        _merge(values, "hca_compress_ratio", hca)
+    pattern, fields = layer_pattern_from_ratios(list(ratios), values.get("num_layers", 1))
+    for name, value in fields.items():
+        _merge(values, name, value)
     return pattern
 
 

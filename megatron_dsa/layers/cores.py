@@ -85,7 +85,8 @@ class SparseMLACore:
                 ) -> tuple[Tensor, Tensor, dict[nn.Linear, Tensor], Tensor]:
         """Token rows `x [N, d]` at `positions [N]` → `(q [N, H/tp, D], kv [N, D], projected, qr [N, Rq])`:
         the queries and K = V rows (normalised, RoPE applied), the rows through the compressors' and the
-        indexer's linears, and the normalised query latent (the decoding cache runs the same path)."""
+        indexer's linears, and the normalised query latent: all that attending the rows needs from them,
+        wherever their keys are later read from."""
         c = layer.config
         inv_freq = layer.angle_freq(x.dtype)
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
@@ -165,7 +166,8 @@ class DenseMLACore:
 
     def project(self, layer: "HybridAttention", x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Token rows `x [N, d]` at `positions [N]` → `(q [N, H/tp, qk + P]` (RoPE applied), the normalised
-        KV latent `[N, kv_lora_rank]`, the shared RoPE key `[N, P]`)`: what the latent KV cache holds."""
+        KV latent `[N, kv_lora_rank]`, the shared RoPE key `[N, P]`)`: the keys and values of the rows
+        follow from the latent and the RoPE key alone."""
         c = layer.config
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         inv_freq, amplitude = layer.angle_freq(x.dtype), self.rope_amplitude(c)

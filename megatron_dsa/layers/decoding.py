@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
+from megatron_dsa.config import KINDS, lookup_kind
 from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO
@@ -320,12 +321,10 @@ class CacheFootprint:
 
 
 def cache_footprint(config: HybridAttentionConfig, kind: str, element_size: int = 2) -> CacheFootprint:
-    """What `LayerCache` holds for a layer of `kind` (W/C/H/M) with `config`'s dims, values of
-    `element_size` bytes (2: bf16). Long sequences are dominated by `per_token`."""
-    from megatron_dsa.layers.kinds import KINDS
-
-    c, spec = config, KINDS[kind]
-    if spec.core is not KINDS["M"].core:
+    """What `LayerCache` holds for a layer of `kind` (a letter of `config.KINDS`) with `config`'s dims,
+    values of `element_size` bytes (2: bf16). Long sequences are dominated by `per_token`."""
+    c, spec = config, lookup_kind(kind)
+    if not isinstance(spec.core, DenseMLACore):
         ratio, indexer = spec.compress_ratio(c), spec.has_indexer(c)
         per_token = (c.v_head_dim + (c.dsa_indexer_head_dim if indexer else 0)) / ratio if ratio else 0.0
         fixed = max(c.csa_window_size - 1, 1) * c.v_head_dim
@@ -346,7 +345,7 @@ def footprint_table(config: HybridAttentionConfig, element_size: int = 2) -> str
     """A Markdown table of `cache_footprint` for every kind against the dense MLA latent cache."""
     dense = dense_mla_bytes_per_token(config, element_size)
     lines = ["| kind | bytes / token / layer | vs dense MLA | fixed bytes / sequence / layer |", "|---|---|---|---|"]
-    for kind in ("W", "C", "H", "M"):
+    for kind in KINDS:
         f = cache_footprint(config, kind, element_size)
         lines.append(f"| {kind} | {f.per_token:g} | {f.per_token / dense:.4f} | {f.per_sequence} |")
     return "\n".join(lines)

@@ -140,8 +140,8 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, segments: Optional[Tenso
     """Gradients `(dq, dk, dv)` (compute dtype) of `attention_forward`, probabilities recomputed per
     chunk as `exp(logit − lse)`.
 
-    `lse [n, H]` may be the normaliser of a larger key set than `k` holds (a context-parallel ring
-    block normalised by the merged LSE); then `delta [n, H] = <dO, O>` of the merged output must be
+    `lse [n, H]` may be the normaliser of a larger key set than `k` holds (a block of keys normalised
+    by the LSE `merge_attention` gives over all blocks); then `delta [n, H] = <dO, O>` of the merged output must be
     given. Without `delta` it is taken as `Σ p·dP` of the recomputed probabilities (equal in exact
     arithmetic), so a row with a single key gets an exactly zero logit gradient.
     """
@@ -224,8 +224,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale
 
 
 def block_mask(q: Tensor, k: Tensor, causal: bool) -> tuple[Optional[Tensor], int]:
-    """`(segments, longest)` for `attention_forward/backward` of one ring block: the diagonal block
-    (`causal`, query `i` sees keys `≤ i`) is one causal segment; a past block has no mask."""
+    """`(segments, longest)` for `attention_forward/backward` of one key block: the diagonal block
+    (`causal`, query `i` sees keys `≤ i`) is one causal segment; an earlier block has no mask."""
     if not causal:
         return None, 1
     if k.shape[0] != q.shape[0]:
@@ -234,7 +234,7 @@ def block_mask(q: Tensor, k: Tensor, causal: bool) -> tuple[Optional[Tensor], in
 
 
 def attention_block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """One block of a context-parallel ring: `q [n, H, Dqk]` against `k [m, G, Dqk]`, `v [m, G, Dv]`.
+    """Attention over one block of the keys: `q [n, H, Dqk]` against `k [m, G, Dqk]`, `v [m, G, Dv]`.
 
     `causal=True` is the diagonal block (query `i` sees keys `≤ i`, `n == m`); otherwise every key is
     visible. Returns `out [n, H, Dv]` and natural-log `lse [n, H]` in the compute dtype (float32, or

@@ -92,7 +92,7 @@ class TokenLayout(KeepsDeviceValues):
 
     @device_cached_property
     def query_valid(self) -> Tensor:
-        """`[T]` bool: a real token whose output is wanted (not padding, not a context-parallel halo)."""
+        """`[T]` bool: a real token whose output is wanted (not padding, not a context-only halo row)."""
         if self.halo_lengths is None:
             return self.row_valid
         local = torch.arange(self.num_rows, device=self.device) - self.segment_starts
@@ -185,7 +185,7 @@ class CompressedLayout(KeepsDeviceValues):
     def owned(cls, tokens: TokenLayout, ratio: int, first_entry: Tensor, counts: Tensor,
               capacity: int) -> "CompressedLayout":
         """Segment `b` computes entries `first_entry[b] … first_entry[b] + counts[b] − 1` of its
-        sequence (context parallelism: the entries whose last token this piece holds)."""
+        sequence (a segment that is a piece of a longer sequence: the entries whose last token it holds)."""
         cu = torch.zeros_like(tokens.cu_seqlens)
         cu[1:] = torch.cumsum(counts, 0)
         return cls(tokens=tokens, ratio=ratio, cu_compressed=cu, capacity=capacity,

@@ -1,7 +1,8 @@
-"""Triton kernel bodies of sparse attention with a sink (math: docs/math.md section 7).
+"""Triton kernels of sparse attention with a sink (see `sparse_attention.py` for the entry points; math:
+docs/math.md §7).
 
 The two kernels are deliberately left undecorated: `triton.jit` picks compiled or interpreted
-execution at decoration time, so `sparse_attention_launch.py` decorates them lazily, once per mode. Their
+execution at decoration time, so `sparse_attention.py` decorates them lazily, once per mode. Their
 `@triton.jit` helpers are decorated when this module is imported, which happens only on first use (in
 the interpreter's child process, after the switch is on).
 

@@ -21,8 +21,8 @@ On CUDA a short autotune list picks the blocks, warps and stages; the CPU interp
 fixed configuration so that tests stay fast.
 
 The forward has two kernels. On Hopper, for bf16, blocks of 64 heads and D = 512 (dsv4), a
-warp-specialised Gluon kernel (`_sparse_attention_hopper_forward`: a producer warpgroup gathers kv, two
-consumer warpgroups score alternate index blocks and split the output columns) takes 0.76 ms at 4096
+warp-specialised Gluon kernel (`_sparse_attention_hopper_forward_kernels`: a producer warpgroup gathers
+kv, two consumer warpgroups score alternate index blocks and split the output columns) takes 0.76 ms at 4096
 rows and 2.86 ms at 16k on an H200 (bf16, H = 64, D = 512, 640 indices per row;
 `benchmarks/sparse_attention.py`), 90-96% of FlashMLA's speed; `hopper_decline` says when it does
 not apply. Everywhere else the portable Triton kernel runs (1.31 / 4.97 ms there, about 265 TFLOPS) with
@@ -31,8 +31,8 @@ accumulator takes half the register file, so the query stays in shared memory as
 loads carry no head or dim masks when the tiles cover H and D exactly.
 
 The backward has two kernels. On Hopper, for bf16, blocks of 64 heads and D = 512 (dsv4), a Gluon kernel
-(`_sparse_attention_hopper`: explicit shared-memory tiles, asynchronous gathers and MMAs that overlap the
-atomics) takes 2.9 ms at 4096 rows, 73-76% of cuDNN's speed; `hopper_decline` says when it
+(`_sparse_attention_hopper_backward_kernels`: explicit shared-memory tiles, asynchronous gathers and MMAs
+that overlap the atomics) takes 2.9 ms at 4096 rows, 73-76% of cuDNN's speed; `hopper_decline` says when it
 does not apply. Everywhere else (other GPUs, dtypes, head counts, head dims, and the interpreter) the
 portable Triton kernel runs: it takes 4.6 ms on the same problem. It keeps all 64 heads and 64 indices per
 program, so every dot is a warpgroup MMA and each kv row is reduced once per query row; q and dO are loaded
@@ -77,8 +77,8 @@ MAX_HEAD_DIM = 1024
 MAX_BLOCK_H = 64  # heads per program: one Hopper warpgroup MMA tile
 INTERPRETER_BLOCK_K = 16
 LOG2E = math.log2(math.e)
-# The Hopper kernels (Gluon; `_sparse_attention_hopper_forward`, `_sparse_attention_hopper`): their tiles,
-# and the triton that was measured.
+# The Hopper kernels (Gluon; `_sparse_attention_hopper_forward_kernels`,
+# `_sparse_attention_hopper_backward_kernels`): their tiles, and the triton that was measured.
 HOPPER_HEAD_BLOCK = 64
 HOPPER_HEAD_DIM = 512
 HOPPER_MIN_TRITON = (3, 6)
@@ -272,7 +272,7 @@ def _log_kernel_choice(pass_name: str, decline: Optional[str]) -> None:
 
 
 def _launch_hopper_forward(operands: _Prepared, out: Tensor, lse: Tensor, qk_scale: float) -> None:
-    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper_forward import (
+    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper_forward_kernels import (
         sparse_attention_fwd_hopper_kernel,
     )
 
@@ -285,7 +285,9 @@ def _launch_hopper_forward(operands: _Prepared, out: Tensor, lse: Tensor, qk_sca
 
 def _launch_hopper_backward(operands: _Prepared, *args: Any, has_dlse: bool) -> None:
     """`args`: out, lse, grad_out, grad_lse, grad_query, grad_kv, sink_terms, scale, qk_scale."""
-    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper import sparse_attention_bwd_hopper_kernel
+    from megatron_dsa.backends.triton_kernels._sparse_attention_hopper_backward_kernels import (
+        sparse_attention_bwd_hopper_kernel,
+    )
 
     rows, heads, dim = operands.query.shape
     q, kv, ids, sink = operands.query, operands.kv, operands.indices, operands.sink

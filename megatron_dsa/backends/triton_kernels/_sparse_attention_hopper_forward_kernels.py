@@ -22,7 +22,7 @@ publishes it, and everything else is scaled to `m1`: consumer 0 rescales its acc
 are added at the end. The maximum starts at the sink, as in the Triton kernel, so that exp2(sink - m)
 cannot overflow. Exponentials run in base 2 with log2(e) folded into `qk_scale`.
 
-Importing this module imports triton's Gluon; `sparse_attention_launch.py` does so only when it launches the
+Importing this module imports triton's Gluon; `sparse_attention.py` does so only when it launches the
 kernel (never under the CPU interpreter, which cannot run Gluon).
 """
 
@@ -32,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from megatron_dsa.backends.triton_kernels._sparse_attention_hopper import BLOCK_H, BLOCK_K, LOG2E, MAX_FLOOR, \
-    _opaque_zero, _valid_ids, async_copy_to_shared, cta_barrier
+from megatron_dsa.backends.triton_kernels._sparse_attention_hopper_backward_kernels import (
+    BLOCK_H, BLOCK_K, LOG2E, MAX_FLOOR, _opaque_zero, _valid_ids, async_copy_to_shared, cta_barrier)
 
 LN2 = gl.constexpr(0.6931471805599453)
 HALF_D = gl.constexpr(256)  # columns per kv / output half

@@ -16,7 +16,7 @@ asynchronous copy overlaps compute. Per program (one query row, 64 heads):
   the kv-gradient chunks; chunk c + 1's MMA runs while chunk c's fp32 atomics issue (vector atomics of
   four, from a blocked layout).
 
-Importing this module imports triton's Gluon; `sparse_attention_launch.py` does so only when it launches the
+Importing this module imports triton's Gluon; `sparse_attention.py` does so only when it launches the
 kernel (never under the CPU interpreter, which cannot run Gluon).
 """
 
