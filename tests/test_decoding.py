@@ -80,8 +80,9 @@ def test_every_decode_step_of_a_c_layer_selects_the_full_forwards_entries() -> N
     layer(hidden[:prefill], inference_cache=cache)
     chosen = 0
     for position in range(prefill, seqlen):
-        layer(hidden[position:position + 1], inference_cache=cache)
-        step = layer.core_attention.last_selection.entries  # [B, K']
+        layer(hidden[position:position + 1], inference_cache=cache)  # a decode step: it keeps only its picks
+        assert layer.core_attention.last_selection is None
+        step = layer.core_attention.last_decode_picks  # [B, K']
         width = min(step.shape[1], full.shape[2])
         assert torch.equal(step[:, :width], full[:, position, :width])
         assert (step[:, width:] < 0).all() and (full[:, position, width:] < 0).all()
