@@ -89,6 +89,7 @@ class LayerCache:
     latent: Optional[Tensor] = None
     k_rope: Optional[Tensor] = None
     longest: int = 0
+    ratio: int = 0  # the compressors' ratio r (0: none)
 
     @classmethod
     def for_layer(cls, layer: "HybridAttention", batch: int, capacity: int, dtype: Optional[torch.dtype] = None,
@@ -113,6 +114,7 @@ class LayerCache:
                 width, slots = compressor.linear_wkv.out_features, _pending_slots(compressor.ratio)
                 cache.compressors[name] = CompressorState(empty(batch, slots, width), empty(batch, slots, width))
         if attention.compressor is not None:
+            cache.ratio = attention.ratio
             cache.entries = empty(batch, capacity // attention.ratio, c.v_head_dim)
         if attention.indexer is not None:
             cache.indexer_keys = empty(batch, capacity // attention.ratio, c.dsa_indexer_head_dim)
