@@ -135,6 +135,10 @@ def test_bad_cached_calls_are_rejected_with_clear_errors() -> None:
     layer, hidden = layer_and_input("H", 8, batch=2)
     with pytest.raises(ValueError, match="capacity"):
         layer(hidden, inference_cache=LayerCache.for_layer(layer, 2, 7))
+    full = LayerCache.for_layer(layer, 2, 8)
+    layer(hidden, inference_cache=full)
+    with pytest.raises(ValueError, match="capacity 8"):  # a decode step checks its host-side bound, no sync
+        layer(hidden[:1], inference_cache=full)
     with pytest.raises(ValueError, match="batch"):
         layer(hidden, inference_cache=LayerCache.for_layer(layer, 3, 8))
     with pytest.raises(ValueError, match="kind"):
