@@ -184,6 +184,15 @@ def test_layer_benchmark_prints_every_kind_against_the_baseline() -> None:
         assert f"| {kind} |" in result.stdout
 
 
+def test_decode_benchmark_smoke_mode_prints_its_table() -> None:
+    result = run_python("benchmarks/decode.py", "--smoke", "--kinds", "CW")
+    assert result.returncode == 0, result.stderr
+    assert "| kind | B | context | eager µs | graph µs |" in result.stdout
+    for kind, batch, context in (("C", 1, 64), ("C", 2, 200), ("W", 2, 64)):
+        assert f"| {kind} | {batch} | {context} |" in result.stdout
+    assert "decode_attention=unfused" in result.stdout  # the decode step ran (auto on the CPU)
+
+
 def test_layer_benchmark_times_a_stack_of_chained_layers() -> None:
     result = run_python("benchmarks/layer.py", "--seq-len", "64", "--repeats", "1", "--warmup", "0",
                         "--kinds", "C", "--stack", "2")

@@ -168,6 +168,11 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
                             window, layout.num_rows)],
         "indexer_loss": [("unfused", student, q.detach(), kv.detach(), candidates, lse, 0.25)],
         "indexer_kl_bwd": [("unfused", iq, ik, iw, candidates, target, student, per_row.detach(), 0.3)],
+        "decode_attention": [("unfused", r(3, heads, dim, grad=False), r(3, dim, grad=False), r(3, 4, dim, grad=False),
+                              torch.tensor([0, 3, 17]), 5, entries_rows, entry_ids, 4, r(heads, grad=False), 0.25)
+                             for entries_rows, entry_ids in ((None, None), (r(3, 6, dim, grad=False), None),
+                                                             (r(3, 6, dim, grad=False), torch.tensor(
+                                                                 [[0, -1], [1, 0], [5, 2]])))],
     }
 
 
@@ -178,6 +183,7 @@ OPS = {
     "sparse_attention_bwd": library.sparse_attention_bwd_op, "indexer_scores": library.indexer_scores_op,
     "topk": library.topk_op, "selection_rows": library.selection_rows_op,
     "indexer_loss": library.indexer_loss_op, "indexer_kl_bwd": library.indexer_kl_bwd_op,
+    "decode_attention": library.decode_attention_op,
 }
 
 

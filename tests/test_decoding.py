@@ -1,6 +1,7 @@
 """Incremental decoding (`layers.decoding`): prefill in chunks, then one token at a time, equals the
 full-sequence forward for every kind, in float64 to 1e-12; batches of different lengths and packed
-prompts too; C layers pick the same top-k entries."""
+prompts too; C layers pick the same top-k entries. Prefill chunks run the reference path, single tokens
+of W/C/H layers the decode step (`decode_step`), so both are held to the full forward here."""
 
 from __future__ import annotations
 
@@ -80,8 +81,9 @@ def test_every_decode_step_of_a_c_layer_selects_the_full_forwards_entries() -> N
     layer(hidden[:prefill], inference_cache=cache)
     chosen = 0
     for position in range(prefill, seqlen):
-        layer(hidden[position:position + 1], inference_cache=cache)
-        step = layer.core_attention.last_selection.entries  # [B, K']
+        layer(hidden[position:position + 1], inference_cache=cache)  # a decode step: it keeps only its picks
+        assert layer.core_attention.last_selection is None
+        step = layer.core_attention.last_decode_picks  # [B, K']
         width = min(step.shape[1], full.shape[2])
         assert torch.equal(step[:, :width], full[:, position, :width])
         assert (step[:, width:] < 0).all() and (full[:, position, width:] < 0).all()
@@ -133,6 +135,10 @@ def test_bad_cached_calls_are_rejected_with_clear_errors() -> None:
     layer, hidden = layer_and_input("H", 8, batch=2)
     with pytest.raises(ValueError, match="capacity"):
         layer(hidden, inference_cache=LayerCache.for_layer(layer, 2, 7))
+    full = LayerCache.for_layer(layer, 2, 8)
+    layer(hidden, inference_cache=full)
+    with pytest.raises(ValueError, match="capacity 8"):  # a decode step checks its host-side bound, no sync
+        layer(hidden[:1], inference_cache=full)
     with pytest.raises(ValueError, match="batch"):
         layer(hidden, inference_cache=LayerCache.for_layer(layer, 3, 8))
     with pytest.raises(ValueError, match="kind"):
@@ -219,6 +225,8 @@ def test_bf16_decoding_on_the_gpu_is_as_close_to_float64_as_the_full_forward(kin
     scale = float(reference.abs().max())
     # What the bound's failure message needs to tell a wrong decode from an unfair bound: the prefill's and
     # the single-token steps' errors (the latter run every GEMM on B = 2 rows) and the backends of each path.
+    if kind != "M":  # the 163 single-token steps are decode steps, through the Triton decode kernel
+        assert call_counts().get(("triton", "decode_attention"), 0) == 163, call_counts()
     error, full_error = max_error(decoded, reference), max_error(full, reference)
     assert error <= 2 * full_error + 1e-2 * scale, (
         f"decoded error {error:.3g} (prefill rows {max_error(decoded[:137], reference[:137]):.3g}, single-token "

@@ -23,7 +23,7 @@ Backward:
   the gradient is exactly the eager one; the cost is one more forward of the op in backward);
 - `indexer_scores`, `topk`, `selection_rows`, `indexer_loss`, `indexer_kl_bwd` take no gradient (the
   selection runs without autograd; the indexer loss's gradient is `indexer_kl_bwd`, which
-  `backends.indexer_kl` calls from its backward).
+  `backends.indexer_kl` calls from its backward); nor does `decode_attention` (inference only).
 """
 
 from __future__ import annotations
@@ -412,6 +412,22 @@ def _(backend, q, k, weights, candidates, target, student_scores, grad_rows, sca
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(weights)
 
 
+# ------------------------------------------------------------------------------ decode attention
+@_custom_op("decode_attention")
+def decode_attention_op(backend: str, query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens: Tensor, window: int,
+                        entries: Optional[Tensor], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
+                        scale: float) -> Tensor:
+    """`decode_attention` family: `out [B, H, D]` of one new query row per cached sequence (inference: no
+    gradient)."""
+    return _kernel(OpFamily.DECODE_ATTENTION, backend)(query, kv_new, window_rows, seqlens, window, entries,
+                                                       entry_ids, ratio, sink, scale)
+
+
+@decode_attention_op.register_fake
+def _(backend, query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink, scale):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
 # ------------------------------------------------------------------------------ the families' contracts
 def _indexer_loss(backend: str):
     def run(student_scores: Tensor, query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor, scale: float,
@@ -453,6 +469,10 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
     OpFamily.TOPK: lambda backend: (
         lambda scores, valid, k, visible=None: topk_op(backend, scores, valid, k, _visible_args(visible))),
     OpFamily.SELECTION_ROWS: _selection_rows,
+    OpFamily.DECODE_ATTENTION: lambda backend: (
+        lambda query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink, scale:
+        decode_attention_op(backend, query, kv_new, window_rows, seqlens, int(window), entries, entry_ids, int(ratio),
+                            sink, float(scale))),
     OpFamily.INDEXER_LOSS: _indexer_loss,
     OpFamily.INDEXER_KL_BWD: lambda backend: (
         lambda q, k, weights, candidates, target, student_scores, grad_rows, scale:

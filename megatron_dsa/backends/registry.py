@@ -51,6 +51,8 @@ class OpFamily(str, Enum):
     NORM_ROPE = "norm_rope"  # (x, positions, inv_freq, eps, weight=None) -> rope(rms_norm(x, weight, eps), ...)
     RMS_NORM = "rms_norm"  # (x [..., D], weight [D] or None, eps) -> y, as ops.norms.rms_norm
     DENSE_ATTENTION = "dense_attention"  # causal attention of the `M` kind
+    # (q [B,H,D], kv_new [B,D], window [B,R,D], seqlens [B], W, entries, entry_ids, ratio, sink, scale) -> out
+    DECODE_ATTENTION = "decode_attention"
 
 
 class BackendUnavailableError(RuntimeError):

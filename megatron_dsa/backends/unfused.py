@@ -6,6 +6,7 @@ import torch
 
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.compressor import compress
+from megatron_dsa.ops.decode_attention import decode_attention
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores
 from megatron_dsa.ops.indexer_loss import indexer_kl, indexer_kl_backward
@@ -30,6 +31,7 @@ UNFUSED = Backend(
         OpFamily.NORM_ROPE: norm_rope,
         OpFamily.RMS_NORM: rms_norm,
         OpFamily.DENSE_ATTENTION: causal_attention,
+        OpFamily.DECODE_ATTENTION: decode_attention,
     },
     version=lambda: f"torch {torch.__version__}",
 )

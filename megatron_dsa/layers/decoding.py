@@ -17,10 +17,18 @@ Each sequence has its own length (`seqlens`, FlashAttention's `cache_seqlens`): 
 differ in length (prefill them packed, THD), and a packed call may give a sequence no new tokens.
 The cache is preallocated for `capacity` tokens per sequence. Inference only: the step runs the layer
 in its weights' autograd, but the cache's buffers are written in place, so no gradient flows through
-them (call it under `torch.no_grad()` / `torch.inference_mode()`). This is the readable reference path:
-it gathers the rows each query reads, up-projects M's cached latents each step (no weight absorption)
-and runs on one process (tensor parallelism splits heads as the layer does; context parallelism is not
-supported).
+them (call it under `torch.no_grad()` / `torch.inference_mode()`). Runs on one process (tensor
+parallelism splits heads as the layer does; context parallelism is not supported).
+
+Two paths:
+- `attend_cached`, the readable reference: any number of new tokens per sequence (prefill chunks, packed
+  prompts); it gathers the rows each query reads and up-projects M's cached latents each step (no weight
+  absorption). It reads the new lengths back to the host once per call.
+- `decode_step`, one new token per sequence of a W, C or H layer (the layer takes it for every `[1, B, d]`
+  call): fixed shapes, no host sync, every cache write in place, so it can be captured in a CUDA graph
+  (`DecodeGraph`). The attention is the `decode_attention` op family (a split-K Triton kernel on CUDA);
+  a C layer's indexer scores the cached compressed keys only (`indexer_scores`, then `topk`), and the
+  compressors pool the one entry the new token may complete.
 """
 
 from __future__ import annotations
@@ -32,11 +40,13 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
+from megatron_dsa.backends import OpFamily, dispatch
 from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.config import KINDS, lookup_kind
-from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection
+from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection, LightningIndexer
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO
+from megatron_dsa.ops.decode_attention import entry_counts
 from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
@@ -63,7 +73,8 @@ class CompressorState:
 class LayerCache:
     """What one layer keeps of `batch` sequences of at most `capacity` tokens (see the module docstring).
 
-    seqlens: `[B]` int64 tokens cached per sequence. W/C/H: `window [B, max(W−1, 1), D]` K = V rows at
+    seqlens: `[B]` int64 tokens cached per sequence (updated in place: a captured decode step reads it where it
+    is); `longest` a host-side upper bound of its largest value (checked against `capacity` without a sync). W/C/H: `window [B, max(W−1, 1), D]` K = V rows at
     slot `position % (W−1)`; `compressors` the `CompressorState` of the attention's (`"attention"`) and
     the indexer's (`"indexer"`) compressor; `entries [B, capacity // r, D]` compressed entries and
     `indexer_keys [B, capacity // r, DI]`. M: `latent [B, capacity, kv_lora_rank]`, `k_rope [B, capacity, P]`.
@@ -78,6 +89,8 @@ class LayerCache:
     indexer_keys: Optional[Tensor] = None
     latent: Optional[Tensor] = None
     k_rope: Optional[Tensor] = None
+    longest: int = 0
+    ratio: int = 0  # the compressors' ratio r (0: none)
 
     @classmethod
     def for_layer(cls, layer: "HybridAttention", batch: int, capacity: int, dtype: Optional[torch.dtype] = None,
@@ -102,6 +115,7 @@ class LayerCache:
                 width, slots = compressor.linear_wkv.out_features, _pending_slots(compressor.ratio)
                 cache.compressors[name] = CompressorState(empty(batch, slots, width), empty(batch, slots, width))
         if attention.compressor is not None:
+            cache.ratio = attention.ratio
             cache.entries = empty(batch, capacity // attention.ratio, c.v_head_dim)
         if attention.indexer is not None:
             cache.indexer_keys = empty(batch, capacity // attention.ratio, c.dsa_indexer_head_dim)
@@ -140,22 +154,28 @@ def new_rows_layout(hidden: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_pad
             raise ValueError(f"packed_seq_params has {cu_seqlens.numel() - 1} sequences, the inference cache "
                              f"{cache.batch}: segment b appends to cached sequence b")
         layout = TokenLayout.packed(cu_seqlens, seqlen, hidden.device, cu_seqlens_padded, max_seqlen)
-    longest = int((cache.seqlens + layout.real_seqlens).max())
-    if longest > cache.capacity:
-        raise ValueError(f"a sequence would reach {longest} tokens, more than the inference cache's capacity "
-                         f"{cache.capacity}")
-    return dataclasses.replace(layout, position_offsets=cache.seqlens)
+    # A copy: the cache's lengths are advanced in place after the call.
+    return dataclasses.replace(layout, position_offsets=cache.seqlens.clone())
 
 
 def attend_cached(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: LayerCache) -> Tensor:
     """New token rows `x [N, d]` (layout `new`) → this rank's `linear_proj` input `[N, F/tp]`, attending
     over the cached rows of their sequences and each other; the cache then holds them too."""
+    check_cache_kind(layer, cache)
+    longest = int((cache.seqlens + new.real_seqlens).max())  # the reference path's one host sync
+    if longest > cache.capacity:
+        raise ValueError(f"a sequence would reach {longest} tokens, more than the inference cache's capacity "
+                         f"{cache.capacity}")
+    out = (_latent_step if isinstance(layer.core, DenseMLACore) else _sparse_step)(layer, x, new, cache)
+    cache.seqlens += new.real_seqlens
+    cache.longest = longest
+    return out
+
+
+def check_cache_kind(layer: "HybridAttention", cache: LayerCache) -> None:
     if cache.kind != layer.kind_spec.symbol:
         raise ValueError(f"inference cache of a kind {cache.kind!r} layer given to a kind "
                          f"{layer.kind_spec.symbol!r} layer")
-    out = (_latent_step if isinstance(layer.core, DenseMLACore) else _sparse_step)(layer, x, new, cache)
-    cache.seqlens = cache.seqlens + new.real_seqlens
-    return out
 
 
 # ---------------------------------------------------------------- W / C / H
@@ -258,6 +278,101 @@ def _write_slots(buffer: Tensor, rows: Tensor, new: TokenLayout, before: Tensor)
     seg, p = new.segment_ids, new.positions
     keep = new.row_valid & (p >= (before + new.real_seqlens)[seg] - slots)
     buffer[seg[keep], p[keep] % slots] = rows[keep].to(buffer.dtype)
+
+
+# ---------------------------------------------------------------- one new token per sequence (W / C / H)
+def takes_decode_step(layer: "HybridAttention", seqlen: int, packed: bool) -> bool:
+    """Whether a cached call of `seqlen` tokens per sequence runs `decode_step`: one unpacked token per
+    sequence of a W, C or H layer (M keeps the reference path)."""
+    return seqlen == 1 and not packed and not isinstance(layer.core, DenseMLACore)
+
+
+def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
+    """One new token per cached sequence, `x [B, d]` → this rank's `linear_proj` input `[B, F/tp]`; the cache
+    then holds it too. Shapes are fixed, nothing is read back to the host and every cache write is in place,
+    so the step can be captured in a CUDA graph (`DecodeGraph`)."""
+    check_cache_kind(layer, cache)
+    if x.shape[0] != cache.batch:
+        raise ValueError(f"hidden_states batch {x.shape[0]} differs from the inference cache's batch {cache.batch}")
+    if cache.longest + 1 > cache.capacity:
+        raise ValueError(f"a sequence would reach {cache.longest + 1} tokens, more than the inference cache's "
+                         f"capacity {cache.capacity}")
+    c, attention = layer.config, layer.core_attention
+    positions = cache.seqlens  # the new token's position in each sequence
+    inv_freq = layer.angle_freq(x.dtype)
+    q, kv, projected, qr = layer.core.project(layer, x, positions)
+    entries, picks = None, None
+    if attention.compressor is not None:
+        _pool_new_entry(attention.compressor, cache.compressors["attention"], projected, positions, cache.entries,
+                        inv_freq)
+        entries = cache.entries
+    if attention.indexer is not None:
+        _pool_new_entry(attention.indexer.compressor, cache.compressors["indexer"], projected, positions,
+                        cache.indexer_keys, inv_freq)
+        picks = _top_entries(attention.indexer, projected, qr, positions, cache.indexer_keys, c.dsa_indexer_topk,
+                             inv_freq)
+    kv_new = kv.to(cache.window.dtype)
+    attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
+                      head_dim=q.shape[2], selected=picks is not None)
+    out = attend(q, kv_new, cache.window, positions, c.csa_window_size, entries, picks, attention.ratio or 1,
+                 attention.attn_sink, c.softmax_scale)
+    # After the attention: the slot of position p held position p − (W − 1), still in p's window.
+    batch = torch.arange(cache.batch, device=x.device)
+    cache.window[batch, positions % cache.window.shape[1]] = kv_new
+    # The reference path's selection names rows of a kv_all this step never builds: only the picks are kept.
+    attention.last_selection, attention.last_decode_picks = None, picks
+    out = layer.core.finish(layer, out, positions)
+    cache.seqlens += 1  # last: `positions` is this tensor
+    cache.longest += 1
+    return out
+
+
+def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: dict, positions: Tensor,
+                    store: Tensor, inv_freq: Tensor) -> None:
+    """Keep the new token's compressor projections and, where it completes a group (`(p + 1) % r == 0`), write
+    entry `j = p // r` into `store [B, C, Dc]`.
+
+    Every sequence pools the state's `K` slots (oldest first) as one segment of a `CompressedLayout.owned`,
+    whether or not its group is complete (fixed shapes, no branch on values); the write keeps the old row
+    where it is not."""
+    r, slots, batch = compressor.ratio, state.slots, positions.shape[0]
+    rows = torch.arange(batch, device=positions.device)
+    kv, gate = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
+    state.kv[rows, positions % slots] = kv.to(state.kv.dtype)
+    state.gate[rows, positions % slots] = gate.to(state.gate.dtype)
+    if store.shape[1] == 0:  # a capacity below one group: no entry ever
+        return
+    entry = torch.div(positions, r, rounding_mode="floor")
+    # The K positions ending with p's group (p itself where the group is complete; before the sequence for
+    # ratio 4's first entry, whose previous group the pooling masks): every pooled row is in the segment.
+    start = (entry + 1) * r - slots
+    order = torch.remainder(start.unsqueeze(1) + torch.arange(slots, device=positions.device), slots)
+
+    def oldest_first(buffer: Tensor) -> Tensor:
+        return buffer.gather(1, order.unsqueeze(-1).expand(-1, -1, buffer.shape[-1])).flatten(0, 1)
+
+    segments = TokenLayout.uniform(batch, slots, positions.device)
+    tokens = dataclasses.replace(segments, position_offsets=start)
+    layout = CompressedLayout.owned(tokens, r, entry, torch.ones_like(positions), batch)
+    pooled = compressor({compressor.linear_wkv: oldest_first(state.kv),
+                         compressor.linear_wgate: oldest_first(state.gate)}, layout, inv_freq)
+    complete = ((positions + 1) % r == 0).unsqueeze(1)
+    slot = entry.clamp(max=store.shape[1] - 1)  # a group past the capacity is never complete
+    store[rows, slot] = torch.where(complete, pooled.to(store.dtype), store[rows, slot])
+
+
+def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
+                 topk: int, inv_freq: Tensor) -> Tensor:
+    """`[B, min(topk, C)]` entry numbers the indexer picks for each new token among its sequence's cached
+    compressed keys `keys [B, C, DI]` (the visible ones, `j < (p + 1) // r`), −1 = none."""
+    queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
+    batch, width = keys.shape[:2]
+    column = torch.arange(width, device=keys.device)
+    visible = column < entry_counts(positions, indexer.compressor.ratio).unsqueeze(1)
+    candidates = torch.where(visible, torch.arange(batch, device=keys.device).unsqueeze(1) * width + column, INVALID)
+    scores = indexer.scores((queries, keys.flatten(0, 1).to(queries.dtype), weights), candidates)
+    pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width)
+    return pick(scores, visible, topk, None)
 
 
 # ---------------------------------------------------------------- M

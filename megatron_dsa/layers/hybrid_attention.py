@@ -19,7 +19,7 @@ from megatron_dsa.backends import check_backend_choice
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std, project_rows
 from megatron_dsa.layers.kinds import KindSpec, resolve_kind
-from megatron_dsa.layers.decoding import LayerCache, attend_cached, new_rows_layout
+from megatron_dsa.layers.decoding import LayerCache, attend_cached, decode_step, new_rows_layout, takes_decode_step
 from megatron_dsa.layers.rows import LocalRows, TokenRows, token_rows
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules, apply
 from megatron_dsa.ops.precision import compute_dtype
@@ -95,7 +95,9 @@ class HybridAttention(HighPrecisionModule):
 
         `inference_cache` (`layers.decoding.LayerCache`, inference only): the input is new tokens of the
         cached sequences (`[S, B, d]`: S more for each; packed: `cu_seqlens_q` per sequence), attended
-        over what the cache holds, which then holds them too (see `layers.decoding`)."""
+        over what the cache holds, which then holds them too (see `layers.decoding`). One unpacked token per
+        sequence of a W, C or H layer runs the decode step (`layers.decoding.decode_step`: no host sync,
+        CUDA-graph capturable)."""
         self._check_input(hidden_states)
         sp_group = self.tp_group if self.config.sequence_parallel else None
         # Every rank's gradient of the gathered input is complete (the head-parallel regions sum
@@ -120,6 +122,8 @@ class HybridAttention(HighPrecisionModule):
         if self.parallel_state.cp_size > 1 or self.config.sequence_parallel:
             raise ValueError("inference_cache is not supported under context or sequence parallelism "
                              "(cp_size > 1, sequence_parallel): decoding feeds every rank the whole new rows")
+        if takes_decode_step(self, full.shape[0], packed is not None):
+            return decode_step(self, full[0], cache).unsqueeze(0)
         if packed is not None:
             check_packed_hidden_states(full)
             validate_packed_seq_params(packed, full.shape[0])

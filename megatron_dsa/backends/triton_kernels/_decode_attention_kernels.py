@@ -1,0 +1,134 @@
+"""Triton kernel bodies of decode attention (contract: `megatron_dsa.ops.decode_attention`).
+
+Left undecorated, like the sparse-attention kernels: `decode_attention.py` decorates them on first use
+(`lazy_jit.launcher`), so the CPU interpreter's switch is read at call time.
+
+Each sequence's keys form one virtual list of `L = 1 + R + E` slots: slot 0 is its new row `kv_new[b]`,
+slots `1 … R` the ring `window[b]`, the rest its compressed entries (the selected entry numbers
+`ids[b, e]`, or every entry `e`). A slot's row comes from one of the three tensors by a pointer select, so
+each index block is one masked gather. Flash-decoding: program `(b·head_blocks + hb, split)` runs the online
+softmax over the split's slots for a block of heads (the heads are the M side of `tl.dot`, all sharing the
+gathered rows) and leaves `(max, sum, acc)` in float32; `decode_combine_kernel` merges the splits with the
+sink in the denominator. With one split the first kernel normalises and writes the output itself.
+"""
+
+import triton
+import triton.language as tl
+
+from megatron_dsa.backends.triton_kernels._sparse_attention_kernels import LOG2E, MAX_FLOOR, row_tile
+
+
+def decode_attention_split_kernel(
+    q_ptr, new_ptr, ring_ptr, entries_ptr, ids_ptr, seqlens_ptr, sink_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    H: tl.constexpr, D: tl.constexpr, R, RING_LIMIT, C, K, RATIO, SLOTS, SLOTS_PER_SPLIT,
+    SPLITS: tl.constexpr, HAS_ENTRIES: tl.constexpr, SELECTED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (sequence, head block, split): online softmax over the split's slots (module docstring).
+
+    R ring slots, of which `min(p, RING_LIMIT)` are valid; C entry slots per sequence in `entries`; K
+    selected ids per sequence (`SELECTED`); the sequence sees entries `j < (p + 1) // RATIO`."""
+    head_blocks: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // head_blocks).to(tl.int64)
+    heads = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    row_heads = (b * H + heads).to(tl.int64)[:, None] * D
+
+    p = tl.load(seqlens_ptr + b).to(tl.int64)
+    ring_valid = tl.minimum(p, RING_LIMIT)
+    visible = (p + 1) // RATIO
+
+    dm = tl.arange(0, BLOCK_D)
+    q = row_tile(q_ptr + row_heads, dm, head_ok, D, True, True)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if BLOCK_DT > 0:
+        dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        q_t = row_tile(q_ptr + row_heads, dt, head_ok, D, True, True)
+        acc_t = tl.zeros([BLOCK_H, BLOCK_DT], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + MAX_FLOOR
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+
+    first = split * SLOTS_PER_SPLIT
+    last = tl.minimum(first + SLOTS_PER_SPLIT, SLOTS)
+    for start in range(first, last, BLOCK_K):
+        slot = start + tl.arange(0, BLOCK_K)
+        in_split = slot < last
+        is_new = slot == 0
+        ring_slot = slot - 1
+        in_ring = (slot >= 1) & (ring_slot < ring_valid)
+        valid = in_split & (is_new | in_ring)
+        rows = tl.where(is_new, new_ptr + b * D, ring_ptr + (b * R + tl.where(in_ring, ring_slot, 0)) * D)
+        if HAS_ENTRIES:
+            e = slot - 1 - R
+            in_entries = in_split & (e >= 0)
+            if SELECTED:
+                entry = tl.load(ids_ptr + b * K + tl.where(in_entries, e, 0), mask=in_entries, other=-1).to(tl.int64)
+            else:
+                entry = e
+            entry_ok = in_entries & (entry >= 0) & (entry < visible) & (entry < C)
+            rows = tl.where(entry_ok, entries_ptr + (b * C + tl.where(entry_ok, entry, 0)) * D, rows)
+            valid = valid | entry_ok
+        kv = row_tile(rows[:, None], dm, valid, D, True, True).to(q.dtype)
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        if BLOCK_DT > 0:
+            kv_t = row_tile(rows[:, None], dt, valid, D, True, True).to(q.dtype)
+            s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        weights = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(weights, 1)
+        acc = tl.dot(weights.to(kv.dtype), kv, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if BLOCK_DT > 0:
+            acc_t = tl.dot(weights.to(kv.dtype), kv_t, acc_t * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = head_ok[:, None] & (dm < D)[None, :]
+    if SPLITS == 1:
+        sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
+        top = tl.maximum(m_i, sink)
+        scale = tl.exp2(m_i - top)
+        inv_denominator = scale / (l_i * scale + tl.exp2(sink - top))
+        tl.store(out_ptr + row_heads + dm[None, :], (acc * inv_denominator[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+        if BLOCK_DT > 0:
+            tl.store(out_ptr + row_heads + dt[None, :],
+                     (acc_t * inv_denominator[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=head_ok[:, None] & (dt < D)[None, :])
+    else:
+        # Partials [B, H, SPLITS(, D)]: the split's running maximum (base 2), its sum and its unnormalised output.
+        part = (b * H + heads).to(tl.int64) * SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=head_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=head_ok)
+        tl.store(part_acc_ptr + part[:, None] * D + dm[None, :], acc, mask=out_mask)
+        if BLOCK_DT > 0:
+            tl.store(part_acc_ptr + part[:, None] * D + dt[None, :], acc_t, mask=head_ok[:, None] & (dt < D)[None, :])
+
+
+def decode_combine_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr,
+    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One (sequence, head): `out = Σ_s 2^(m_s − M) acc_s / (2^(sink − M) + Σ_s 2^(m_s − M) l_s)` with `M` the
+    largest of the splits' maxima and the sink; the columns in chunks of `BLOCK_D`."""
+    row = tl.program_id(0).to(tl.int64)  # b * H + h
+    head = row % H
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < SPLITS
+    maxima = tl.load(part_max_ptr + row * SPLITS + splits, mask=split_ok, other=MAX_FLOOR)
+    sums = tl.load(part_sum_ptr + row * SPLITS + splits, mask=split_ok, other=0.0)
+    sink = tl.load(sink_ptr + head) * LOG2E
+    top = tl.maximum(tl.max(maxima, 0), sink)
+    weights = tl.where(split_ok, tl.exp2(maxima - top), 0.0)
+    inv_denominator = 1.0 / (tl.sum(weights * sums, 0) + tl.exp2(sink - top))
+    for first in range(0, D, BLOCK_D):
+        cols = first + tl.arange(0, BLOCK_D)
+        partial = tl.load(part_acc_ptr + (row * SPLITS + splits)[:, None] * D + cols[None, :],
+                          mask=split_ok[:, None] & (cols < D)[None, :], other=0.0)
+        out = tl.sum(partial * weights[:, None], 0) * inv_denominator
+        tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty), mask=cols < D)

@@ -1,0 +1,132 @@
+"""Decode attention as Triton kernels: the `decode_attention` op family (contract and math:
+`megatron_dsa.ops.decode_attention`).
+
+One new query row per sequence attends its new K = V row, its window ring and its compressed entries (the
+selected ones, or every visible one) with the sink in the denominator. Nothing is gathered into a new
+tensor: the kernel reads each row where the cache keeps it (`_decode_attention_kernels`).
+
+Flash-decoding. A decode step has few query rows (B sequences × H heads) and, at long contexts, many
+keys (an H layer at 128k sees 1024 entries; a dense MLA cache 128k rows): one program per (sequence, head
+block) would leave most of the GPU idle. The keys are therefore cut into `splits` ranges, one program
+each, chosen from the shapes alone (never from `seqlens`, so a CUDA graph captured once serves every
+step): enough programs for about two per multiprocessor, at least one index block per split, at most
+`MAX_SPLITS`. A second kernel merges the splits' partial results with the sink; with a single split the
+first kernel writes the output itself.
+
+Float32 partials are allocated per call with sizes fixed by the shapes, so a captured step replays with
+them in the graph's pool. Everything else is read where it lies; `seqlens` is read on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
+from megatron_dsa.ops.decode_attention import check_decode_inputs
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOG2E = math.log2(math.e)
+MAX_BLOCK_H = 64  # heads per program: one Hopper warpgroup MMA tile, as the training forward
+MAX_SPLITS = 128  # the combine kernel holds every split of a head in registers
+PROGRAMS_PER_SM = 2
+INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one by one: a few splits exercise the merge
+INTERPRETER_BLOCK_K = 16
+COMBINE_ELEMENTS = 4096  # split × column elements the combine kernel holds per chunk
+
+
+def _head_dim_chunks(dim: int) -> tuple[int, int]:
+    """`(main, tail)` power-of-two chunks covering `dim` (tail 0: none), e.g. 576 → (512, 64)."""
+    main = max(MIN_DOT, 1 << (dim.bit_length() - 1))
+    rest = dim - main
+    return main, (pow2(rest, MIN_DOT) if rest > 0 else 0)
+
+
+def _block_k(dtype: torch.dtype, dim: int) -> int:
+    """Key rows per step: 64 for 16-bit rows up to D = 512 (as the training forward), else 32 (shared memory)."""
+    if interpreting():
+        return INTERPRETER_BLOCK_K
+    return 64 if dtype.itemsize == 2 and dim <= 512 else 32
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.device) -> int:
+    """Key ranges per (sequence, head block), from the shapes alone (module docstring)."""
+    programs = batch * cdiv(heads, MAX_BLOCK_H)
+    target = INTERPRETER_PROGRAMS if device.type != "cuda" else PROGRAMS_PER_SM * _multiprocessors(device)
+    return max(1, min(cdiv(target, programs), cdiv(slots, block_k), MAX_SPLITS))
+
+
+def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens: Tensor, window: int,
+                     entries: Optional[Tensor], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
+                     scale: float, splits: Optional[int] = None) -> Tensor:
+    """The `decode_attention` contract (`ops.decode_attention.decode_attention`) → `out [B, H, D]` in the query
+    dtype. `splits` overrides the key ranges per (sequence, head block) (tests; default: `split_count`)."""
+    check_decode_inputs(query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink)
+    if query.dtype not in SUPPORTED_DTYPES or window_rows.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"triton decode attention runs {[str(d) for d in SUPPORTED_DTYPES]}, got query "
+                        f"{query.dtype} and cache {window_rows.dtype}")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"triton decode attention: scale must be a finite number, got {scale!r}")
+    require_triton(query.device, "decode attention", "query's device")
+    batch, heads, dim = query.shape
+    out = torch.empty((batch, heads, dim), dtype=query.dtype, device=query.device)
+    if batch == 0:
+        return out
+    ring = window_rows.shape[1]
+    selected = entry_ids is not None
+    entry_slots = 0 if entries is None else (entry_ids.shape[1] if selected else entries.shape[1])
+    slots = 1 + ring + entry_slots
+    block_k = _block_k(query.dtype, dim)
+    splits = split_count(batch, heads, slots, block_k, query.device) if splits is None else splits
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"triton decode attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
+    per_split = cdiv(cdiv(slots, splits), block_k) * block_k
+    splits = cdiv(slots, per_split)  # no empty split
+    block_h = pow2(heads, MIN_DOT, MAX_BLOCK_H)
+    block_d, block_dt = _head_dim_chunks(dim)
+    partials = (heads * batch * splits * dim, heads * batch * splits) if splits > 1 else (1, 1)
+    part_acc = torch.empty(partials[0], dtype=torch.float32, device=query.device)
+    part_max = torch.empty(partials[1], dtype=torch.float32, device=query.device)
+    part_sum = torch.empty(partials[1], dtype=torch.float32, device=query.device)
+    sink = sink.detach().to(torch.float32).contiguous()
+    query = query.contiguous()
+    wide = block_h * block_d >= MAX_BLOCK_H * 256 and not interpreting()
+    with _on_device(query.device):
+        launcher(_kernels().decode_attention_split_kernel)[(batch * cdiv(heads, block_h), splits)](
+            query, kv_new.contiguous(), window_rows.contiguous(),
+            query if entries is None else entries.contiguous(),
+            seqlens if entry_ids is None else entry_ids.contiguous(), seqlens.contiguous(), sink,
+            out, part_acc, part_max, part_sum, float(scale) * LOG2E,
+            heads, dim, ring, max(window - 1, 0), 0 if entries is None else entries.shape[1], max(entry_slots, 1),
+            ratio if entries is not None else 1, slots, per_split,
+            SPLITS=splits, HAS_ENTRIES=entries is not None, SELECTED=selected,
+            BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DT=block_dt,
+            DOT_PRECISION=dot_precision(query.dtype), num_warps=8 if wide else 4, num_stages=2)
+        if splits > 1:
+            block_s = pow2(splits)
+            launcher(_kernels().decode_combine_kernel)[(batch * heads,)](
+                part_acc, part_max, part_sum, sink, out, heads, dim, SPLITS=splits, BLOCK_S=block_s,
+                BLOCK_D=pow2(dim, 1, max(MIN_DOT, COMBINE_ELEMENTS // block_s)), num_warps=4)
+    return out
+
+
+def _kernels():
+    from megatron_dsa.backends.triton_kernels import _decode_attention_kernels
+
+    return _decode_attention_kernels
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -1,0 +1,173 @@
+"""Decode attention (`ops.decode_attention`, the Triton kernel `backends/triton_kernels/decode_attention.py`)
+and captured decode steps (`layers.decode_graph.DecodeGraph`).
+
+The CPU cases of the kernel run in the Triton interpreter in a child process
+(`interp_triton_decode_attention.py`; `triton_support.py` says why a child process). Here: dispatch (auto,
+explicit requests that cannot run, the counters), input checks, undoing a warm-up step, and the GPU tests
+(`gpu` marker) with their tolerances stated where they are used.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dsa import HybridAttentionConfig
+from megatron_dsa.backends import BackendUnavailableError, call_counts, reset_call_counts
+from megatron_dsa.layers import DecodeGraph
+from megatron_dsa.layers.decode_graph import _StepWrites
+from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.layers.kinds import build_attention
+from megatron_dsa.ops.decode_attention import decode_attention as reference_decode
+from interp_triton_decode_attention import decode_inputs, decoding_config
+from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_interpreter_cases():
+    """The kernel against the reference op, and decode steps through it against the reference decode (fp32,
+    interpreter), in a child process."""
+    run_interpreted("interp_triton_decode_attention.py")
+
+
+def test_auto_decodes_through_the_unfused_op_on_cpu():
+    layer = build_attention(decoding_config("C"), kind="C").eval()
+    cache = LayerCache.for_layer(layer, 2, 8)
+    hidden = torch.randn(8, 2, layer.config.hidden_size)
+    with torch.no_grad():
+        layer(hidden[:5], inference_cache=cache)
+        reset_call_counts()
+        for t in range(5, 8):
+            layer(hidden[t:t + 1], inference_cache=cache)
+    assert call_counts()[("unfused", "decode_attention")] == 3
+    assert not any(op == "sparse_attention_fwd" for _, op in call_counts())  # no reference step ran
+
+
+def test_an_explicit_triton_request_that_cannot_run_says_why(without_interpreter):
+    config = decoding_config("C").replace(attention_backend_overrides={"decode_attention": "triton"})
+    with pytest.raises(BackendUnavailableError, match="'triton' cannot run decode_attention: tensors on cpu"):
+        build_attention(config, kind="C")
+
+
+@pytest.mark.parametrize("argument, change, error", [
+    ("kv_new", lambda i: dict(kv_new=i["kv_new"][:, :8]), ValueError),
+    ("window_rows", lambda i: dict(window_rows=i["window_rows"][:2]), ValueError),
+    ("seqlens", lambda i: dict(seqlens=i["seqlens"].float()), ValueError),
+    ("sink", lambda i: dict(sink=i["sink"][:2]), ValueError),
+    ("entries", lambda i: dict(entries=i["entries"].double()), TypeError),
+    ("entry_ids", lambda i: dict(entry_ids=i["entry_ids"][0]), ValueError),
+    ("entry_ids given without entries", lambda i: dict(entries=None), ValueError),
+    ("ratio", lambda i: dict(ratio=1), ValueError),
+    ("window", lambda i: dict(window=0), ValueError),
+])
+def test_bad_decode_inputs_are_named(argument, change, error):
+    inputs = {**decode_inputs(4, 32, ring=7, entries=9, picks=5), "window": 8}
+    with pytest.raises(error, match=argument):
+        reference_decode(**{**inputs, **change(inputs)})
+
+
+@torch.no_grad()
+def test_a_warm_up_step_is_undone_exactly():
+    """What `DecodeGraph` saves before its warm-up steps covers everything a decode step writes: after one step
+    (which completes an entry: position 7, ratio 4) and the restore, every buffer and length is as before."""
+    layer = build_attention(decoding_config("C"), kind="C").double().eval()
+    cache = LayerCache.for_layer(layer, 2, 12)
+    hidden = torch.randn(8, 2, layer.config.hidden_size, dtype=torch.float64)
+    layer(hidden[:7], inference_cache=cache)
+
+    def state() -> list[torch.Tensor]:
+        return [t.clone() for t in (cache.seqlens, cache.window, cache.entries, cache.indexer_keys,
+                                    *[b for s in cache.compressors.values() for b in (s.kv, s.gate)])]
+
+    before, longest = state(), cache.longest
+    writes = _StepWrites.save(cache)
+    layer(hidden[7:8], inference_cache=cache)
+    assert not all(torch.equal(a, b) for a, b in zip(state(), before))  # the step wrote something
+    writes.restore()
+    assert cache.longest == longest
+    for now, then in zip(state(), before):
+        assert torch.equal(now, then)
+
+
+def test_a_decode_graph_needs_cuda_and_sparse_caches():
+    layer = build_attention(decoding_config("M"), kind="M")
+    cache = LayerCache.for_layer(layer, 1, 4)
+    step = lambda x: layer(x, inference_cache=cache)[0]  # noqa: E731
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraph(step, torch.zeros(1, 1, layer.config.hidden_size), [cache])
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cannot be captured"):
+            DecodeGraph(step, torch.zeros(1, 1, layer.config.hidden_size, device="cuda"), [cache])
+
+
+# ---------------------------------------------------------------- GPU
+def gpu_decode_inputs(entries: str, batch: int = 4, heads: int = 64, dim: int = 512, ring: int = 127,
+                      capacity: int = 2048, picks: int = 512):
+    """dsv4-flash decode shapes at an 8k context (ratio 4: 2048 entries), lengths ragged, one sequence empty."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seqlens = torch.tensor([0, 100, 3000, 4 * capacity - 1], device="cuda")[:batch]
+    inputs = dict(query=torch.randn(batch, heads, dim, device="cuda", generator=g),
+                  kv_new=torch.randn(batch, dim, device="cuda", generator=g),
+                  window_rows=torch.randn(batch, ring, dim, device="cuda", generator=g), seqlens=seqlens,
+                  entries=torch.randn(batch, capacity, dim, device="cuda", generator=g),
+                  entry_ids=torch.randint(-1, capacity, (batch, picks), device="cuda", generator=g), ratio=4,
+                  sink=torch.randn(heads, device="cuda", generator=g), scale=dim ** -0.5, window=ring + 1)
+    if entries != "selected":
+        inputs["entry_ids"] = None
+    if entries == "none":
+        inputs["entries"] = None
+    return inputs
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("entries", ["none", "every", "selected"])
+def test_bf16_triton_decode_matches_the_float64_reference_on_the_gpu(entries):
+    """bf16 kernel against the float64 reference on the same bf16-rounded inputs, at dsv4-flash dims (H = 64,
+    D = 512, window 128, 2048 entries or top-512), with several key splits.
+
+    Tolerance, atol = 2⁻⁷ · max|kv|: scores are exact products of bf16 values summed in fp32 (relative error
+    ~1e-6); the probabilities are rounded to bf16 before the PV product (≤ 2⁻⁸ relative each, so ≤ 2⁻⁸ · max|kv|
+    over a convex combination) and the output is rounded to bf16 (≤ 2⁻⁸ · |out| ≤ 2⁻⁸ · max|kv|)."""
+    from megatron_dsa.backends.triton_kernels.decode_attention import decode_attention as triton_decode
+
+    inputs = gpu_decode_inputs(entries)
+    rounded = {k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and k != "sink" else v
+               for k, v in inputs.items()}
+    as_double = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in rounded.items()}
+    expected = reference_decode(**as_double)
+    got = triton_decode(**rounded)
+    assert got.dtype == torch.bfloat16
+    kv_scale = max(float(t.abs().max()) for t in (inputs["kv_new"], inputs["window_rows"]))
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2 ** -7 * kv_scale)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["W", "C", "H"])
+@torch.no_grad()
+def test_a_captured_decode_step_replays_the_eager_steps(kind):
+    """Prefill two identical caches; decode 12 tokens eagerly on one and by `DecodeGraph` replays on the other:
+    same outputs and caches. The Triton decode kernel ran in the capture (counters); the replays run the same
+    kernels on the same values, so they agree to bf16 rounding at most (atol 2⁻⁸ · max|out|: a cuBLAS GEMM may
+    take another algorithm inside the capture)."""
+    config = decoding_config(kind).replace(csa_window_size=16)
+    torch.manual_seed(0)
+    layer = build_attention(config, kind=kind).cuda().bfloat16().eval()
+    hidden = torch.randn(40, 3, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    caches = [LayerCache.for_layer(layer, 3, 40) for _ in range(2)]
+    for cache in caches:
+        layer(hidden[:27], inference_cache=cache)
+    eager = torch.cat([layer(hidden[t:t + 1], inference_cache=caches[0])[0] for t in range(27, 39)])
+    reset_call_counts()
+    graph = DecodeGraph(lambda x: layer(x, inference_cache=caches[1])[0], hidden[27:28], [caches[1]])
+    assert call_counts()[("triton", "decode_attention")] >= 1
+    assert caches[1].seqlens.tolist() == [27] * 3 and caches[1].longest == 27  # warm-up undone
+    replayed = torch.cat([graph(hidden[t:t + 1]).clone() for t in range(27, 39)])
+    scale = float(eager.abs().max())
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=2 ** -8 * scale)
+    assert torch.equal(caches[1].seqlens, caches[0].seqlens) and caches[1].longest == 39
+    graph(hidden[39:40])  # the 40th token: the cache is full
+    with pytest.raises(ValueError, match="capacity"):
+        graph(hidden[39:40])
