@@ -245,7 +245,9 @@ def benchmark_kind(config: HybridAttentionConfig, kind: LayerKind, args: argpars
     x = torch.randn(args.seq_len, args.batch, config.hidden_size, device=device, dtype=dtype,
                     requires_grad=True)
     grad_out = torch.randn_like(x)
-    layer_time = measure(layers, x, grad_out, args.repeats, args.warmup, args.cuda_graph, args.back_to_back)
+    # Compiled: whole-layer graphs of our custom ops (the warm-up steps include the compilation).
+    measured = [torch.compile(layer, fullgraph=True, dynamic=False) for layer in layers] if args.compile else layers
+    layer_time = measure(measured, x, grad_out, args.repeats, args.warmup, args.cuda_graph, args.back_to_back)
     reset_call_counts()
     if layer_time is not OUT_OF_MEMORY:
         train_step(layers[:1], x, grad_out)  # one counted step: which backend ran each op
@@ -289,7 +291,8 @@ def describe_run(args: argparse.Namespace) -> str:
             f"median of {args.repeats} timings after {args.warmup} warm-up, each of {args.back_to_back} step(s) in a "
             f"row of {args.stack} chained layer(s) (ms per step and layer; peak MiB per step), layer first, then the "
             f"baseline"
-            f"{' (layer: CUDA-graph replays)' if args.cuda_graph else ''}\n"
+            f"{' (layer: CUDA-graph replays)' if args.cuda_graph else ''}"
+            f"{' (layer: torch.compile, fullgraph)' if args.compile else ''}\n"
             f"layer backend {args.backend}; ratio = layer / {args.baseline} baseline (< 1: the layer is faster); "
             f"TFLOPS = essential work / layer time; {memory}")
 
@@ -318,6 +321,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time the measured layer's steps as CUDA-graph replays (megatron_dsa.make_graphed_layers: "
                              "no per-kernel host time; the baseline stays eager)")
+    parser.add_argument("--compile", action="store_true",
+                        help="time the measured layer under torch.compile(fullgraph=True) (eager kernels of its "
+                             "ops, inductor's code around them; the baseline stays eager)")
     parser.add_argument("--back-to-back", type=int, default=1,
                         help="steps per timing, issued without a sync in between (a training loop's steps: the "
                              "host issues a step while the GPU still runs the previous one); 1 times each step "
@@ -329,6 +335,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.cuda_graph and not args.device.startswith("cuda"):
         parser.error("--cuda-graph needs a CUDA device")
+    if args.cuda_graph and args.compile:
+        parser.error("--cuda-graph and --compile time different things: choose one")
     if min(args.seq_len, args.batch, args.repeats, args.back_to_back, args.stack) < 1 or args.warmup < 0:
         parser.error("--seq-len, --batch, --repeats, --back-to-back and --stack must be >= 1 and --warmup >= 0")
     return args
