@@ -203,11 +203,7 @@ def test_decoding_under_tensor_parallelism_equals_one_process() -> None:
 
 
 @pytest.mark.gpu
-# M failed on its first GPU run (H200, torch 2.11) while W, C and H passed; whether its tolerance
-# or its decoding is wrong is not yet diagnosed (no device time was left). Strict: fix, then unmark.
-@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.xfail(
-    strict=True, reason="bf16 M decoding on GPU exceeds its bound (issue 29)")) if kind == "M" else kind
-    for kind in KINDS])
+@pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
 def test_bf16_decoding_on_the_gpu_is_as_close_to_float64_as_the_full_forward(kind: str) -> None:
     """bf16 on the GPU (the fused backends where they serve): prefill + one token at a time is within

@@ -44,7 +44,8 @@ def test_auto_decodes_through_the_unfused_op_on_cpu():
     assert not any(op == "sparse_attention_fwd" for _, op in call_counts())  # no reference step ran
 
 
-def test_an_explicit_triton_request_that_cannot_run_says_why(without_interpreter):
+def test_an_explicit_triton_request_that_cannot_run_says_why(without_interpreter, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU, wherever it runs
     config = decoding_config("C").replace(attention_backend_overrides={"decode_attention": "triton"})
     with pytest.raises(BackendUnavailableError, match="'triton' cannot run decode_attention: tensors on cpu"):
         build_attention(config, kind="C")
