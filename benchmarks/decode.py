@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -116,6 +117,17 @@ def dense_mla_attention(config: HybridAttentionConfig, batch: int, context: int,
     return lambda: attend(query, new, latent, seqlens, context + 1, None, None, 1, no_sink, width ** -0.5)
 
 
+def print_kernel_times(step: Callable[[], object], title: str, steps: int = 10) -> None:
+    """The GPU kernels of `steps` eager decode steps by total time: where a step's device time goes (the
+    graph replays the same kernels without the host gaps between them)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    print(f"\n{title}: kernels of {steps} eager steps\n"
+          + prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def recompute_ms(layer, batch: int, context: int, args: argparse.Namespace, generator: torch.Generator) -> str:
     if batch * (context + 1) > args.recompute_max_tokens:
         return "skipped"
@@ -143,6 +155,8 @@ def measure(config: HybridAttentionConfig, kind: str, batch: int, context: int, 
     step()
     backends = ", ".join(sorted(f"{op}={backend}" for (backend, op), calls in call_counts().items() if calls))
     eager = median_us(step, device, args.repeats, args.warmup)
+    if args.profile and device.type == "cuda":
+        print_kernel_times(step, f"{kind}, B={batch}, context={context}")
     dense = dense_mla_attention(config, batch, context, device, dtype, generator)
     graph_us = None
     if device.type == "cuda":
@@ -197,6 +211,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--kinds", default="CWH", help="layer kinds among W, C, H (M decodes on the reference path)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536, 131072])
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each row's GPU kernels by total time (torch.profiler, eager steps)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=50, help="timed steps (median reported)")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_dsa.ops import indices
-from megatron_dsa.ops.indices import (offset_valid, topk_columns, visible_compressed_entries,
+from megatron_dsa.ops.indices import (offset_valid, row_range, topk_columns, visible_compressed_entries,
                                       visible_compressed_indices, window_indices)
 from megatron_dsa.ops.layout import TokenLayout
 from oracles import (INVALID, compressed_counts_oracle, segment_starts, topk_oracle, visible_compressed_oracle,
@@ -268,3 +268,17 @@ def test_all_visible_rows_are_kept_when_small_and_equal_the_chunked_rows(monkeyp
     assert fresh.rows() is not fresh.rows() and torch.equal(fresh.rows(), whole)
     assert fresh.valid(slice(None), whole) is not fresh.valid(slice(None), whole)
     assert torch.equal(fresh.valid(slice(None), whole), whole >= 0)
+
+
+def test_row_range_agrees_with_slice_indices() -> None:
+    """The traceable stand-in for `slice.indices` gives its bounds for every step-1 slice, empty ones
+    included (then `start == stop`), and refuses other steps by name."""
+    bounds = (None, -9, -3, -1, 0, 1, 3, 7, 8, 20)
+    for rows in (0, 1, 7):
+        for start in bounds:
+            for stop in bounds:
+                chunk = slice(start, stop)
+                first, last, _ = chunk.indices(rows)
+                assert row_range(chunk, rows) == (first, max(first, last)), (chunk, rows)
+    with pytest.raises(ValueError, match="step-1 slices, got step 2"):
+        row_range(slice(0, 4, 2), 7)

@@ -36,7 +36,7 @@ from torch import Tensor
 from megatron_dsa.backends import registry
 from megatron_dsa.backends.registry import OpFamily
 from megatron_dsa.ops.compressor import channel_factor
-from megatron_dsa.ops.indices import SelectionRows, UniformVisibleRows, VisibleEntries
+from megatron_dsa.ops.indices import SelectionRows, UniformVisibleRows, VisibleEntries, row_range
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
 
@@ -443,7 +443,7 @@ def _indexer_loss(backend: str):
 def _selection_rows(backend: str):
     def run(columns: Tensor, scores: Tensor, entries: VisibleEntries, rows: slice, window: Tensor,
             kv_offset: int) -> SelectionRows:
-        start, stop, _ = rows.indices(entries.group.shape[0])
+        start, stop = row_range(rows, entries.group.shape[0])
         return SelectionRows(*selection_rows_op(backend, columns, scores, entries.table, entries.group,
                                                 entries.count, start, stop, window, kv_offset))
     return run

@@ -25,6 +25,23 @@ def small_enough_to_keep(rows: int, width: int) -> bool:
     return rows * width <= KEPT_ROWS_ELEMENTS
 
 
+def row_range(chunk: slice, rows: int) -> tuple[int, int]:
+    """`(start, stop)` of the step-1 slice `chunk` over `rows` rows, as `chunk.indices(rows)` gives them.
+
+    Plain Python because `torch.compile` traces the callers, and Dynamo (torch 2.11) cannot trace
+    `slice.indices` (it breaks the graph)."""
+    if chunk.step not in (None, 1):
+        raise ValueError(f"row chunks are step-1 slices, got step {chunk.step}")
+
+    def bound(value: Optional[int], default: int) -> int:
+        if value is None:
+            return default
+        return min(max(value + rows if value < 0 else value, 0), rows)
+
+    start = bound(chunk.start, 0)
+    return start, max(start, bound(chunk.stop, rows))
+
+
 def window_indices(layout: TokenLayout, window: int) -> Tensor:
     """`[T, W]` token rows `max(seg_start, t−W+1) … t`, then −1 padding (never a future row)."""
     t = torch.arange(layout.num_rows, device=layout.device)
@@ -70,13 +87,14 @@ class VisibleEntries(KeepsDeviceValues):
         """`C`, the column count (the most entries any group has)."""
         return self.table.shape[1]
 
-    def rows(self, chunk: slice = slice(None)) -> Tensor:
-        """`[n, C]` buffer rows visible to the query rows `chunk`, −1 elsewhere.
+    def rows(self, chunk: Optional[slice] = None) -> Tensor:
+        """`[n, C]` buffer rows visible to the query rows `chunk` (None: all), −1 elsewhere.
 
         All rows at once are built once and kept when they are small (`KEPT_ROWS_ELEMENTS`): a layout
         shared by every layer and step then saves six small ops per C layer forward, which matter at
         short sequences, where the host's launch time is a large part of a step. Callers never write into
-        the result."""
+        the result. (No `slice` default argument: Dynamo on torch 2.11 cannot bind one.)"""
+        chunk = slice(None) if chunk is None else chunk
         return self._all_rows if self._kept(chunk) else self._rows(chunk)
 
     def valid(self, chunk: slice, rows: Tensor) -> Tensor:
@@ -86,7 +104,7 @@ class VisibleEntries(KeepsDeviceValues):
     def _kept(self, chunk: slice) -> bool:
         """Whether `chunk` is every query row and their rows are small enough to keep."""
         rows = self.group.shape[0]
-        return chunk.indices(rows) == (0, rows, 1) and small_enough_to_keep(rows, self.width)
+        return row_range(chunk, rows) == (0, rows) and small_enough_to_keep(rows, self.width)
 
     @device_cached_property
     def _all_rows(self) -> Tensor:
@@ -101,9 +119,10 @@ class VisibleEntries(KeepsDeviceValues):
         visible = torch.arange(self.width, device=ids.device) < self.count[chunk].unsqueeze(1)
         return torch.where(visible & (ids >= 0), ids, INVALID)
 
-    def pick(self, columns: Tensor, rows: slice = slice(None)) -> Tensor:
-        """Buffer rows of the chosen `columns [n, K]` (entry numbers, −1 = none) of the query rows `rows`,
-        −1 kept."""
+    def pick(self, columns: Tensor, rows: Optional[slice] = None) -> Tensor:
+        """Buffer rows of the chosen `columns [n, K]` (entry numbers, −1 = none) of the query rows `rows`
+        (None: all), −1 kept."""
+        rows = slice(None) if rows is None else rows
         if self.width == 0:
             return torch.full_like(columns, INVALID)
         ids = self.table[self.group[rows].unsqueeze(1), columns.clamp_min(0)]
@@ -113,7 +132,7 @@ class VisibleEntries(KeepsDeviceValues):
         """The structure of the query rows `chunk` (a step-1 slice) when the batch is uniform, else None."""
         if self.uniform is None:
             return None
-        start, stop, _ = chunk.indices(self.group.shape[0])
+        start, stop = row_range(chunk, self.group.shape[0])
         return UniformVisibleRows(*self.uniform, start=start, stop=stop)
 
     def row_chunks(self, elements: int) -> Iterator[slice]:
