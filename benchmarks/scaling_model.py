@@ -26,36 +26,27 @@ Per rank and layer (forward + backward, B = 1, bf16):
 
 Link bandwidth is not calibrated: at the measured sizes every transfer is under 1% of a step, so the
 measurements cannot tell a bandwidth. It is nominal NVLink 4 (450 GB/s per direction) or one 400 Gb/s
-NIC per GPU across nodes, times an assumed achievable fraction. Plain Python: no torch needed.
+NIC per GPU across nodes, times an assumed achievable fraction. No GPU needed (it reads the presets through the package).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from megatron_dsa import HybridAttentionConfig  # noqa: E402  (the package: its kind table validates patterns)
 from layer_flops import (attention_backward_flop, attention_forward_flop, indexer_score_flop,  # noqa: E402
                          projection_flop)
 
 MIB = 1 << 20
 BF16 = 2
 KINDS = ("W", "C", "H")
-
-
-def load_config_module():
-    """`megatron_dsa/config.py` on its own: it imports no torch, while the package's `__init__` does (seconds)."""
-    path = Path(__file__).resolve().parents[1] / "megatron_dsa" / "config.py"
-    spec = importlib.util.spec_from_file_location("megatron_dsa_config_for_scaling_model", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------- dims and counts
@@ -77,7 +68,7 @@ class Dims:
 
     @classmethod
     def from_preset(cls, name: str = "dsv4-flash") -> "Dims":
-        config = load_config_module().HybridAttentionConfig.from_preset(name)
+        config = HybridAttentionConfig.from_preset(name)
         return cls(config.hidden_size, config.num_attention_heads, config.v_head_dim, config.q_lora_rank,
                    config.o_groups, config.o_lora_rank, config.csa_window_size, config.dsa_indexer_topk,
                    config.dsa_indexer_n_heads, config.dsa_indexer_head_dim,
