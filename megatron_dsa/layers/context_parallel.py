@@ -401,8 +401,11 @@ class BlockAttentionFunction(torch.autograd.Function):
             if arriving is not None:  # the predecessor's sum for this block, from its previous step
                 grad_kv += arriving.wait()
             # Send the sum on with the block's next visitor; receive the sum for our next block.
-            # After the last step that is the sum for this rank's own block: dK/dV are home.
-            arriving = RingTransfer(grad_kv, ctx.group) if cp > 1 else None
+            # After the last step that is the sum for this rank's own block: dK/dV are home. The sums
+            # travel in K/V's dtype: a float32 one in flight and another arriving, beside the step's own
+            # float32 sums, were a third of a bf16 rank's peak (one rounding per hop instead).
+            arriving = RingTransfer(grad_kv.to(kv.dtype), ctx.group) if cp > 1 else None
+            del grad_kv
         home = arriving.wait() if arriving is not None else grad_kv
         return grad_q.to(q.dtype), home.to(kv.dtype), None, None, None, None, None, None
 
