@@ -32,7 +32,7 @@ from megatron_dsa.backends import (
     resolve,
 )
 from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
-from megatron_dsa.ops.dense_attention import causal_attention
+from megatron_dsa.ops.dense_attention import block_attention_backward, block_attention_forward, causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
 from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl_per_row
 from megatron_dsa.ops.indexer_loss import indexer_kl as reference_indexer_kl
@@ -43,7 +43,8 @@ from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
 from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
 from distributed import cosine, relative_error
-from vendor_fakes import FakeCudnnDSA, FakeFlashMLA, fake_cudnn, fake_flash_attn_cute, fake_sparse_inputs, install
+from vendor_fakes import (FakeCudnnDSA, FakeFlashMLA, fake_cudnn, fake_flash_attn_2, fake_flash_attn_cute,
+                          fake_flash_attn_cute_interface, fake_sparse_inputs, install)
 
 LOGGER = "megatron_dsa.backends"
 EXACT = dict(rtol=1e-10, atol=1e-10)
@@ -66,8 +67,8 @@ def vendors(monkeypatch: pytest.MonkeyPatch):
     """Fresh registry state and probe caches; no vendor package importable unless a test installs one."""
     monkeypatch.setattr(registry, "_LOGGED_CHOICES", set())
     monkeypatch.setattr(registry, "_CALL_COUNTS", Counter())
-    for name in ("cudnn", "flash_mla", "flash_attn", "flash_attn.cute", "flash_attn.flash_attn_interface",
-                 "flash_attn_interface", "triton"):
+    for name in ("cudnn", "flash_mla", "flash_attn", "flash_attn.cute", "flash_attn.cute.interface",
+                 "flash_attn.flash_attn_interface", "flash_attn_interface", "triton"):
         install(monkeypatch, name, None)
     clear_probe_caches()
     yield monkeypatch
@@ -659,3 +660,94 @@ def test_m_layer_with_explicit_torch_sdpa_matches_unfused(vendors) -> None:
     torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=1e-9, atol=1e-9)
     for a, b in zip(outputs[0][2], outputs[1][2]):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+# ---------------------------------------------------------------- dense attention blocks (M under CP)
+def block_problem(rows: int, keys: int, dtype: torch.dtype, heads: int = 4, groups: int = 2, dqk: int = 16,
+                  dv: int = 8, seed: int = 5):
+    """q, k, v of one ring block and a merged `(out, lse)` and output gradient to differentiate against:
+    the block's own `lse` plus 0.4 (other blocks' keys add mass), so backward must use the merged values."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
+    q, k, v = draw(rows, heads, dqk), draw(keys, groups, dqk), draw(keys, groups, dv)
+    out, grad_out = draw(rows, heads, dv), draw(rows, heads, dv)
+    return q, k, v, out, grad_out
+
+
+BLOCK_CALL = dict(head_dim=16, v_head_dim=8, heads=4, groups=2, lse_grad=False)
+
+
+@pytest.mark.parametrize("rows,keys,causal", [(7, 7, True), (5, 9, False)])
+def test_torch_sdpa_block_ops_match_the_reference_with_merged_lse(vendors, rows, keys, causal) -> None:
+    """The CPU flash kernel (explicit only) runs a ring block forward, and its backward from a merged
+    out/LSE, exactly as the reference block ops (fp64)."""
+    call = dict(device=torch.device("cpu"), dtype=torch.float64, **BLOCK_CALL)
+    for family in (OpFamily.DENSE_ATTENTION_BLOCK_FWD, OpFamily.DENSE_ATTENTION_BLOCK_BWD):
+        assert resolve(family, **call)[0] == "unfused"  # auto keeps the reference on a CPU
+    _, forward = resolve(OpFamily.DENSE_ATTENTION_BLOCK_FWD, "torch_sdpa", **call)
+    _, backward = resolve(OpFamily.DENSE_ATTENTION_BLOCK_BWD, "torch_sdpa", **call)
+    q, k, v, out, grad_out = block_problem(rows, keys, torch.float64)
+    got, expected = forward(q, k, v, 0.3, causal), block_attention_forward(q, k, v, 0.3, causal)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **EXACT)
+    lse = expected[1] + 0.4
+    got = backward(q, k, v, out, lse, grad_out, 0.3, causal)
+    for a, b in zip(got, block_attention_backward(q, k, v, out, lse, grad_out, 0.3, causal)):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+@pytest.mark.parametrize("rows,keys,causal", [(6, 6, True), (4, 10, False)])
+def test_fa4_block_glue_matches_the_reference(vendors, rows, keys, causal) -> None:
+    """FA4 forward (one varlen segment, causal or not) and `_flash_attn_bwd` (batched, merged out/LSE)
+    against the reference block ops on the same bf16 inputs (the fakes compute in float32 underneath)."""
+    on_gpu_generation(vendors, (10, 0))
+    forward_calls, backward_calls = [], []
+    install(vendors, "flash_attn.cute", fake_flash_attn_cute(forward_calls))
+    install(vendors, "flash_attn.cute.interface", fake_flash_attn_cute_interface(backward_calls))
+    clear_probe_caches()
+    call = dict(device=torch.device("cuda"), dtype=torch.bfloat16, **BLOCK_CALL)
+    assert resolve(OpFamily.DENSE_ATTENTION_BLOCK_FWD, **call)[0] == "flash_attn"
+    assert resolve(OpFamily.DENSE_ATTENTION_BLOCK_BWD, **call)[0] == "flash_attn"
+    q, k, v, out, grad_out = block_problem(rows, keys, torch.bfloat16)
+    got = flash_attn_backend.block_forward(q, k, v, 0.3, causal)
+    expected = block_attention_forward(q, k, v, 0.3, causal)
+    assert got[0].dtype == got[1].dtype == torch.float32 and got[1].shape == (rows, 4)
+    torch.testing.assert_close(got[0], expected[0].to(torch.bfloat16).float(), rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+    assert forward_calls[-1]["causal"] is causal and forward_calls[-1]["cu_k"].tolist() == [0, keys]
+    lse = expected[1] + 0.4
+    got = flash_attn_backend.block_backward(q, k, v, out, lse, grad_out, 0.3, causal)
+    reference = block_attention_backward(q, k, v, out.to(torch.bfloat16), lse, grad_out, 0.3, causal)
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a, b.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert backward_calls[-1]["causal"] is causal
+
+
+def test_block_ops_decline_with_reasons_and_auto_falls_back(vendors, caplog) -> None:
+    """FA2 serves the block forward but not its backward (only FA4's backward is wired); head dims above
+    256 and an LSE gradient are declined by every fused backend; `auto` then runs the reference and
+    logs why, and an explicit request raises with the reason."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    on_gpu_generation(vendors, (8, 0))  # CPU tensors on a faked Ampere GPU: FA2's self-test runs on the fake
+    calls: list = []
+    for name, module in fake_flash_attn_2(calls).items():
+        install(vendors, name, module)
+    clear_probe_caches()
+    call = dict(device=torch.device("cpu"), dtype=torch.bfloat16, **{**BLOCK_CALL, "v_head_dim": 16})
+    name, forward = resolve(OpFamily.DENSE_ATTENTION_BLOCK_FWD, **call)
+    assert name == "flash_attn"
+    q, k, v, _, _ = block_problem(4, 10, torch.bfloat16, dv=16)
+    for a, b in zip(forward(q, k, v, 0.3, False), block_attention_forward(q, k, v, 0.3, False)):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)  # FA2 rounds out to bf16
+    assert calls[-1]["causal"] is False
+    with pytest.raises(BackendUnavailableError, match="only FlashAttention-4's backward"):
+        resolve(OpFamily.DENSE_ATTENTION_BLOCK_BWD, "flash_attn", **call)
+    assert resolve(OpFamily.DENSE_ATTENTION_BLOCK_BWD, **call)[0] == "unfused"
+    assert "only FlashAttention-4's backward" in caplog.text
+    wide = {**call, "head_dim": 512, "v_head_dim": 512}
+    assert resolve(OpFamily.DENSE_ATTENTION_BLOCK_FWD, **wide)[0] == "unfused"
+    assert "head_dim 512 unsupported" in caplog.text
+    for family in (OpFamily.DENSE_ATTENTION_BLOCK_FWD, OpFamily.DENSE_ATTENTION_BLOCK_BWD):
+        with pytest.raises(BackendUnavailableError, match="head_dim 512 unsupported"):
+            resolve(family, "torch_sdpa", **wide)
+        with pytest.raises(BackendUnavailableError, match="lse carries no gradient"):
+            resolve(family, "flash_attn", **{**call, "lse_grad": True})

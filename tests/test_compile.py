@@ -158,6 +158,11 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
                         *library._compressed_args(compressed)) for rotate in (False, True)],
         "dense_attention": [("unfused", r(20, 4, dim), r(20, 2, dim), r(20, 2, 8), *library._layout_args(layout),
                              0.25)],
+        "dense_attention_block_fwd": [("unfused", r(6, 4, dim, grad=False), r(rows, 2, dim, grad=False),
+                                       r(rows, 2, 8, grad=False), 0.25, rows == 6) for rows in (6, 9)],
+        "dense_attention_block_bwd": [("unfused", r(6, 4, dim, grad=False), r(rows, 2, dim, grad=False),
+                                       r(rows, 2, 8, grad=False), r(6, 4, 8, grad=False), r(6, 4, grad=False) + 3.0,
+                                       r(6, 4, 8, grad=False), 0.25, rows == 6) for rows in (6, 9)],
         "sparse_attention_fwd": [("unfused", "auto", q, kv, indices, r(heads), 0.25)],
         "sparse_attention_bwd": [("unfused", q.detach(), kv.detach(), indices, r(heads, grad=False), 0.25,
                                   r(20, heads, dim, grad=False), lse, r(20, heads, dim, grad=False), grad_lse)
@@ -180,6 +185,8 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
 OPS = {
     "rope": library.rope_op, "norm_rope": library.norm_rope_op, "rms_norm": library.rms_norm_op,
     "compressor": library.compressor_op, "dense_attention": library.dense_attention_op,
+    "dense_attention_block_fwd": library.dense_attention_block_fwd_op,
+    "dense_attention_block_bwd": library.dense_attention_block_bwd_op,
     "sparse_attention_fwd": library.sparse_attention_fwd_op,
     "sparse_attention_bwd": library.sparse_attention_bwd_op, "indexer_scores": library.indexer_scores_op,
     "topk": library.topk_op, "selection_rows": library.selection_rows_op,

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.ops.dense_attention import causal_attention
+from megatron_dsa.ops.dense_attention import block_attention_backward, block_attention_forward, causal_attention
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
 
@@ -187,18 +187,41 @@ class FakeFlashMLA(types.ModuleType):
 
 
 def fake_flash_attn_cute(calls: list) -> types.ModuleType:
-    """`flash_attn.cute.flash_attn_varlen_func` returning FA4's head-major `[H, T]` LSE."""
+    """`flash_attn.cute.flash_attn_varlen_func` returning FA4's head-major `[H, T]` LSE: the layer's causal
+    packed call (one `cu_seqlens` for queries and keys) or a ring block (one segment, causal or not)."""
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                                max_seqlen_k=None, softmax_scale=None, causal=False, return_lse=False, **_):
-        calls.append(dict(cu=cu_seqlens_q, max_seqlen=max_seqlen_q, causal=causal))
-        assert causal and cu_seqlens_q.dtype == torch.int32 and int(cu_seqlens_q[-1]) == q.shape[0]
-        layout = TokenLayout.packed(cu_seqlens_q, q.shape[0], q.device, max_seqlen=max_seqlen_q)
-        out, lse = causal_attention(q, k, v, layout, softmax_scale)
+        calls.append(dict(cu=cu_seqlens_q, cu_k=cu_seqlens_k, max_seqlen=max_seqlen_q, causal=causal))
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and int(cu_seqlens_q[-1]) == q.shape[0]
+        assert int(cu_seqlens_k[-1]) == k.shape[0] and (causal or cu_seqlens_k is not cu_seqlens_q)
+        if cu_seqlens_k is cu_seqlens_q:  # the layer's packed causal call
+            layout = TokenLayout.packed(cu_seqlens_q, q.shape[0], q.device, max_seqlen=max_seqlen_q)
+            out, lse = causal_attention(q, k, v, layout, softmax_scale)
+        else:  # one block of the context-parallel ring: one segment each
+            assert cu_seqlens_q.tolist() == [0, q.shape[0]] and cu_seqlens_k.tolist() == [0, k.shape[0]]
+            out, lse = block_attention_forward(q, k, v, softmax_scale, causal)
+            out = out.to(q.dtype)
         return out, lse.float().t().contiguous().detach()
 
     module = types.ModuleType("flash_attn.cute")
     module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
+def fake_flash_attn_cute_interface(calls: list) -> types.ModuleType:
+    """`flash_attn.cute.interface._flash_attn_bwd`: batched `[B, S, H, D]` tensors, `lse [B, H, S]` float32,
+    one dtype for q, k, v, out and dout; returns `(dq, dk, dv)` in that dtype."""
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, **_):
+        calls.append(dict(causal=causal, scale=softmax_scale, lse=lse))
+        assert q.dim() == 4 and q.shape[0] == 1 and lse.shape == (1, q.shape[2], q.shape[1])
+        assert q.dtype == k.dtype == v.dtype == out.dtype == dout.dtype and lse.dtype == torch.float32
+        grads = block_attention_backward(q[0], k[0], v[0], out[0], lse[0].t(), dout[0], softmax_scale, causal)
+        return tuple(g.to(q.dtype).unsqueeze(0) for g in grads)
+
+    module = types.ModuleType("flash_attn.cute.interface")
+    module._flash_attn_bwd = _flash_attn_bwd
     return module
 
 
@@ -214,14 +237,21 @@ def _flash_attn_varlen(calls: list, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
                       q=q, k=k, v=v))
     assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    assert causal and softmax_scale is not None and cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q
-    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous() and cu_seqlens_q.device == q.device
-    assert int(cu_seqlens_q[0]) == 0 and int(cu_seqlens_q[-1]) == q.shape[0] == k.shape[0]
-    assert int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) <= max_seqlen_q, "rows past max_seqlen are skipped"
+    assert softmax_scale is not None
+    for cu, rows, longest in ((cu_seqlens_q, q.shape[0], max_seqlen_q), (cu_seqlens_k, k.shape[0], max_seqlen_k)):
+        assert cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == q.device
+        assert int(cu[0]) == 0 and int(cu[-1]) == rows
+        assert int((cu[1:] - cu[:-1]).max()) <= longest, "rows past max_seqlen are skipped"
     assert q.shape[1] % k.shape[1] == 0 and k.shape[:2] == v.shape[:2] and k.shape[2] == q.shape[2]
     assert max(q.shape[2], v.shape[2]) <= 256 and q.shape[2] % 8 == 0 and v.shape[2] % 8 == 0
-    layout = TokenLayout.packed(cu_seqlens_q, q.shape[0], q.device, max_seqlen=max_seqlen_q)
-    out, lse = causal_attention(q, k, v, layout, softmax_scale)
+    if cu_seqlens_k is cu_seqlens_q:  # the layer's packed causal call
+        assert causal and max_seqlen_k == max_seqlen_q
+        layout = TokenLayout.packed(cu_seqlens_q, q.shape[0], q.device, max_seqlen=max_seqlen_q)
+        out, lse = causal_attention(q, k, v, layout, softmax_scale)
+    else:  # one block of the context-parallel ring: one segment each
+        assert cu_seqlens_q.numel() == cu_seqlens_k.numel() == 2
+        out, lse = block_attention_forward(q, k, v, softmax_scale, causal)
+        out = out.to(q.dtype)
     if corrupt == "out":
         out = out * 1.25
     if corrupt == "lse":

@@ -52,9 +52,31 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_ALIGNMENT = 8  # 16 bytes of bf16/fp16
 DTYPES = (torch.bfloat16, torch.float16)
 
-# (q [T, H, Dqk], k [T, G, Dqk], v [T, G, Dv], cu_seqlens [B+1] int32, max_seqlen, scale)
-#   -> (out [T, H, Dv], lse [H, T] or [T, H])
-VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], tuple[Tensor, Tensor]]
+# (q [T, H, Dqk], k [M, G, Dqk], v [M, G, Dv], VarlenBounds, scale) -> (out [T, H, Dv], lse [H, T] or [T, H])
+VarlenKernel = Callable[[Tensor, Tensor, Tensor, "VarlenBounds", float], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class VarlenBounds:
+    """The segments of a varlen call: int32 `cu_seqlens` of the queries and of the keys, their longest
+    segments, and whether each segment is causal (query `i` sees keys `≤ i`) or sees all its keys."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+
+    @classmethod
+    def of_layout(cls, layout: TokenLayout, cover_tail: bool) -> "VarlenBounds":
+        cu, longest = varlen_boundaries(layout, cover_tail=cover_tail)
+        return cls(cu, cu, longest, longest, True)
+
+    @classmethod
+    def of_block(cls, rows: int, keys: int, causal: bool, device: torch.device) -> "VarlenBounds":
+        """One segment: `rows` queries against `keys` keys (a block of the context-parallel ring)."""
+        return cls(torch.tensor([0, rows], dtype=torch.int32, device=device),
+                   torch.tensor([0, keys], dtype=torch.int32, device=device), max(rows, 1), max(keys, 1), causal)
 
 
 @dataclass(frozen=True)
@@ -105,9 +127,15 @@ class Generation:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale: float) -> tuple[Tensor, Tensor]:
         """The `dense_attention` contract on this generation: `out [T, H, Dv]`, natural-log `lse [T, H]` fp32."""
-        cu, longest = varlen_boundaries(layout, cover_tail=self.cover_tail)
-        out, lse = self.kernel(q, k, v, cu, longest, float(scale))
+        out, lse = self.kernel(q, k, v, VarlenBounds.of_layout(layout, self.cover_tail), float(scale))
         return out, rows_first_lse(lse.detach(), q.shape[0], q.shape[1])
+
+    def attend_block(self, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+        """The `dense_attention_block_fwd` contract on this generation: `out [n, H, Dv]`, natural-log
+        `lse [n, H]`, both float32 (the compute dtype of the bf16/fp16 inputs it takes)."""
+        bounds = VarlenBounds.of_block(q.shape[0], k.shape[0], causal, q.device)
+        out, lse = self.kernel(q, k, v, bounds, float(scale))
+        return out.float(), rows_first_lse(lse.detach(), q.shape[0], q.shape[1])
 
     def package_problem(self) -> Optional[str]:
         return probes.import_problem(self.module, self.install_hint) or self.version_problem()
@@ -125,16 +153,16 @@ class Generation:
         return probes.versions_line(*self.distributions)
 
 
-def _varlen_arguments(cu: Tensor, longest: int, scale: float) -> dict[str, Any]:
+def _varlen_arguments(bounds: VarlenBounds, scale: float) -> dict[str, Any]:
     """The keyword arguments every generation's `flash_attn_varlen_func` takes alike."""
-    return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
-                softmax_scale=scale, causal=True)
+    return dict(cu_seqlens_q=bounds.cu_q, cu_seqlens_k=bounds.cu_k, max_seqlen_q=bounds.max_q,
+                max_seqlen_k=bounds.max_k, softmax_scale=scale, causal=bounds.causal)
 
 
 # ---------------------------------------------------------------- FlashAttention-4
-def _fa4_kernel(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float) -> tuple[Tensor, Tensor]:
+def _fa4_kernel(q: Tensor, k: Tensor, v: Tensor, bounds: VarlenBounds, scale: float) -> tuple[Tensor, Tensor]:
     return probes.load(FLASH_ATTENTION_4.module).flash_attn_varlen_func(
-        q, k, v, **_varlen_arguments(cu, longest, scale), return_lse=True)
+        q, k, v, **_varlen_arguments(bounds, scale), return_lse=True)
 
 
 def _fa4_shape_problem(shape: ShapeClass) -> Optional[str]:
@@ -148,12 +176,12 @@ def _fa4_shape_problem(shape: ShapeClass) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- FlashAttention-3
-def _fa3_kernel(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float) -> tuple[Tensor, Tensor]:
+def _fa3_kernel(q: Tensor, k: Tensor, v: Tensor, bounds: VarlenBounds, scale: float) -> tuple[Tensor, Tensor]:
     varlen = probes.load(FLASH_ATTENTION_3.module).flash_attn_varlen_func
     # Builds since PR #1851 (Aug 2025) return `(out, lse)` when asked by `return_attn_probs`; older ones
     # always returned it, and those between (after "[FA3] Don't return lse", Jul 2025) return `out` alone.
     asked = {"return_attn_probs": True} if _takes_keyword(varlen, "return_attn_probs") else {}
-    result = varlen(q, k, v, **_varlen_arguments(cu, longest, scale), **asked)
+    result = varlen(q, k, v, **_varlen_arguments(bounds, scale), **asked)
     if isinstance(result, Tensor):
         raise RuntimeError("this FlashAttention-3 build returns no LSE (builds of Jul-Aug 2025 return `out` "
                            "alone); rebuild it from a newer commit of the hopper/ directory")
@@ -180,9 +208,9 @@ def _fa3_shape_problem(shape: ShapeClass) -> Optional[str]:
 FA2_MIN_VERSION = (2, 6)  # varlen LSE `[H, total_q]` since 2.6.0 (PR #970); before, `[B, H, max_seqlen]`
 
 
-def _fa2_kernel(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float) -> tuple[Tensor, Tensor]:
+def _fa2_kernel(q: Tensor, k: Tensor, v: Tensor, bounds: VarlenBounds, scale: float) -> tuple[Tensor, Tensor]:
     out, lse, _ = probes.load(FLASH_ATTENTION_2.module).flash_attn_varlen_func(  # 3rd: probabilities (None)
-        q, k, v, **_varlen_arguments(cu, longest, scale), dropout_p=0.0, return_attn_probs=True)
+        q, k, v, **_varlen_arguments(bounds, scale), dropout_p=0.0, return_attn_probs=True)
     return out, lse
 
 
@@ -372,6 +400,8 @@ def batches_left_to_cudnn(generation: Generation, call: Mapping[str, Any]) -> Op
 
 
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
+    if op is not OpFamily.DENSE_ATTENTION:
+        return block_probe(op, call)
     problem = dense_problem(call)  # first: no self-test for a call no generation could take
     if problem is not None:
         return problem
@@ -379,6 +409,54 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
     if generation is None:
         return "; ".join(declined)
     return batches_left_to_cudnn(generation, call)
+
+
+# ---------------------------------------------------------------- blocks of the context-parallel ring
+FA4_BACKWARD_MODULE = "flash_attn.cute.interface"
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """The `dense_attention_block_fwd` contract on the best generation for these tensors (one varlen segment
+    of `n` queries against `m` keys, `causal` or not)."""
+    generation, declined = serving_generation(ShapeClass.of_tensors(q, k, v))
+    if generation is None:
+        raise BackendUnavailableError(f"backend 'flash_attn' cannot run dense_attention_block_fwd: "
+                                      f"{'; '.join(declined)}")
+    return generation.attend_block(q, k, v, scale, causal)
+
+
+def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, scale: float,
+                   causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The `dense_attention_block_bwd` contract on FlashAttention-4's backward, which forms `delta = <dO, O>`
+    and `P = exp(s − lse)` from the `out` and `lse` it is given: the merged ones of every block. Batched
+    (one sequence), not varlen: FA4's SM90 backward takes no varlen bounds."""
+    backward = probes.load(FA4_BACKWARD_MODULE)._flash_attn_bwd
+    dq, dk, dv = backward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.to(q.dtype).unsqueeze(0),
+                          grad_out.to(q.dtype).unsqueeze(0), lse.float().transpose(0, 1).unsqueeze(0).contiguous(),
+                          softmax_scale=float(scale), causal=causal)[:3]
+    return dq[0].float(), dk[0].float(), dv[0].float()
+
+
+def block_probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
+    problem = dense_problem(call)
+    if problem is not None:
+        return problem
+    generation, declined = serving_generation(ShapeClass.of_call(call))
+    if generation is None:
+        return "; ".join(declined)
+    if op is not OpFamily.DENSE_ATTENTION_BLOCK_BWD:
+        return None
+    if generation is not FLASH_ATTENTION_4:
+        return (f"{generation.name} serves here; only FlashAttention-4's backward (`_flash_attn_bwd`) is wired to "
+                f"take the merged out and LSE of the ring's blocks")
+    problem = probes.import_problem(FA4_BACKWARD_MODULE, FLASH_ATTENTION_4.install_hint)
+    if problem is not None:
+        return problem
+    backward = getattr(probes.load(FA4_BACKWARD_MODULE), "_flash_attn_bwd", None)
+    if backward is None or not all(_takes_keyword(backward, name) for name in ("softmax_scale", "causal")):
+        return ("this flash-attn-4 build has no _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=, causal=) "
+                "(an API we did not foresee)")
+    return None
 
 
 def describe_generations() -> str:
@@ -400,7 +478,8 @@ def describe_generations() -> str:
 FLASH_ATTN = Backend(
     name="flash_attn",
     priority=30,  # FA4: the fastest dense option measured on an H200; FA2 on Hopper: `batches_left_to_cudnn`
-    ops={OpFamily.DENSE_ATTENTION: dense_attention},
+    ops={OpFamily.DENSE_ATTENTION: dense_attention, OpFamily.DENSE_ATTENTION_BLOCK_FWD: block_forward,
+         OpFamily.DENSE_ATTENTION_BLOCK_BWD: block_backward},
     probe=probe,
     version=lambda: "; ".join(generation.versions() for generation in GENERATIONS),
 )

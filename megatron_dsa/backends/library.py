@@ -291,6 +291,36 @@ def _dense_attention_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor])
 dense_attention_op.register_autograd(_dense_attention_backward, setup_context=_dense_attention_setup)
 
 
+# ------------------------------------------------------------------------------ dense attention blocks (M under CP)
+@_custom_op("dense_attention_block_fwd")
+def dense_attention_block_fwd_op(backend: str, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                                 causal: bool) -> tuple[Tensor, Tensor]:
+    """`dense_attention_block_fwd` family: `(out [n, H, Dv], lse [n, H])` of one block of the context-parallel
+    ring. No gradient: the ring's autograd Function calls `dense_attention_block_bwd` itself."""
+    out, lse = _kernel(OpFamily.DENSE_ATTENTION_BLOCK_FWD, backend)(q, k, v, scale, causal)
+    return out, lse
+
+
+@dense_attention_block_fwd_op.register_fake
+def _(backend, q, k, v, scale, causal):
+    return q.new_empty(*q.shape[:2], v.shape[-1], dtype=compute_dtype(q.dtype)), \
+        q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))
+
+
+@_custom_op("dense_attention_block_bwd")
+def dense_attention_block_bwd_op(backend: str, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                 grad_out: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """`dense_attention_block_bwd` family: `(dq, dk, dv)` of one block, given the merged `out` and `lse`."""
+    grads = _kernel(OpFamily.DENSE_ATTENTION_BLOCK_BWD, backend)(q, k, v, out, lse, grad_out, scale, causal)
+    return tuple(grads)
+
+
+@dense_attention_block_bwd_op.register_fake
+def _(backend, q, k, v, out, lse, grad_out, scale, causal):
+    compute = compute_dtype(q.dtype)
+    return q.new_empty(q.shape, dtype=compute), k.new_empty(k.shape, dtype=compute), v.new_empty(v.shape, dtype=compute)
+
+
 # ------------------------------------------------------------------------------ sparse attention
 @_custom_op("sparse_attention_fwd")
 def sparse_attention_fwd_op(backend: str, bwd_requested: str, query: Tensor, kv: Tensor, indices: Tensor,
@@ -463,6 +493,11 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
         compressor_op(backend, kv, gate, ape, norm_weight, float(eps), inv_freq, rotate, *_compressed_args(layout))),
     OpFamily.DENSE_ATTENTION: lambda backend: (
         lambda q, k, v, layout, scale: dense_attention_op(backend, q, k, v, *_layout_args(layout), float(scale))),
+    OpFamily.DENSE_ATTENTION_BLOCK_FWD: lambda backend: (
+        lambda q, k, v, scale, causal: dense_attention_block_fwd_op(backend, q, k, v, float(scale), bool(causal))),
+    OpFamily.DENSE_ATTENTION_BLOCK_BWD: lambda backend: (
+        lambda q, k, v, out, lse, grad_out, scale, causal:
+        dense_attention_block_bwd_op(backend, q, k, v, out, lse, grad_out, float(scale), bool(causal))),
     OpFamily.INDEXER_SCORES: lambda backend: (
         lambda q, k, weights, candidates, scale, visible=None:
         indexer_scores_op(backend, q, k, weights, candidates, float(scale), _visible_args(visible))),

@@ -51,6 +51,13 @@ class OpFamily(str, Enum):
     NORM_ROPE = "norm_rope"  # (x, positions, inv_freq, eps, weight=None) -> rope(rms_norm(x, weight, eps), ...)
     RMS_NORM = "rms_norm"  # (x [..., D], weight [D] or None, eps) -> y, as ops.norms.rms_norm
     DENSE_ATTENTION = "dense_attention"  # causal attention of the `M` kind
+    # One (query piece, key piece) block of the `M` kind's context-parallel ring: the diagonal block
+    # (`causal`) or a fully visible earlier one. (q [n,H,Dqk], k [m,G,Dqk], v [m,G,Dv], scale, causal)
+    # -> (out [n,H,Dv], lse [n,H] natural log), both in the compute dtype, merged over blocks by their LSE.
+    DENSE_ATTENTION_BLOCK_FWD = "dense_attention_block_fwd"
+    # (q, k, v, out, lse (merged over all blocks), grad_out, scale, causal) -> (dq, dk, dv) of this block,
+    # in the compute dtype
+    DENSE_ATTENTION_BLOCK_BWD = "dense_attention_block_bwd"
     # (q [B,H,D], kv_new [B,D], window [B,R,D], seqlens [B], W, entries, entry_ids, ratio, sink, scale) -> out
     DECODE_ATTENTION = "decode_attention"
 

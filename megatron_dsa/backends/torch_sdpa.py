@@ -22,6 +22,7 @@ from megatron_dsa.backends.dense_layout import expand_groups, from_batch, isolat
 from megatron_dsa.backends.flash_attn import dense_problem
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.layout import TokenLayout
+from megatron_dsa.ops.precision import compute_dtype
 
 # (q [B,H,S,Dqk], k [B,H,S,Dqk], v [B,H,S,Dv], scale) -> (out [B,H,S,Dv], lse [B,H,≥S])
 BatchedKernel = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
@@ -65,6 +66,74 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tens
     return (_efficient if q.device.type == "cuda" else _cpu_flash)(q, k, v, scale)
 
 
+# ---------------------------------------------------------------- blocks of the context-parallel ring
+def _batched_block(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`q [n, H, D]`, `k/v [m, G, D]` → `[1, H, n|m, D]` (GQA groups expanded to the query heads)."""
+    heads = q.shape[1]
+    return to_batch(q, 1, q.shape[0]), to_batch(expand_groups(k, heads), 1, k.shape[0]), \
+        to_batch(expand_groups(v, heads), 1, v.shape[0])
+
+
+def _rows_first(lse: Tensor, rows: int) -> Tensor:
+    """A kernel's `[1, H, ≥n]` (or `[1, H, n, 1]`) LSE → `[n, H]` in its float dtype."""
+    return lse.reshape(lse.shape[1], -1)[:, :rows].transpose(0, 1)
+
+
+def _group_sum(grad: Tensor, groups: int) -> Tensor:
+    """`[1, H, m, D]` gradient of expanded K/V → `[m, G, D]` (the query heads of a group share it)."""
+    grad = from_batch(grad)
+    return grad if grad.shape[1] == groups else grad.view(grad.shape[0], groups, -1, grad.shape[-1]).sum(2)
+
+
+def _pad_to(t: Tensor, width: int) -> Tensor:
+    return F.pad(t, (0, width - t.shape[-1]))
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """The `dense_attention_block_fwd` contract on torch's kernels: CUDA's memory-efficient one (any qk/v
+    head dims) or, on the CPU, its flash kernel (head dims zero-padded to one width). `causal` is the
+    kernels' `is_causal` (top-left aligned: query `i` sees keys `≤ i`, the diagonal block). Results in the
+    compute dtype, as the family's contract says."""
+    bq, bk, bv = _batched_block(q, k, v)
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(bq, bk, bv, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+    else:
+        width = max(q.shape[-1], v.shape[-1])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _pad_to(bq, width), _pad_to(bk, width), _pad_to(bv, width), 0.0, causal, scale=scale)
+        out = out[..., :v.shape[-1]]
+    compute = compute_dtype(q.dtype)
+    return from_batch(out).to(compute), _rows_first(lse, q.shape[0]).to(compute)
+
+
+def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, scale: float,
+                   causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The `dense_attention_block_bwd` contract on the backward kernels of `block_forward`, given the merged
+    `out` and `lse` of every block (the kernels form `delta = <dO, O>` and `P = exp(s − lse)` from them)."""
+    bq, bk, bv = _batched_block(q, k, v)
+    rows, groups = q.shape[0], k.shape[1]
+    b_out, b_grad = to_batch(out.to(q.dtype), 1, rows), to_batch(grad_out.to(q.dtype), 1, rows)
+    b_lse = lse.transpose(0, 1).unsqueeze(0)  # [1, H, n]
+    if q.device.type == "cuda":
+        # The kernel reads its LSE padded to a multiple of 32 rows, as its forward returns it.
+        padded = -(-rows // 32) * 32
+        b_lse = F.pad(b_lse.float(), (0, padded - rows)).contiguous()
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the generator state is unread
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            b_grad, bq, bk, bv, None, b_out, b_lse, seed, seed, 0.0, [True, True, True, False], causal,
+            scale=scale)[:3]
+    else:
+        width = max(q.shape[-1], v.shape[-1])
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _pad_to(b_grad, width), _pad_to(bq, width), _pad_to(bk, width), _pad_to(bv, width),
+            _pad_to(b_out, width), b_lse.to(q.dtype if q.dtype == torch.float64 else torch.float32).contiguous(),
+            0.0, causal, scale=scale)
+        dq, dk, dv = dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
+    compute = compute_dtype(q.dtype)
+    return from_batch(dq).to(compute), _group_sum(dk.to(compute), groups), _group_sum(dv.to(compute), groups)
+
+
 def layout_problem(call: Mapping[str, Any]) -> Optional[str]:
     layout = call.get("layout")
     if layout is not None and layout.uniform_shape is None:
@@ -92,7 +161,8 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
 TORCH_SDPA = Backend(
     name="torch_sdpa",
     priority=10,  # slow on Hopper for head dims 192/128: the last fused choice
-    ops={OpFamily.DENSE_ATTENTION: batched_dense_attention(_kernel)},
+    ops={OpFamily.DENSE_ATTENTION: batched_dense_attention(_kernel),
+         OpFamily.DENSE_ATTENTION_BLOCK_FWD: block_forward, OpFamily.DENSE_ATTENTION_BLOCK_BWD: block_backward},
     probe=probe,
     version=lambda: f"torch {torch.__version__}",
 )

@@ -7,7 +7,7 @@ import torch
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.compressor import compress
 from megatron_dsa.ops.decode_attention import decode_attention
-from megatron_dsa.ops.dense_attention import causal_attention
+from megatron_dsa.ops.dense_attention import block_attention_backward, block_attention_forward, causal_attention
 from megatron_dsa.ops.indexer import indexer_scores
 from megatron_dsa.ops.indexer_loss import indexer_kl, indexer_kl_backward
 from megatron_dsa.ops.indices import selection_rows, topk_columns
@@ -31,6 +31,8 @@ UNFUSED = Backend(
         OpFamily.NORM_ROPE: norm_rope,
         OpFamily.RMS_NORM: rms_norm,
         OpFamily.DENSE_ATTENTION: causal_attention,
+        OpFamily.DENSE_ATTENTION_BLOCK_FWD: block_attention_forward,
+        OpFamily.DENSE_ATTENTION_BLOCK_BWD: block_attention_backward,
         OpFamily.DECODE_ATTENTION: decode_attention,
     },
     version=lambda: f"torch {torch.__version__}",

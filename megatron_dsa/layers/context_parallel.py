@@ -19,18 +19,18 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megatron_dsa.backends import Requested
+from megatron_dsa.backends import AUTO, OpFamily, Requested, dispatch
 from megatron_dsa.config import HybridAttentionConfig
-from megatron_dsa.ops.dense_attention import (attention_backward, attention_block, attention_forward, block_mask,
-                                              merge_attention)
+from megatron_dsa.ops.dense_attention import merge_attention
 from megatron_dsa.ops.indices import INVALID, VisibleEntries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
+from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.packed_seq import PackedSeqParams, check_packed_hidden_states
 from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, RingTransfer, all_gather_rows, exchange_blocks,
                                            start_all_gather_rows)
@@ -100,7 +100,7 @@ class ContextParallelRows:
 
     def attend_causal(self, q: Tensor, k: Tensor, v: Tensor, scale: float, backend: Requested) -> Tensor:
         """Causal attention over every rank's keys of the same sequences (`ring_attention`)."""
-        return ring_attention(q, k, v, self.plan, self.rank, self.group, scale, self.comm_type)
+        return ring_attention(q, k, v, self.plan, self.rank, self.group, scale, self.comm_type, backend)
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -288,29 +288,26 @@ def _halo_owners(plan: ContextParallelPlan, rank: int, halo: int) -> dict[tuple[
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ContextParallelPlan, rank: int,
-                   group: ProcessGroup, scale: float, comm_type: str) -> Tensor:
+                   group: ProcessGroup, scale: float, comm_type: str, backend: Requested = AUTO) -> Tensor:
     """Causal attention of this rank's query pieces over every rank's key pieces (dense `M` kind).
 
     q `[N, H, Dqk]`, k `[N, G, Dqk]`, v `[N, G, Dv]` are this rank's rows (pieces in order).
-    Returns `[N, H, Dv]` (sized by the query heads and V's head dim, never by V's shape).
+    Returns `[N, H, Dv]` (sized by the query heads and V's head dim, never by V's shape). Each
+    (query piece, key piece) block runs the dispatched `dense_attention_block_fwd` / `_bwd` ops of
+    `backend` (a name, `auto` or the layer config).
     """
-    if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, plan, rank, group, scale)
-    return RingAttentionFunction.apply(q, k, v, _RingSchedule(plan, rank), group, float(scale))
+    schedule = _RingSchedule(plan, rank)
+    kv = _pack(k, v)
+    if comm_type == "all_gather":  # every rank's K/V at once; the gather's backward reduce-scatters dK/dV
+        kv = all_gather_rows(kv, group)
+    return BlockAttentionFunction.apply(q, kv, (k.shape[1], k.shape[2]), schedule, group, float(scale), backend,
+                                        comm_type == "p2p")
 
 
-def _all_gather_attention(q: Tensor, k: Tensor, v: Tensor, plan: ContextParallelPlan, rank: int,
-                          group: ProcessGroup, scale: float) -> Tensor:
-    """`all_gather` comm type: every rank's K/V at once (reduce-scattered gradients), then the same
-    per-block attention and LSE merge as the ring."""
-    cp, schedule = plan.cp_size, _RingSchedule(plan, rank)
-    keys, values = all_gather_rows(k, group).chunk(cp), all_gather_rows(v, group).chunk(cp)
-    partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in schedule.query_bounds]
-    for source in range(cp):
-        for i, key_rows, causal in schedule.blocks(source):
-            partial[i].append(attention_block(q[schedule.query_bounds[i]], keys[source][key_rows],
-                                              values[source][key_rows], scale, causal))
-    return torch.cat([merge_attention(parts)[0] for parts in partial]).to(q.dtype)
+def block_call(q: Tensor, k: Tensor, v: Tensor) -> dict:
+    """The call description the dense block ops' probes read (shapes only, no device reads)."""
+    return dict(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1], heads=q.shape[1],
+                groups=k.shape[1], lse_grad=False)  # the ring merges the LSE itself: no gradient flows into it
 
 
 class _RingSchedule:
@@ -321,94 +318,111 @@ class _RingSchedule:
         self.query_pieces = plan.pieces(rank)
         self.query_bounds = _piece_bounds(self.query_pieces)
 
-    def blocks(self, source: int) -> list[tuple[int, slice, bool]]:
-        """`(query piece i, key rows of the source block, causal)` for every block that is not
-        skipped (other sequence, or keys all in the future)."""
+    def blocks(self, source: int) -> list[tuple[slice, slice, bool]]:
+        """`(query rows, key rows of the source block, causal)` for every block that is not skipped
+        (other sequence, or keys all in the future)."""
         key_pieces = self.plan.pieces(source)
         found = []
-        for i, q_piece in enumerate(self.query_pieces):
+        for q_piece, query_rows in zip(self.query_pieces, self.query_bounds):
             for key_piece, key_rows in zip(key_pieces, _piece_bounds(key_pieces)):
                 if key_piece.sequence != q_piece.sequence:
                     continue
                 relation = block_relation(q_piece, key_piece)
                 if relation != "skip":
-                    found.append((i, key_rows, relation == "causal"))
+                    found.append((query_rows, key_rows, relation == "causal"))
         return found
 
 
-class RingAttentionFunction(torch.autograd.Function):
-    """The `p2p` ring (TransformerEngine's algorithm; docs/parallelism.md, 'the P2P ring') as one autograd Function.
+class BlockAttentionFunction(torch.autograd.Function):
+    """M-kind attention over every rank's K/V, block by block, as one autograd Function.
 
-    Forward: K/V (packed as one `[N, G·(Dqk+Dv)]` buffer) travel to the next rank `cp − 1` times;
-    each step's transfer is posted before the step's blocks are computed, so it overlaps them. The
-    block results merge by LSE in the compute dtype. Saved: q, k, v, out, lse only.
-    Backward: K/V travel again, and each block's partial dK/dV sums travel with it one step behind
-    (exchanged after the step's compute, awaited only after the next step's compute), so after the
-    last step every rank holds its own block's full dK/dV. Both transfers overlap block gradients.
+    `ring` (`p2p`; TransformerEngine's algorithm, docs/parallelism.md, 'the P2P ring'): K/V, packed as one
+    `[N, G·(Dqk+Dv)]` buffer, travel to the next rank `cp − 1` times; each step's transfer is posted before
+    the step's blocks are computed, so it overlaps them. Otherwise `kv` holds every rank's K/V already
+    (`[cp·N, ...]`, all-gathered by the caller, whose backward reduce-scatters the gradient returned here).
+
+    Memory (per rank, O(N) beyond one block): each block's `(out, lse)` is merged into one running result
+    by LSE as soon as it is computed (never a list of every block's partials: those were `(2cp+1)/(2cp)`
+    of the whole sequence's output on every rank). Saved: q, the rank's own K/V, the returned output and
+    the merged LSE; backward recomputes each block from them (`dense_attention_block_bwd`, probabilities
+    `exp(s − lse_merged)`, `delta = <dO, O_merged>`). In the ring, each block's partial dK/dV sum travels
+    with it one step behind (exchanged after the step's compute, awaited only after the next step's
+    compute), so after the last step every rank holds its own block's full dK/dV.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, schedule: _RingSchedule, group: ProcessGroup,
-                scale: float) -> Tensor:
-        cp = schedule.plan.cp_size
-        split = (k.shape[1], k.shape[2])
-        kv = _pack(k, v)
-        partial: list[list[tuple[Tensor, Tensor]]] = [[] for _ in schedule.query_bounds]
-        for step in range(cp):
-            transfer = RingTransfer(kv, group) if step + 1 < cp else None
-            k_src, v_src = _unpack(kv, split)
-            for i, key_rows, causal in schedule.blocks((schedule.rank - step) % cp):
-                q_i = q[schedule.query_bounds[i]]
-                segments, longest = block_mask(q_i, k_src[key_rows], causal)
-                partial[i].append(attention_forward(q_i, k_src[key_rows], v_src[key_rows], segments,
-                                                    longest, scale))
-            if transfer is not None:
-                kv = transfer.wait()
-        merged = [merge_attention(parts) for parts in partial]  # each piece sees its diagonal block
-        out, lse = torch.cat([o for o, _ in merged]), torch.cat([l for _, l in merged])
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.schedule, ctx.group, ctx.scale = schedule, group, scale
-        return out.to(q.dtype)
+    def forward(ctx, q: Tensor, kv: Tensor, split: tuple[int, int], schedule: _RingSchedule, group: ProcessGroup,
+                scale: float, backend: Requested, ring: bool) -> Tensor:
+        compute = compute_dtype(q.dtype)
+        own_k, own_v = _unpack(kv if ring else kv.chunk(schedule.plan.cp_size)[schedule.rank], split)
+        attend = dispatch(OpFamily.DENSE_ATTENTION_BLOCK_FWD, backend, **block_call(q, own_k, own_v))
+        out = q.new_zeros(*q.shape[:2], own_v.shape[-1], dtype=compute)
+        lse = q.new_full(q.shape[:2], float("-inf"), dtype=compute)
+        for source, kv_source in _visiting(kv, schedule, group, ring):
+            k_src, v_src = _unpack(kv_source, split)
+            for rows, key_rows, causal in schedule.blocks(source):
+                block = attend(q[rows], k_src[key_rows], v_src[key_rows], scale, causal)
+                out[rows], lse[rows] = merge_attention([(out[rows], lse[rows]), block])
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.split, ctx.schedule, ctx.group, ctx.scale, ctx.backend, ctx.ring = split, schedule, group, scale, backend, ring
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        schedule, group, scale = ctx.schedule, ctx.group, ctx.scale
-        cp, split = schedule.plan.cp_size, (k.shape[1], k.shape[2])
-        grad_out = grad_out.to(out.dtype)
-        delta = (grad_out * out).sum(-1)  # <dO, O> of the merged output
-        grad_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
-        kv, arriving = _pack(k, v), None
-        for step in range(cp):
-            transfer = RingTransfer(kv, group) if step + 1 < cp else None
-            grad_kv = _block_grads(q, kv, split, schedule, step, scale, lse, grad_out, delta, grad_q)
+        q, kv, out, lse = ctx.saved_tensors
+        schedule, split = ctx.schedule, ctx.split
+        cp = schedule.plan.cp_size
+        k, v = _unpack(kv if ctx.ring else kv.chunk(cp)[schedule.rank], split)
+        block_grads = dispatch(OpFamily.DENSE_ATTENTION_BLOCK_BWD, ctx.backend, **block_call(q, k, v))
+        grad_q = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+
+        def grads_of(source: int, kv_source: Tensor, grad_kv: Tensor) -> None:
+            """Add this rank's share of the gradient of `source`'s K/V (`kv_source`) into `grad_kv`
+            (packed like it, compute dtype) and the blocks' dQ into `grad_q`."""
+            k_src, v_src = _unpack(kv_source, split)
+            grad_k, grad_v = _unpack(grad_kv, split)
+            for rows, key_rows, causal in schedule.blocks(source):
+                d_q, d_k, d_v = block_grads(q[rows], k_src[key_rows], v_src[key_rows], out[rows], lse[rows],
+                                            grad_out[rows], ctx.scale, causal)
+                grad_q[rows] += d_q
+                grad_k[key_rows] += d_k
+                grad_v[key_rows] += d_v
+
+        if not ctx.ring:
+            grad_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
+            for source, (kv_source, grad_source) in enumerate(zip(kv.chunk(cp), grad_kv.chunk(cp))):
+                grads_of(source, kv_source, grad_source)
+            return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None, None, None, None
+        arriving = None
+        for source, kv_source in _visiting(kv, schedule, ctx.group, ring=True):
+            grad_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
+            grads_of(source, kv_source, grad_kv)
             if arriving is not None:  # the predecessor's sum for this block, from its previous step
                 grad_kv += arriving.wait()
             # Send the sum on with the block's next visitor; receive the sum for our next block.
-            # After the last step that is the sum for this rank's own block: dK/dV are home.
-            arriving = RingTransfer(grad_kv, group) if cp > 1 else None
-            if transfer is not None:
-                kv = transfer.wait()
+            # After the last step that is the sum for this rank's own block: dK/dV are home. The sums
+            # travel in K/V's dtype: a float32 one in flight and another arriving, beside the step's own
+            # float32 sums, were a third of a bf16 rank's peak (one rounding per hop instead).
+            arriving = RingTransfer(grad_kv.to(kv.dtype), ctx.group) if cp > 1 else None
+            del grad_kv
         home = arriving.wait() if arriving is not None else grad_kv
-        grad_k, grad_v = _unpack(home, split)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), home.to(kv.dtype), None, None, None, None, None, None
 
 
-def _block_grads(q: Tensor, kv: Tensor, split: tuple[int, int], schedule: _RingSchedule, step: int,
-                 scale: float, lse: Tensor, grad_out: Tensor, delta: Tensor, grad_q: Tensor) -> Tensor:
-    """This rank's share of the gradient of the visiting K/V block (packed like `kv`, compute dtype);
-    adds the block's dQ into `grad_q`."""
-    k_src, v_src = _unpack(kv, split)
-    grad_k, grad_v = torch.zeros_like(k_src, dtype=lse.dtype), torch.zeros_like(v_src, dtype=lse.dtype)
-    for i, key_rows, causal in schedule.blocks((schedule.rank - step) % schedule.plan.cp_size):
-        rows = schedule.query_bounds[i]
-        segments, longest = block_mask(q[rows], k_src[key_rows], causal)
-        d_q, d_k, d_v = attention_backward(q[rows], k_src[key_rows], v_src[key_rows], segments, longest,
-                                           scale, lse[rows], grad_out[rows], delta=delta[rows])
-        grad_q[rows] += d_q
-        grad_k[key_rows] += d_k
-        grad_v[key_rows] += d_v
-    return _pack(grad_k, grad_v)
+def _visiting(kv: Tensor, schedule: _RingSchedule, group: ProcessGroup, ring: bool) -> Iterator[tuple[int, Tensor]]:
+    """`(source rank, its K/V)` in the order they are attended. Ring: the rank's own first, then each
+    predecessor's as it arrives; the next transfer is posted before a step's K/V are handed out, so the
+    caller's compute overlaps it. Otherwise `kv` holds every rank's rows: its chunks in rank order."""
+    cp = schedule.plan.cp_size
+    if not ring:
+        yield from enumerate(kv.chunk(cp))
+        return
+    for step in range(cp):
+        transfer = RingTransfer(kv, group) if step + 1 < cp else None
+        yield (schedule.rank - step) % cp, kv
+        if transfer is not None:
+            kv = transfer.wait()
 
 
 def _pack(k: Tensor, v: Tensor) -> Tensor:
