@@ -43,6 +43,7 @@ from megatron_dsa.layers.kinds import build_attention  # noqa: E402
 from timing import DTYPES, median_ms  # noqa: E402  (this directory)
 
 GOAL_US = 150.0  # issue 29: a C-layer decode step at B = 32, 128k context, as a CUDA graph
+PROFILED_STEPS = 10  # eager steps under the profiler (--profile)
 
 
 @dataclass
@@ -117,7 +118,7 @@ def dense_mla_attention(config: HybridAttentionConfig, batch: int, context: int,
     return lambda: attend(query, new, latent, seqlens, context + 1, None, None, 1, no_sink, width ** -0.5)
 
 
-def print_kernel_times(step: Callable[[], object], title: str, steps: int = 10) -> None:
+def print_kernel_times(step: Callable[[], object], title: str, steps: int = PROFILED_STEPS) -> None:
     """The GPU kernels of `steps` eager decode steps by total time: where a step's device time goes (the
     graph replays the same kernels without the host gaps between them)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -147,8 +148,9 @@ def measure(config: HybridAttentionConfig, kind: str, batch: int, context: int, 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     generator = torch.Generator(device=device).manual_seed(0)
     layer = build_attention(config, kind=kind).to(device, dtype).eval()
-    # Every eager and replayed step adds a token: the first step, then warm-up and timed steps of each.
-    cache = filled_cache(layer, batch, context, 1 + 2 * (args.warmup + args.repeats), generator)
+    # Every eager and replayed step adds a token: the first step, the profiled ones, then warm-up and timed steps of each.
+    cache = filled_cache(layer, batch, context, 1 + 2 * (args.warmup + args.repeats) + PROFILED_STEPS * args.profile,
+                         generator)
     x = torch.randn(1, batch, config.hidden_size, generator=generator, device=device).to(dtype)
     step = lambda: layer(x, inference_cache=cache)  # noqa: E731
     reset_call_counts()
