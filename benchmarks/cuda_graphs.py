@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_dsa import HybridAttention, HybridAttentionConfig, make_graphed_layers  # noqa: E402
 from megatron_dsa.config import PRESETS  # noqa: E402
 from layer import train_step  # noqa: E402
-from timing import DTYPES, cuda_available, kernel_parser  # noqa: E402
+from timing import DTYPES, captured, cuda_available, kernel_parser  # noqa: E402
 
 Step = Callable[[], None]
 
@@ -39,16 +39,7 @@ def one_graph_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> Step:
         out, _ = layer(x)
         torch.autograd.grad(out, [x, *params], grad_out, allow_unused=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+    return captured(step, warmups=3)
 
 
 def wall_ms(step: Step, steps: int) -> float:

@@ -40,7 +40,7 @@ from megatron_dsa.layers import DecodeGraph  # noqa: E402
 from megatron_dsa.layers.decoding import LayerCache  # noqa: E402
 from megatron_dsa.layers.kinds import build_attention  # noqa: E402
 
-from timing import DTYPES, median_ms  # noqa: E402  (this directory)
+from timing import DTYPES, captured, median_ms  # noqa: E402  (this directory)
 
 GOAL_US = 150.0  # issue 29: a C-layer decode step at B = 32, 128k context, as a CUDA graph
 PROFILED_STEPS = 10  # eager steps under the profiler (--profile)
@@ -76,19 +76,6 @@ def median_us(step: Callable[[], object], device: torch.device, repeats: int, wa
         step()
         times.append((time.perf_counter() - start) * 1e6)
     return statistics.median(times)
-
-
-def graphed(step: Callable[[], object]) -> Callable[[], None]:
-    """A pure step (it writes nothing its next call reads) captured as a CUDA graph → its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 # ---------------------------------------------------------------- what is timed
@@ -164,7 +151,7 @@ def measure(config: HybridAttentionConfig, kind: str, batch: int, context: int, 
     if device.type == "cuda":
         graph = DecodeGraph(lambda rows: layer(rows, inference_cache=cache)[0], x, [cache])
         graph_us = median_us(lambda: graph(x), device, args.repeats, args.warmup)
-        dense = graphed(dense)
+        dense = captured(dense)
     dense_us = median_us(dense, device, args.repeats, args.warmup)
     del cache
     return Row(kind, batch, context, eager, graph_us, dense_us, recompute_ms(layer, batch, context, args, generator),
