@@ -628,7 +628,7 @@ def test_torch_sdpa_declines_float64_on_a_gpu_where_its_kernel_has_none(vendors)
     on_gpu_generation(vendors, (9, 0))
     call = dict(device=torch.device("cuda"), head_dim=16, v_head_dim=8, heads=4, groups=2,
                 layout=TokenLayout.uniform(2, 7, torch.device("cpu")), lse_grad=False)
-    assert resolve(OpFamily.DENSE_ATTENTION, **call, dtype=torch.bfloat16)[0] == "torch_sdpa"
+    assert resolve(OpFamily.DENSE_ATTENTION, "torch_sdpa", **call, dtype=torch.bfloat16)[0] == "torch_sdpa"
     assert resolve(OpFamily.DENSE_ATTENTION, **call, dtype=torch.float64)[0] == "unfused"
     with pytest.raises(BackendUnavailableError, match="dtype torch.float64 unsupported"):
         resolve(OpFamily.DENSE_ATTENTION, "torch_sdpa", **call, dtype=torch.float64)
