@@ -10,8 +10,8 @@ import torch
 
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
-from megatron_dsa.backends.triton_kernels import (compressor, decode_attention, indexer, indexer_loss, norm_rope,
-                                                  rms_norm, rope, selection, sparse_attention, topk_order)
+from megatron_dsa.backends.triton_kernels import (compressor, decode_attention, decode_indexer, indexer, indexer_loss,
+                                                  norm_rope, rms_norm, rope, selection, sparse_attention, topk_order)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl
 
@@ -60,6 +60,7 @@ TRITON = Backend(
         OpFamily.NORM_ROPE: norm_rope.norm_rope,
         OpFamily.RMS_NORM: rms_norm.rms_norm,
         OpFamily.DECODE_ATTENTION: decode_attention.decode_attention,
+        OpFamily.DECODE_INDEXER_SCORES: decode_indexer.decode_indexer_scores,
     },
     probe=probe,
     version=lambda: probes.versions_line("triton"),

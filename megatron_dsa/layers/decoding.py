@@ -27,8 +27,8 @@ Two paths:
 - `decode_step`, one new token per sequence of a W, C or H layer (the layer takes it for every `[1, B, d]`
   call): fixed shapes, no host sync, every cache write in place, so it can be captured in a CUDA graph
   (`DecodeGraph`). The attention is the `decode_attention` op family (a split-K Triton kernel on CUDA);
-  a C layer's indexer scores the cached compressed keys only (`indexer_scores`, then `topk`), and the
-  compressors pool the one entry the new token may complete.
+  a C layer's indexer scores each sequence's cached compressed keys where they lie (`decode_indexer_scores`,
+  then `topk`), and the compressors pool the one entry the new token may complete.
 """
 
 from __future__ import annotations
@@ -367,11 +367,13 @@ def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positio
     compressed keys `keys [B, C, DI]` (the visible ones, `j < (p + 1) // r`), −1 = none."""
     queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
     batch, width = keys.shape[:2]
-    column = torch.arange(width, device=keys.device)
-    visible = column < entry_counts(positions, indexer.compressor.ratio).unsqueeze(1)
-    candidates = torch.where(visible, torch.arange(batch, device=keys.device).unsqueeze(1) * width + column, INVALID)
-    scores = indexer.scores((queries, keys.flatten(0, 1).to(queries.dtype), weights), candidates)
-    pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width)
+    counts = entry_counts(positions, indexer.compressor.ratio)
+    score = dispatch(OpFamily.DECODE_INDEXER_SCORES, indexer.config, device=keys.device, dtype=queries.dtype,
+                     heads=queries.shape[1], head_dim=queries.shape[2])
+    scores = score(queries, keys, weights, counts, indexer.scale)
+    visible = torch.arange(width, device=keys.device) < counts.unsqueeze(1)
+    pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width,
+                    rows=batch)
     return pick(scores, visible, topk, None)
 
 
