@@ -16,7 +16,7 @@ from megatron_dsa.layers.decoding import LayerCache
 from megatron_dsa.layers.kinds import build_attention
 from megatron_dsa.ops.indexer import decode_indexer_scores as reference_scores
 from interp_triton_decode_attention import decoding_config
-from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
+from triton_support import compile_for_sm90, ptxas_report, run_interpreted, without_interpreter  # noqa: F401
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -25,6 +25,25 @@ def test_interpreter_cases():
     """The kernel against the reference op, and C-layer decode steps through it against the reference decode
     (fp32, interpreter), in a child process."""
     run_interpreted("interp_triton_decode_indexer.py")
+
+
+def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(tmp_path):
+    """The bf16 kernel at dsv4 indexer dims compiles for sm_90a as a launch specialises it (triton bundles ptxas):
+    its dots run on wgmma, the key loads are pipelined (cp.async), nothing spills, and its shared memory lets two
+    programs share a multiprocessor (228 KiB per SM, 1 KiB of it reserved per program)."""
+    from megatron_dsa.backends.triton_kernels import _decode_indexer_kernels as kernels
+    from megatron_dsa.backends.triton_kernels import decode_indexer
+
+    signature = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*bf16", counts_ptr="*i64", out_ptr="*fp32", C="i32",
+                     HI="i32", DI="i32", COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr",
+                     BLOCK_D="constexpr", BLOCK_C="constexpr", PRECISION="constexpr")
+    constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=decode_indexer.BLOCK_C[torch.bfloat16], PRECISION="tf32")
+    compiled = compile_for_sm90(kernels, "decode_indexer_scores_kernel", signature, constexprs, decode_indexer.WARPS,
+                                decode_indexer.STAGES)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    assert "0 bytes spill stores" in ptxas_report(ptx, tmp_path)
+    assert 2 * (compiled.metadata.shared + 1024) <= 228 * 1024, compiled.metadata.shared
 
 
 def test_auto_scores_a_decode_step_through_the_reference_op_on_cpu():

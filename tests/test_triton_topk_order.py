@@ -16,11 +16,22 @@ from megatron_dsa.backends.triton import TRITON
 from megatron_dsa.backends.triton_kernels.topk_order import (AUTO_MAX_COLUMNS, MAX_WIDTH, SELECT_AUTO_MAX_ROWS,
                                                              order_picks, topk)
 from megatron_dsa.ops.indices import topk_columns
-from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
+from triton_support import compile_for_sm90, ptxas_report, run_interpreted, without_interpreter  # noqa: F401
 
 
 def test_interpreted_kernels():
     run_interpreted("interp_triton_topk_order.py")
+
+
+def test_select_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """The radix select (its masked histograms among them) compiles for sm_90a as launched, without spills."""
+    from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
+    from megatron_dsa.backends.triton_kernels import topk_order
+
+    signature = dict(scores_ptr="*fp32", valid_ptr="*i1", picked_ptr="*i64", C="i32", K="i32", BLOCK="constexpr")
+    compiled = compile_for_sm90(kernels, "select_top_columns_kernel", signature,
+                                dict(BLOCK=topk_order.SELECT_BLOCK), topk_order.SELECT_WARPS)
+    assert "0 bytes spill stores" in ptxas_report(compiled.asm["ptx"], tmp_path)
 
 
 def test_bad_inputs_name_the_rule():
