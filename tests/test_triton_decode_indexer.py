@@ -77,8 +77,8 @@ def test_bf16_triton_decode_scores_match_the_float64_reference_on_the_gpu():
     on the same bf16-rounded inputs.
 
     Tolerance per score: 2⁻¹⁴ · M with M = scale · Σ_h |w_h| Σ_d |q_hd k_d| (float64). The products of bf16
-    values are exact in fp32; the dot's 128 and the heads' 64 fp32 additions err by at most ~(128 + 64) · 2⁻²⁴ · M
-    ≈ 2⁻¹⁶·⁴ · M. A dropped head or a wrong key moves a score by a fair fraction of M."""
+    values are exact in fp32; the dot's 128 and the heads' 64 fp32 additions err by at most
+    ~(128 + 64) · 2⁻²⁴ · M ≈ 2⁻¹⁶·⁴ · M. A dropped head or a wrong key moves a score by a fair fraction of M."""
     from megatron_dsa.backends.triton_kernels.decode_indexer import decode_indexer_scores as triton_scores
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -11,8 +11,8 @@ import triton.language as tl
 def decode_indexer_scores_kernel(q_ptr, k_ptr, w_ptr, counts_ptr, out_ptr, C, HI, DI, COLS_PER_PROGRAM, scale,
                                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
                                  PRECISION: tl.constexpr):
-    """One (sequence b, column range): `scores[b, j] = scale · Σ_h w[b,h]·ReLU(<q[b,h], k[b,j]>)` for `j < counts[b]`,
-    −inf for the rest of the range.
+    """One (sequence b, column range): `scores[b, j] = scale · Σ_h w[b,h]·ReLU(<q[b,h], k[b,j]>)` for
+    `j < counts[b]`, −inf for the rest of the range.
 
     The sequence's queries `[HI, DI]` stay in registers; each step reads `BLOCK_C` keys once (the step's only
     memory traffic: the key read sets the kernel's time) and runs one `[HI, DI] @ [DI, BLOCK_C]` dot whose
