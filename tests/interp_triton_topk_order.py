@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_dsa.backends.cudnn import _in_reference_order
-from megatron_dsa.backends.triton_kernels.topk_order import order_picks, topk
+from megatron_dsa.backends.triton_kernels.topk_order import order_picks, select_top_columns, topk
 from megatron_dsa.ops.indices import topk_columns
 
 from triton_support import interpreter  # noqa: F401  (fixture)
@@ -77,3 +77,62 @@ def test_topk_of_strided_scores():
     scores, valid = _scores(5, 48, seed=3)
     got = topk(scores[:, :40], valid[:, :40], 12)
     assert torch.equal(got, topk_columns(scores[:, :40], valid[:, :40], 12))
+
+
+def _in_column_order(columns: torch.Tensor) -> torch.Tensor:
+    """A top-k's picks as a set: ascending, −1 after them."""
+    big = torch.iinfo(torch.long).max
+    ordered = torch.where(columns >= 0, columns, big).sort(dim=1).values
+    return torch.where(ordered == big, -1, ordered)
+
+
+@pytest.mark.parametrize("rows,cols,k", [(6, 40, 5), (5, 70, 33), (4, 37, 37), (3, 50, 1), (5, 100, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_select_picks_the_top_k_set_with_the_lower_tied_columns(rows, cols, k, dtype):
+    """Scores of seven values (about 14 columns per value at 100 columns): the k-th best score is tied in most
+    rows, and the lower tied columns must win; ±0.0 tie; an empty row, a full row, a row with fewer valid
+    columns than k."""
+    scores, valid = _scores(rows, cols, seed=rows + cols + k, dtype=dtype)
+    got = select_top_columns(scores, valid, k)
+    assert got.dtype == torch.long and got.shape == (rows, k)
+    assert torch.equal(got, _in_column_order(topk_columns(scores, valid, k)))
+
+
+def test_select_of_one_score_everywhere_takes_the_first_columns():
+    """Every column tied: the threshold is that score and the k lowest columns win (the tie rank crosses steps)."""
+    scores, valid = torch.full((2, 45), 0.25), torch.ones(2, 45, dtype=torch.bool)
+    valid[1, :3] = False
+    got = select_top_columns(scores, valid, 20)
+    assert torch.equal(got, torch.stack([torch.arange(20), torch.arange(3, 23)]))
+
+
+def test_select_orders_negative_and_positive_scores_and_close_values():
+    """Keys differing only in the low bits of the float, negatives below positives, a huge and a tiny value."""
+    base = torch.tensor([1.0, 1.0000001, -1.0, -1.0000001, 3e38, -3e38, 1e-38, -1e-38, 0.0, -0.0, 2.0, 2.0])
+    scores = base[torch.randperm(12, generator=torch.Generator().manual_seed(0))].repeat(3, 3)
+    valid = torch.ones_like(scores, dtype=torch.bool)
+    for k in (1, 5, 17, 36):
+        assert torch.equal(select_top_columns(scores, valid, k), _in_column_order(topk_columns(scores, valid, k)))
+
+
+def test_wide_rows_take_the_select_path_and_match_topk_columns_exactly(monkeypatch):
+    """Above AUTO_MAX_COLUMNS the top-k selects then sorts: the reference order, ties to the lower column (the
+    limit lowered to 32 columns: the interpreter's sort of a thousand picks takes half a minute)."""
+    from megatron_dsa.backends.triton_kernels import topk_order
+
+    monkeypatch.setattr(topk_order, "AUTO_MAX_COLUMNS", 32)
+    monkeypatch.setattr(topk_order, "select_top_columns", counted := _Counted(topk_order.select_top_columns))
+    scores, valid = _scores(4, 70, seed=5)
+    valid[3] = torch.arange(70) < 45  # a decode row: a prefix of valid columns
+    for k in (16, 50):
+        assert torch.equal(topk(scores, valid, k), topk_columns(scores, valid, k))
+    assert counted.calls == 2
+
+
+class _Counted:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)

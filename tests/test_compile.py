@@ -179,6 +179,8 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
                              for entries_rows, entry_ids in (
                                  (None, None), (r(3, 6, dim, grad=False), None),
                                  (r(3, 6, dim, grad=False), torch.tensor([[0, -1], [1, 0], [5, 2]], device=device)))],
+        "decode_indexer_scores": [("unfused", r(3, 2, 8, grad=False), r(3, 6, 8, grad=False), r(3, 2, grad=False),
+                                   torch.tensor([0, 4, 6], device=device), 0.3)],
     }
 
 
@@ -191,7 +193,7 @@ OPS = {
     "sparse_attention_bwd": library.sparse_attention_bwd_op, "indexer_scores": library.indexer_scores_op,
     "topk": library.topk_op, "selection_rows": library.selection_rows_op,
     "indexer_loss": library.indexer_loss_op, "indexer_kl_bwd": library.indexer_kl_bwd_op,
-    "decode_attention": library.decode_attention_op,
+    "decode_attention": library.decode_attention_op, "decode_indexer_scores": library.decode_indexer_scores_op,
 }
 
 

@@ -7,7 +7,7 @@ are integers and compared exactly.
 import pytest
 import torch
 
-from megatron_dsa.ops.indexer import indexer_scores
+from megatron_dsa.ops.indexer import decode_indexer_scores, indexer_scores
 from megatron_dsa.ops.indices import topk_columns, visible_compressed_indices
 from megatron_dsa.ops.layout import TokenLayout
 from oracles import INVALID, indexer_scores_oracle, pick_columns, topk_oracle, visible_compressed_oracle
@@ -111,3 +111,50 @@ def test_indexer_scores_function_gradcheck_and_chunking(monkeypatch):
     whole = finite_scores(q, k, w)
     monkeypatch.setattr(indexer_module, "CHUNK_ELEMENTS", 1)
     assert torch.equal(finite_scores(q, k, w), whole)
+
+
+# ----------------------------------------------------------------------- decode: one query row per sequence
+def _decode_inputs(batch=4, heads=3, dim=5, width=7, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads, dim, generator=gen, dtype=F64), torch.randn(batch, width, dim, generator=gen,
+            dtype=F64), torch.randn(batch, heads, generator=gen, dtype=F64))
+
+
+def test_decode_scores_match_the_oracle_on_each_sequences_own_keys(monkeypatch):
+    """Sequence b's row against its first counts[b] keys (ragged, one sequence with none, one past the width,
+    which counts as the width), −inf after them; the same with one sequence per chunk."""
+    import megatron_dsa.ops.indexer as indexer_module
+
+    q, keys, w = _decode_inputs()
+    counts = torch.tensor([3, 0, 7, 9])
+    width = keys.shape[1]
+    candidates = [[b * width + j if j < min(int(counts[b]), width) else INVALID for j in range(width)]
+                  for b in range(4)]
+    expected = indexer_scores_oracle(q, keys.flatten(0, 1), w, candidates, SCALE)
+    got = decode_indexer_scores(q, keys, w, counts, SCALE)
+    assert got.dtype == F64 and got.shape == (4, width)
+    torch.testing.assert_close(got, expected, **TOL)
+    monkeypatch.setattr(indexer_module, "CHUNK_ELEMENTS", 1)
+    assert torch.equal(decode_indexer_scores(q, keys, w, counts, SCALE), got)
+
+
+def test_decode_scores_read_keys_in_the_query_dtype():
+    """float32 queries over float64 keys: the keys are rounded to float32 first (as the layer's `.to(q.dtype)`)."""
+    q, keys, w = _decode_inputs()
+    counts = torch.tensor([7, 7, 7, 7])
+    got = decode_indexer_scores(q.float(), keys, w.float(), counts, SCALE)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, decode_indexer_scores(q.float(), keys.float(), w.float(), counts, SCALE))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda q, k, w, c: (q[0], k, w, c), ValueError, "q must be"),
+    (lambda q, k, w, c: (q, k[:, :, :4], w, c), ValueError, "keys must be"),
+    (lambda q, k, w, c: (q, k, w[:, :2], c), ValueError, "weights must be"),
+    (lambda q, k, w, c: (q, k, w, c[:3]), ValueError, "counts must be"),
+    (lambda q, k, w, c: (q, k, w, c.float()), TypeError, "counts must be int32/int64"),
+])
+def test_decode_scores_name_the_bad_argument(change, error, match):
+    q, keys, w = _decode_inputs()
+    with pytest.raises(error, match=match):
+        decode_indexer_scores(*change(q, keys, w, torch.tensor([3, 0, 7, 9])), SCALE)

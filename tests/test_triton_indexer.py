@@ -14,6 +14,7 @@ from megatron_dsa.backends.triton_kernels import indexer as triton_indexer
 from megatron_dsa.ops.indexer import indexer_scores as reference_scores
 from distributed import cosine
 from indexer_cases import SCALE, causal_candidates, inputs, packed_candidates, random_candidates, run
+import triton_support
 from triton_support import ptxas_report, run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 MAX_BACKWARD_SPILL_BYTES = 128  # per thread; see test_backward_compiles_for_sm90_within_its_register_budget
@@ -24,21 +25,9 @@ def test_interpreted_kernels():
 
 
 def compile_for_sm90(kernel_name: str, signature: dict, constexprs: dict, num_warps: int):
-    """The kernel compiled for sm_90a as a launch specialises it (16-byte aligned pointers, integer sizes
-    divisible by 16), on a machine without a GPU."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from megatron_dsa.backends.triton_kernels import _indexer_kernels as kernels
-    from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
 
-    names = list(signature)
-    specialised = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
-                   if kind.startswith("*") or kind == "i32"}
-    source = ASTSource(fn=jitted(getattr(kernels, kernel_name)), signature=signature, attrs=specialised,
-                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return triton_support.compile_for_sm90(kernels, kernel_name, signature, constexprs, num_warps)
 
 
 def test_forward_compiles_for_sm90_on_wgmma_without_spills(tmp_path):

@@ -13,13 +13,25 @@ import torch
 from megatron_dsa.backends import OpFamily, registered_backends
 from megatron_dsa.backends.cudnn import _in_reference_order
 from megatron_dsa.backends.triton import TRITON
-from megatron_dsa.backends.triton_kernels.topk_order import AUTO_MAX_COLUMNS, MAX_WIDTH, order_picks, topk
+from megatron_dsa.backends.triton_kernels.topk_order import (AUTO_MAX_COLUMNS, MAX_WIDTH, SELECT_AUTO_MAX_ROWS,
+                                                             order_picks, topk)
 from megatron_dsa.ops.indices import topk_columns
-from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
+from triton_support import compile_for_sm90, ptxas_report, run_interpreted, without_interpreter  # noqa: F401
 
 
 def test_interpreted_kernels():
     run_interpreted("interp_triton_topk_order.py")
+
+
+def test_select_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """The radix select (its masked histograms among them) compiles for sm_90a as launched, without spills."""
+    from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
+    from megatron_dsa.backends.triton_kernels import topk_order
+
+    signature = dict(scores_ptr="*fp32", valid_ptr="*i1", picked_ptr="*i64", C="i32", K="i32", BLOCK="constexpr")
+    compiled = compile_for_sm90(kernels, "select_top_columns_kernel", signature,
+                                dict(BLOCK=topk_order.SELECT_BLOCK), topk_order.SELECT_WARPS)
+    assert "0 bytes spill stores" in ptxas_report(compiled.asm["ptx"], tmp_path)
 
 
 def test_bad_inputs_name_the_rule():
@@ -42,8 +54,8 @@ def test_topk_bad_inputs_name_the_rule():
         topk(scores, valid[:, :3], 2)
     with pytest.raises(ValueError, match="non-negative int"):
         topk(scores, valid, -1)
-    with pytest.raises(ValueError, match=f"at most {MAX_WIDTH} columns"):
-        topk(torch.zeros(1, MAX_WIDTH + 1), torch.ones(1, MAX_WIDTH + 1, dtype=torch.bool), 2)
+    with pytest.raises(ValueError, match=f"at most {MAX_WIDTH} picks per row, got k = {MAX_WIDTH + 1}"):
+        topk(torch.zeros(1, MAX_WIDTH + 1), torch.ones(1, MAX_WIDTH + 1, dtype=torch.bool), MAX_WIDTH + 1)
 
 
 def test_cpu_without_interpreter_is_refused(without_interpreter):
@@ -53,10 +65,11 @@ def test_cpu_without_interpreter_is_refused(without_interpreter):
         topk(torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool), 2)
 
 
-def test_auto_prefers_triton_topk_up_to_1024_columns():
+def test_auto_prefers_triton_topk_up_to_1024_columns_or_for_few_rows():
     """The selection runs while the GPU waits for the host: Triton's one launch ranks before cuDNN's
-    frontend call. Wider rows (slower in registers) go to the next backend under `auto`; asked for by
-    name the kernel runs up to the sort's limit."""
+    frontend call. Wider rows (slower in registers) go to the next backend under `auto`, unless the call says
+    they are few (a decode step: one row per sequence), which the select-then-sort path serves; asked for by
+    name any width runs, up to k = MAX_WIDTH picks."""
     pytest.importorskip("triton")
     order = [backend.name for backend in registered_backends(OpFamily.TOPK)]
     assert order.index("triton") < order.index("cudnn") < order.index("unfused")
@@ -64,9 +77,12 @@ def test_auto_prefers_triton_topk_up_to_1024_columns():
     auto, named = {**call, "explicit": False}, {**call, "explicit": True}
     assert TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": AUTO_MAX_COLUMNS}) is None
     assert "slower" in TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": AUTO_MAX_COLUMNS + 1})
-    assert TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": MAX_WIDTH}) is None
-    too_wide = TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": MAX_WIDTH + 1})
-    assert "exceed the register sort's 4096" in too_wide
+    assert "unknown number of rows" in TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": 32768})
+    assert "300 rows" in TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": 32768, "rows": 300})
+    assert TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": 32768, "rows": SELECT_AUTO_MAX_ROWS}) is None
+    assert TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": 32768}) is None
+    too_many = TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": 32768, "topk": MAX_WIDTH + 1})
+    assert f"exceeds the {MAX_WIDTH} picks" in too_many
 
 
 def test_the_layer_tells_the_dispatcher_its_top_k_width(monkeypatch):
@@ -112,4 +128,30 @@ def test_gpu_topk_matches_topk_columns_at_dsv4_shapes(cols):
     valid = torch.arange(cols, device="cuda") < torch.randint(0, cols + 1, (rows, 1), device="cuda", generator=gen)
     valid[7] = False
     got = topk(scores, valid, 512)
+    assert torch.equal(got, topk_columns(scores, valid, 512))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scores_kind", ["ties", "distinct"])
+def test_gpu_decode_topk_matches_topk_columns_exactly(scores_kind):
+    """A C layer's decode top-k at 128k tokens: 32 rows of 32768 columns (ratio 4), top-512, valid a prefix of
+    ragged length (none, fewer than k, all) and −inf after it as the decode scores have; through `auto` (the
+    select-then-sort path, counted) and exactly the reference's columns and order. "ties": eight score values,
+    so the 512th score is tied thousands of times; "distinct": random float32 scores."""
+    from megatron_dsa.backends import call_counts, dispatch, reset_call_counts
+
+    pytest.importorskip("triton")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    rows, cols = 32, 32768
+    scores = torch.randn(rows, cols, device="cuda", generator=gen)
+    if scores_kind == "ties":
+        scores = scores.mul(2).round().clamp(-4, 3)
+    counts = torch.randint(0, cols + 1, (rows,), device="cuda", generator=gen)
+    counts[:3] = torch.tensor([0, 300, cols])
+    valid = torch.arange(cols, device="cuda") < counts.unsqueeze(1)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    reset_call_counts()
+    pick = dispatch(OpFamily.TOPK, "auto", device=scores.device, dtype=scores.dtype, topk=512, columns=cols, rows=rows)
+    got = pick(scores, valid, 512, None)
+    assert call_counts() == {("triton", "topk"): 1}
     assert torch.equal(got, topk_columns(scores, valid, 512))

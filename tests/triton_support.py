@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -42,6 +43,25 @@ def ptxas_report(ptx: str, tmp_path: Path) -> str:
     source.write_text(ptx)
     return subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "kernel.o")],
                           capture_output=True, text=True, check=True).stderr
+
+
+def compile_for_sm90(kernels: ModuleType, kernel_name: str, signature: dict, constexprs: dict, num_warps: int,
+                     num_stages: int = 3):
+    """`kernels.<kernel_name>` compiled for sm_90a as a launch specialises it (16-byte aligned pointers, integer
+    sizes divisible by 16), on a machine without a GPU."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megatron_dsa.backends.triton_kernels.lazy_jit import jitted
+
+    names = list(signature)
+    specialised = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
+                   if kind.startswith("*") or kind == "i32"}
+    source = ASTSource(fn=jitted(getattr(kernels, kernel_name)), signature=signature, attrs=specialised,
+                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 @pytest.fixture

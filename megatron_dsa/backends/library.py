@@ -23,7 +23,8 @@ Backward:
   the gradient is exactly the eager one; the cost is one more forward of the op in backward);
 - `indexer_scores`, `topk`, `selection_rows`, `indexer_loss`, `indexer_kl_bwd` take no gradient (the
   selection runs without autograd; the indexer loss's gradient is `indexer_kl_bwd`, which
-  `backends.indexer_kl` calls from its backward); nor does `decode_attention` (inference only).
+  `backends.indexer_kl` calls from its backward); nor do `decode_attention` and `decode_indexer_scores`
+  (inference only).
 """
 
 from __future__ import annotations
@@ -458,6 +459,19 @@ def _(backend, query, kv_new, window_rows, seqlens, window, entries, entry_ids, 
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
+@_custom_op("decode_indexer_scores")
+def decode_indexer_scores_op(backend: str, q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor,
+                             scale: float) -> Tensor:
+    """`decode_indexer_scores` family: `[B, C]` scores (compute dtype) of one query row per sequence against its
+    cached compressed keys, −inf past `counts[b]` (inference: no gradient)."""
+    return _kernel(OpFamily.DECODE_INDEXER_SCORES, backend)(q, keys, weights, counts, scale)
+
+
+@decode_indexer_scores_op.register_fake
+def _(backend, q, keys, weights, counts, scale):
+    return q.new_empty(keys.shape[:2], dtype=compute_dtype(q.dtype))
+
+
 # ------------------------------------------------------------------------------ the families' contracts
 def _indexer_loss(backend: str):
     def run(student_scores: Tensor, query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor, scale: float,
@@ -508,6 +522,9 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
         lambda query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink, scale:
         decode_attention_op(backend, query, kv_new, window_rows, seqlens, int(window), entries, entry_ids, int(ratio),
                             sink, float(scale))),
+    OpFamily.DECODE_INDEXER_SCORES: lambda backend: (
+        lambda q, keys, weights, counts, scale: decode_indexer_scores_op(backend, q, keys, weights, counts,
+                                                                         float(scale))),
     OpFamily.INDEXER_LOSS: _indexer_loss,
     OpFamily.INDEXER_KL_BWD: lambda backend: (
         lambda q, k, weights, candidates, target, student_scores, grad_rows, scale:

@@ -60,6 +60,8 @@ class OpFamily(str, Enum):
     DENSE_ATTENTION_BLOCK_BWD = "dense_attention_block_bwd"
     # (q [B,H,D], kv_new [B,D], window [B,R,D], seqlens [B], W, entries, entry_ids, ratio, sink, scale) -> out
     DECODE_ATTENTION = "decode_attention"
+    # (q [B,HI,DI], keys [B,C,DI], weights [B,HI], counts [B], scale) -> scores [B, C], -inf past counts[b]
+    DECODE_INDEXER_SCORES = "decode_indexer_scores"
 
 
 class BackendUnavailableError(RuntimeError):

@@ -10,8 +10,8 @@ import torch
 
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
-from megatron_dsa.backends.triton_kernels import (compressor, decode_attention, indexer, indexer_loss, norm_rope,
-                                                  rms_norm, rope, selection, sparse_attention, topk_order)
+from megatron_dsa.backends.triton_kernels import (compressor, decode_attention, decode_indexer, indexer, indexer_loss,
+                                                  norm_rope, rms_norm, rope, selection, sparse_attention, topk_order)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl
 
@@ -29,19 +29,27 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
     return probes.first_problem(
         triton_decline_reason(call.get("device"), explicit),
         probes.dtype_problem(call, DTYPES.get(op, KERNEL_DTYPES)),
-        _topk_width_problem(call.get("columns"), explicit) if op is OpFamily.TOPK else None,
+        _topk_width_problem(call.get("columns"), call.get("topk"), call.get("rows"), explicit)
+        if op is OpFamily.TOPK else None,
     )
 
 
-def _topk_width_problem(columns: Optional[int], explicit: bool) -> Optional[str]:
+def _topk_width_problem(columns: Optional[int], k: Optional[int], rows: Optional[int],
+                        explicit: bool) -> Optional[str]:
+    """Rows of up to `AUTO_MAX_COLUMNS` are sorted whole; wider rows are selected (one program per row) and
+    their k picks sorted, which `auto` takes only for a known few rows (`topk_order` says why)."""
     if columns is None:
         return None
-    if columns > topk_order.MAX_WIDTH:
-        return f"{columns} columns per row exceed the register sort's {topk_order.MAX_WIDTH}"
-    if columns > topk_order.AUTO_MAX_COLUMNS and not explicit:
-        return (f"{columns} columns per row: above {topk_order.AUTO_MAX_COLUMNS} the register sort is slower "
-                "than cuDNN's top-k and torch's sort")
-    return None
+    if k is not None and min(k, columns) > topk_order.MAX_WIDTH:
+        return f"top-k {k} exceeds the {topk_order.MAX_WIDTH} picks one program sorts"
+    if columns <= topk_order.AUTO_MAX_COLUMNS or explicit:
+        return None
+    if rows is not None and rows <= topk_order.SELECT_AUTO_MAX_ROWS:
+        return None
+    return (f"{columns} columns per row over {'an unknown number of' if rows is None else rows} rows: above "
+            f"{topk_order.AUTO_MAX_COLUMNS} columns the register sort is slower than cuDNN's top-k and torch's "
+            f"sort, and the select-then-sort path (one program per row) serves at most "
+            f"{topk_order.SELECT_AUTO_MAX_ROWS} rows")
 
 
 TRITON = Backend(
@@ -60,6 +68,7 @@ TRITON = Backend(
         OpFamily.NORM_ROPE: norm_rope.norm_rope,
         OpFamily.RMS_NORM: rms_norm.rms_norm,
         OpFamily.DECODE_ATTENTION: decode_attention.decode_attention,
+        OpFamily.DECODE_INDEXER_SCORES: decode_indexer.decode_indexer_scores,
     },
     probe=probe,
     version=lambda: probes.versions_line("triton"),

@@ -27,15 +27,15 @@ Two paths:
 - `decode_step`, one new token per sequence of a W, C or H layer (the layer takes it for every `[1, B, d]`
   call): fixed shapes, no host sync, every cache write in place, so it can be captured in a CUDA graph
   (`DecodeGraph`). The attention is the `decode_attention` op family (a split-K Triton kernel on CUDA);
-  a C layer's indexer scores the cached compressed keys only (`indexer_scores`, then `topk`), and the
-  compressors pool the one entry the new token may complete.
+  a C layer's indexer scores each sequence's cached compressed keys where they lie (`decode_indexer_scores`,
+  then `topk`), and the compressors pool the one entry the new token may complete.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -69,6 +69,28 @@ class CompressorState:
         return self.kv.shape[1]
 
 
+@dataclass(frozen=True, eq=False)
+class DecodeIndex:
+    """Index tensors a decode step reads that depend only on the cache's shapes, built once with the cache (a
+    captured step would otherwise replay the kernels that build them, every token).
+
+    sequences: `[B]` `0 … B−1`. entry_columns: `[C]` `0 … C−1` (C = capacity // r; empty without compressors).
+    pending: per count `K` of a compressor's pending slots, `slots [K]` `0 … K−1`, `segments` the `TokenLayout` of
+    B segments of K rows (the pooled slots of each sequence) and `one_entry_each [B + 1]` `0 … B` (its entries'
+    offsets: every segment pools one entry)."""
+
+    sequences: Tensor
+    entry_columns: Tensor
+    pending: dict[int, tuple[Tensor, TokenLayout, Tensor]]
+
+    @classmethod
+    def build(cls, batch: int, entries: int, slot_counts: set[int], device: torch.device) -> "DecodeIndex":
+        arange = lambda *args: torch.arange(*args, device=device)  # noqa: E731
+        pending = {k: (arange(k), TokenLayout(arange(0, (batch + 1) * k, k), batch * k, k), arange(batch + 1))
+                   for k in slot_counts}
+        return cls(arange(batch), arange(entries), pending)
+
+
 @dataclass
 class LayerCache:
     """What one layer keeps of `batch` sequences of at most `capacity` tokens (see the module docstring).
@@ -77,7 +99,8 @@ class LayerCache:
     is); `longest` a host-side upper bound of its largest value (checked against `capacity` without a sync). W/C/H: `window [B, max(W−1, 1), D]` K = V rows at
     slot `position % (W−1)`; `compressors` the `CompressorState` of the attention's (`"attention"`) and
     the indexer's (`"indexer"`) compressor; `entries [B, capacity // r, D]` compressed entries and
-    `indexer_keys [B, capacity // r, DI]`. M: `latent [B, capacity, kv_lora_rank]`, `k_rope [B, capacity, P]`.
+    `indexer_keys [B, capacity // r, DI]`; `index` the step's static index tensors (`DecodeIndex`). M: `latent
+    [B, capacity, kv_lora_rank]`, `k_rope [B, capacity, P]`.
     """
 
     kind: str
@@ -91,6 +114,7 @@ class LayerCache:
     k_rope: Optional[Tensor] = None
     longest: int = 0
     ratio: int = 0  # the compressors' ratio r (0: none)
+    index: Optional[DecodeIndex] = None  # W/C/H: what `decode_step` indexes with (built by `for_layer`)
 
     @classmethod
     def for_layer(cls, layer: "HybridAttention", batch: int, capacity: int, dtype: Optional[torch.dtype] = None,
@@ -119,6 +143,8 @@ class LayerCache:
             cache.entries = empty(batch, capacity // attention.ratio, c.v_head_dim)
         if attention.indexer is not None:
             cache.indexer_keys = empty(batch, capacity // attention.ratio, c.dsa_indexer_head_dim)
+        cache.index = DecodeIndex.build(batch, 0 if cache.entries is None else cache.entries.shape[1],
+                                        {state.slots for state in cache.compressors.values()}, device)
         return cache
 
     @property
@@ -297,28 +323,30 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
     if cache.longest + 1 > cache.capacity:
         raise ValueError(f"a sequence would reach {cache.longest + 1} tokens, more than the inference cache's "
                          f"capacity {cache.capacity}")
-    c, attention = layer.config, layer.core_attention
+    c, attention, index = layer.config, layer.core_attention, cache.index
     positions = cache.seqlens  # the new token's position in each sequence
     inv_freq = layer.angle_freq(x.dtype)
     q, kv, projected, qr = layer.core.project(layer, x, positions)
     entries, picks = None, None
     if attention.compressor is not None:
-        _pool_new_entry(attention.compressor, cache.compressors["attention"], projected, positions, cache.entries,
+        # The attention's and the indexer's compressors share the ratio: one set of slot arithmetic serves both.
+        group = _NewTokenGroup.of(positions, attention.ratio, cache.compressors["attention"].slots,
+                                  cache.entries.shape[1], index)
+        _pool_new_entry(attention.compressor, cache.compressors["attention"], projected, group, cache.entries,
                         inv_freq)
         entries = cache.entries
     if attention.indexer is not None:
-        _pool_new_entry(attention.indexer.compressor, cache.compressors["indexer"], projected, positions,
+        _pool_new_entry(attention.indexer.compressor, cache.compressors["indexer"], projected, group,
                         cache.indexer_keys, inv_freq)
         picks = _top_entries(attention.indexer, projected, qr, positions, cache.indexer_keys, c.dsa_indexer_topk,
-                             inv_freq)
+                             inv_freq, index)
     kv_new = kv.to(cache.window.dtype)
     attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
                       head_dim=q.shape[2], selected=picks is not None)
     out = attend(q, kv_new, cache.window, positions, c.csa_window_size, entries, picks, attention.ratio or 1,
                  attention.attn_sink, c.softmax_scale)
     # After the attention: the slot of position p held position p − (W − 1), still in p's window.
-    batch = torch.arange(cache.batch, device=x.device)
-    cache.window[batch, positions % cache.window.shape[1]] = kv_new
+    cache.window[index.sequences, positions % cache.window.shape[1]] = kv_new
     # The reference path's selection names rows of a kv_all this step never builds: only the picks are kept.
     attention.last_selection, attention.last_decode_picks = None, picks
     out = layer.core.finish(layer, out, positions)
@@ -327,51 +355,72 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
     return out
 
 
-def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: dict, positions: Tensor,
+class _NewTokenGroup(NamedTuple):
+    """Where the new token at position p sits in its compressor's group, for `_pool_new_entry` (ratio r, K pending
+    slots, C entries), per sequence (`sequences [B]`): its slot `p % K`; its group's entry `j = p // r` and the
+    slot that entry is kept at (`min(j, C − 1)`; a group past the capacity is never complete); whether p
+    completes the group; and the layout of the K positions ending with p's group, oldest first (`order [B, K]`:
+    their slots)."""
+
+    sequences: Tensor
+    slot: Tensor
+    entry: Tensor
+    store_slot: Tensor
+    complete: Tensor
+    order: Tensor
+    layout: CompressedLayout
+
+    @classmethod
+    def of(cls, positions: Tensor, ratio: int, slots: int, entries: int, index: DecodeIndex) -> "_NewTokenGroup":
+        steps, segments, one_entry_each = index.pending[slots]
+        entry = torch.div(positions, ratio, rounding_mode="floor")
+        # The K positions ending with p's group (p itself where the group is complete; before the sequence for
+        # ratio 4's first entry, whose previous group the pooling masks): every pooled row is in the segment.
+        start = (entry + 1) * ratio - slots
+        tokens = dataclasses.replace(segments, position_offsets=start)
+        layout = CompressedLayout(tokens=tokens, ratio=ratio, cu_compressed=one_entry_each,
+                                  capacity=positions.shape[0], max_entries=0, first_entry=entry)
+        return cls(index.sequences, positions % slots, entry, entry.clamp(max=max(entries - 1, 0)),
+                   (positions + 1) % ratio == 0, torch.remainder(start.unsqueeze(1) + steps, slots), layout)
+
+
+def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: dict, group: _NewTokenGroup,
                     store: Tensor, inv_freq: Tensor) -> None:
     """Keep the new token's compressor projections and, where it completes a group (`(p + 1) % r == 0`), write
     entry `j = p // r` into `store [B, C, Dc]`.
 
-    Every sequence pools the state's `K` slots (oldest first) as one segment of a `CompressedLayout.owned`,
-    whether or not its group is complete (fixed shapes, no branch on values); the write keeps the old row
-    where it is not."""
-    r, slots, batch = compressor.ratio, state.slots, positions.shape[0]
-    rows = torch.arange(batch, device=positions.device)
+    Every sequence pools the state's `K` slots (oldest first) as one segment of a `CompressedLayout` that owns
+    one entry per segment, whether or not its group is complete (fixed shapes, no branch on values); the write
+    keeps the old row where it is not."""
+    rows = group.sequences
     kv, gate = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
-    state.kv[rows, positions % slots] = kv.to(state.kv.dtype)
-    state.gate[rows, positions % slots] = gate.to(state.gate.dtype)
+    state.kv[rows, group.slot] = kv.to(state.kv.dtype)
+    state.gate[rows, group.slot] = gate.to(state.gate.dtype)
     if store.shape[1] == 0:  # a capacity below one group: no entry ever
         return
-    entry = torch.div(positions, r, rounding_mode="floor")
-    # The K positions ending with p's group (p itself where the group is complete; before the sequence for
-    # ratio 4's first entry, whose previous group the pooling masks): every pooled row is in the segment.
-    start = (entry + 1) * r - slots
-    order = torch.remainder(start.unsqueeze(1) + torch.arange(slots, device=positions.device), slots)
 
     def oldest_first(buffer: Tensor) -> Tensor:
-        return buffer.gather(1, order.unsqueeze(-1).expand(-1, -1, buffer.shape[-1])).flatten(0, 1)
+        return buffer.gather(1, group.order.unsqueeze(-1).expand(-1, -1, buffer.shape[-1])).flatten(0, 1)
 
-    segments = TokenLayout.uniform(batch, slots, positions.device)
-    tokens = dataclasses.replace(segments, position_offsets=start)
-    layout = CompressedLayout.owned(tokens, r, entry, torch.ones_like(positions), batch)
     pooled = compressor({compressor.linear_wkv: oldest_first(state.kv),
-                         compressor.linear_wgate: oldest_first(state.gate)}, layout, inv_freq)
-    complete = ((positions + 1) % r == 0).unsqueeze(1)
-    slot = entry.clamp(max=store.shape[1] - 1)  # a group past the capacity is never complete
-    store[rows, slot] = torch.where(complete, pooled.to(store.dtype), store[rows, slot])
+                         compressor.linear_wgate: oldest_first(state.gate)}, group.layout, inv_freq)
+    old = store[rows, group.store_slot]
+    store[rows, group.store_slot] = torch.where(group.complete.unsqueeze(1), pooled.to(store.dtype), old)
 
 
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
-                 topk: int, inv_freq: Tensor) -> Tensor:
+                 topk: int, inv_freq: Tensor, index: DecodeIndex) -> Tensor:
     """`[B, min(topk, C)]` entry numbers the indexer picks for each new token among its sequence's cached
     compressed keys `keys [B, C, DI]` (the visible ones, `j < (p + 1) // r`), −1 = none."""
     queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
     batch, width = keys.shape[:2]
-    column = torch.arange(width, device=keys.device)
-    visible = column < entry_counts(positions, indexer.compressor.ratio).unsqueeze(1)
-    candidates = torch.where(visible, torch.arange(batch, device=keys.device).unsqueeze(1) * width + column, INVALID)
-    scores = indexer.scores((queries, keys.flatten(0, 1).to(queries.dtype), weights), candidates)
-    pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width)
+    counts = entry_counts(positions, indexer.compressor.ratio)
+    score = dispatch(OpFamily.DECODE_INDEXER_SCORES, indexer.config, device=keys.device, dtype=queries.dtype,
+                     heads=queries.shape[1], head_dim=queries.shape[2])
+    scores = score(queries, keys, weights, counts, indexer.scale)
+    visible = index.entry_columns < counts.unsqueeze(1)
+    pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width,
+                    rows=batch)
     return pick(scores, visible, topk, None)
 
 

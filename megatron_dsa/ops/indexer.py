@@ -3,6 +3,9 @@
 `I(t, c) = Σ_h w[t,h] · scale · ReLU(<q[t,h], k[c]>)` needs the per-head dots `[T, HI, C]` — 64×
 larger than the scores for the DSv4 dims. The autograd Function below computes them one row chunk
 at a time in forward and recomputes them in backward, saving only its inputs.
+
+`decode_indexer_scores` is the same score for a decode step: one query row per cached sequence against
+that sequence's compressed keys where the inference cache keeps them (`[B, C, DI]`), no candidate ids.
 """
 
 from __future__ import annotations
@@ -91,3 +94,45 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
         raise ValueError(f"indexer weights {tuple(weights.shape)} / candidates {tuple(candidates.shape)} "
                          f"do not match q {tuple(q.shape)}")
     return IndexerScoresFunction.apply(q, k, weights, candidates.long(), float(scale))
+
+
+def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor, scale: float) -> Tensor:
+    """The `decode_indexer_scores` op family's reference: `I(b, j) = Σ_h weights[b,h] · scale · ReLU(<q[b,h],
+    keys[b,j]>)` for the first `counts[b]` keys of sequence b, −inf after them.
+
+    q: `[B, HI, DI]` the new token's indexer queries; keys: `[B, C, DI]` each sequence's cached compressed
+    indexer keys (any floating dtype, read as `keys.to(q.dtype)`); weights: `[B, HI]` head weights (already
+    multiplied by `HI^−1/2`); counts: `[B]` integer keys each sequence's new token sees (values above C count as
+    C). Returns `[B, C]` in float32 (float64 for float64 q). Scored in chunks of sequences, so the per-head dots
+    `[B, HI, C]` never exist at once. No host read of `counts`: a CUDA graph can capture it.
+    """
+    check_decode_indexer_inputs(q, keys, weights, counts)
+    compute = compute_dtype(q.dtype)
+    batch, width = keys.shape[:2]
+    scores = torch.empty((batch, width), dtype=compute, device=q.device)
+    for chunk in _chunks(batch, width, q.shape[1], q.shape[2]):
+        dots = torch.einsum("bhd,bjd->bhj", q[chunk].to(compute), keys[chunk].to(q.dtype).to(compute))
+        scores[chunk] = torch.einsum("bh,bhj->bj", weights[chunk].to(compute) * scale, torch.relu(dots))
+    seen = torch.arange(width, device=q.device) < counts.unsqueeze(1)
+    return scores.masked_fill(~seen, float("-inf"))
+
+
+def check_decode_indexer_inputs(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor) -> None:
+    """ValueError/TypeError naming the argument when the decode indexer's arguments disagree (shapes and dtypes
+    only: no device read)."""
+    if q.dim() != 3 or not q.is_floating_point():
+        raise ValueError(f"decode indexer: q must be a floating [B, HI, DI] tensor, got {tuple(q.shape)} {q.dtype}")
+    batch, heads, dim = q.shape
+    if keys.dim() != 3 or keys.shape[0] != batch or keys.shape[2] != dim or not keys.is_floating_point():
+        raise ValueError(f"decode indexer: keys must be a floating [B, C, DI] = [{batch}, C, {dim}] tensor, got "
+                         f"{tuple(keys.shape)} {keys.dtype}")
+    if weights.shape != (batch, heads) or not weights.is_floating_point():
+        raise ValueError(f"decode indexer: weights must be a floating [B, HI] = [{batch}, {heads}] tensor, got "
+                         f"{tuple(weights.shape)} {weights.dtype}")
+    if counts.shape != (batch,):
+        raise ValueError(f"decode indexer: counts must be [B] = [{batch}], got {tuple(counts.shape)}")
+    if counts.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"decode indexer: counts must be int32/int64, got {counts.dtype}")
+    devices = {t.device for t in (q, keys, weights, counts)}
+    if len(devices) != 1:
+        raise ValueError(f"decode indexer inputs must share one device, got {sorted(map(str, devices))}")

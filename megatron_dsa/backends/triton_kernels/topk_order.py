@@ -1,7 +1,7 @@
-"""The `ops.indices.topk_columns` order as one Triton kernel: valid columns by score (highest first), ties
+"""The `ops.indices.topk_columns` order as Triton kernels: valid columns by score (highest first), ties
 to the lower column, −1 after them. Each program sorts one row's int64 keys in registers.
 
-Two entry points share the kernel: `topk` ranks every column of a row (the `topk` op family: one
+Two entry points share the sort kernel: `topk` ranks every column of a row (the `topk` op family: one
 launch, where the cuDNN top-k costs a frontend call plus this kernel), and `order_picks` puts the picks
 of a kernel that promises no order (cuDNN's top-k) in that order. The torch equivalent of the latter
 (`backends.cudnn` uses it where Triton cannot run) takes about twenty small ops and a full radix sort.
@@ -9,9 +9,14 @@ of a kernel that promises no order (cuDNN's top-k) in that order. The torch equi
 Both sort at most `MAX_WIDTH` keys per row. A bitonic sort's work grows as n·log²n per row, and past one
 warp its exchanges go through shared memory (an sm_90 compile shows no spills at the warp counts
 used): on an H100 the top-k of 4096 x 1024 took 0.114 ms (cuDNN's 0.123 ms, torch's sort 0.202), of
-16384 x 4096 7.3 ms (cuDNN's 0.58, torch's 2.4). So `auto` takes this top-k up to `AUTO_MAX_COLUMNS`
-(S = 4096 at ratio 4) and leaves wider rows to cuDNN or the unfused sort; asked for by name it runs
-up to `MAX_WIDTH`.
+16384 x 4096 7.3 ms (cuDNN's 0.58, torch's 2.4). So `topk` sorts whole rows up to `AUTO_MAX_COLUMNS`
+(S = 4096 at ratio 4). Wider rows are first cut down to their k best columns without a sort
+(`select_top_columns`: a radix select of the k-th best score, one program per row, five passes over the
+row), whose k picks `order_picks` then sorts: any width, k up to `MAX_WIDTH`. That is the decode step's
+case (one row per sequence of up to 32768 columns at 128k tokens, top-512), where the unfused top-k ran four
+full radix sorts. One program per row suits few rows: `auto` takes the wide-row path for at most
+`SELECT_AUTO_MAX_ROWS` rows (a decode batch) and leaves the training selection's wide rows (thousands) to
+cuDNN or the unfused sort.
 """
 
 from __future__ import annotations
@@ -21,31 +26,58 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.triton_kernels.availability import require_triton
+from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import pow2
 from megatron_dsa.ops.indices import UniformVisibleRows
 
 MAX_WIDTH = 4096  # keys per row one program sorts in registers
-AUTO_MAX_COLUMNS = 1024  # the widest top-k rows `auto` gives this kernel (measured, see above)
+AUTO_MAX_COLUMNS = 1024  # the widest rows sorted whole; wider ones are selected first (see above)
+SELECT_AUTO_MAX_ROWS = 256  # the most rows `auto` gives the wide-row path: one program each
+SELECT_BLOCK = 2048  # columns per step of the select's passes
+SELECT_WARPS = 8
+INTERPRETER_SELECT_BLOCK = 16  # several steps per row on the tests' small rows
 SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32, where the keys are made
 
 
 def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None) -> Tensor:
     """The `ops.indices.topk_columns` contract: scores `[T, C]` (float32/16-bit), valid `[T, C]` bool →
     `[T, min(k, C)]` int64 columns, highest score first, ties to the lower column, −1 where fewer than
-    k are valid. `visible` (the family's uniform-rows hint) adds nothing `valid` does not say."""
+    k are valid. Rows of up to `AUTO_MAX_COLUMNS` are sorted whole, wider ones selected then sorted
+    (module docstring). `visible` (the family's uniform-rows hint) adds nothing `valid` does not say."""
     _check_topk(scores, valid, k)
     from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
 
     rows, cols = scores.shape
     width = min(k, cols)
+    if cols > AUTO_MAX_COLUMNS:
+        ranked, valid = scores.float().contiguous(), valid.contiguous()
+        return order_picks(select_top_columns(ranked, valid, width), ranked, valid)
     out = torch.empty((rows, width), dtype=torch.long, device=scores.device)
     if out.numel() == 0:
         return out
     launcher(kernels.rank_columns_kernel)[(rows,)](
         None, scores.contiguous(), valid.contiguous(), out, cols, cols, cols, width, BLOCK_K=pow2(cols),
         EVERY_COLUMN=True, num_warps=_warps(cols))
+    return out
+
+
+def select_top_columns(scores: Tensor, valid: Tensor, k: int) -> Tensor:
+    """The columns of each row's `k` best valid columns (the set `topk` returns) in column order, −1 after them
+    where fewer are valid: scores `[T, C]` float32/16-bit, valid `[T, C]` bool → `[T, k]` int64, k <= C.
+    One program per row finds the k-th best score by radix select (no sort; `_topk_order_kernels`)."""
+    _check_topk(scores, valid, k)
+    from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
+
+    rows, cols = scores.shape
+    if k > cols:
+        raise ValueError(f"select_top_columns: k = {k} exceeds the row's {cols} columns")
+    out = torch.empty((rows, k), dtype=torch.long, device=scores.device)
+    if out.numel() == 0:
+        return out
+    launcher(kernels.select_top_columns_kernel)[(rows,)](
+        scores.contiguous(), valid.contiguous(), out, cols, k,
+        BLOCK=INTERPRETER_SELECT_BLOCK if interpreting() else SELECT_BLOCK, num_warps=SELECT_WARPS)
     return out
 
 
@@ -80,8 +112,9 @@ def _check_topk(scores: Tensor, valid: Tensor, k: int) -> None:
                          f"{tuple(scores.shape)} and {tuple(valid.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"top-k k must be a non-negative int, got {k!r}")
-    if scores.shape[1] > MAX_WIDTH:
-        raise ValueError(f"triton top-k sorts at most {MAX_WIDTH} columns per row, got {scores.shape[1]}")
+    if min(k, scores.shape[1]) > MAX_WIDTH:
+        raise ValueError(f"triton top-k orders at most {MAX_WIDTH} picks per row, got k = {k} of "
+                         f"{scores.shape[1]} columns")
     if scores.dtype not in SCORE_DTYPES or valid.dtype != torch.bool:
         raise TypeError(f"triton top-k needs float32/bfloat16/float16 scores and a bool valid mask, got "
                         f"{scores.dtype} and {valid.dtype}")

@@ -1,0 +1,44 @@
+"""Triton kernel of the decode indexer scores (contract: `megatron_dsa.ops.indexer.decode_indexer_scores`; entry
+point and launch rules: `decode_indexer.py`).
+
+Left undecorated: `lazy_jit.launcher` decorates it on first use. q `[B, HI, DI]`, keys `[B, C, DI]` (row stride
+`DI`, sequence stride `C·DI`), weights `[B, HI]`, counts `[B]`, scores `[B, C]` float32, all contiguous.
+"""
+
+import triton.language as tl
+
+
+def decode_indexer_scores_kernel(q_ptr, k_ptr, w_ptr, counts_ptr, out_ptr, C, HI, DI, COLS_PER_PROGRAM, scale,
+                                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                                 PRECISION: tl.constexpr):
+    """One (sequence b, column range): `scores[b, j] = scale · Σ_h w[b,h]·ReLU(<q[b,h], k[b,j]>)` for
+    `j < counts[b]`, −inf for the rest of the range.
+
+    The sequence's queries `[HI, DI]` stay in registers; each step reads `BLOCK_C` keys once (the step's only
+    memory traffic: the key read sets the kernel's time) and runs one `[HI, DI] @ [DI, BLOCK_C]` dot whose
+    ReLU is weighted and summed over the heads. Columns past the count are never read: a loop over the
+    counted blocks (a `for` loop, which Triton software-pipelines: the next blocks' keys load during this
+    block's dot), then one that only writes −inf."""
+    b = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * COLS_PER_PROGRAM
+    last = tl.minimum(first + COLS_PER_PROGRAM, C)
+    count = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), last)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + (b * HI + heads[:, None]) * DI + dims[None, :],
+                mask=(heads[:, None] < HI) & (dims[None, :] < DI), other=0.0)
+    w = tl.load(w_ptr + b * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+    keys_of_b = k_ptr + b * C * DI
+    scores_of_b = out_ptr + b * C
+    for start in range(first, count, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        counted = cols < count
+        keys = tl.load(keys_of_b + cols[:, None] * DI + dims[None, :],
+                       mask=counted[:, None] & (dims[None, :] < DI), other=0.0).to(q.dtype)
+        dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_H, BLOCK_C]
+        scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+        tl.store(scores_of_b + cols, tl.where(counted, scores, float("-inf")), mask=cols < last)
+    uncounted = first + tl.cdiv(tl.maximum(count - first, 0), BLOCK_C) * BLOCK_C
+    for start in range(uncounted, last, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        tl.store(scores_of_b + cols, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=cols < last)

@@ -1,0 +1,89 @@
+"""Decode indexer scores as one Triton kernel: the `decode_indexer_scores` op family (contract and math:
+`megatron_dsa.ops.indexer.decode_indexer_scores`).
+
+A decode step scores one query row per sequence against that sequence's cached compressed keys, which the
+inference cache keeps contiguous (`[B, C, DI]`): the kernel reads them where they lie, with no candidate ids
+and no gathered copy. The training kernel (`indexer.py`) would need a `[B, C]` id matrix and tiles rows
+of many queries against shared keys; here every sequence has one query, so each key is read once and used
+once, and the read of the keys sets the time (B = 32 sequences of 32768 keys of 128 bf16 values: 268 MB,
+about 56 µs at an H200's 4.8 TB/s).
+
+Grid `(B, column ranges)`: one sequence has too few keys to fill the GPU with one program, so each sequence's
+columns are cut into ranges, from the shapes alone (never from the counts, so a captured CUDA graph serves
+every step): about `PROGRAMS_PER_SM` programs per multiprocessor, each a whole number of `BLOCK_C`-key steps.
+Ranges past a sequence's count only write −inf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
+from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
+from megatron_dsa.ops.indexer import check_decode_indexer_inputs
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Keys per step: a [128, 128] bf16 tile is 32 KiB, three pipeline stages of it fit in shared memory with room
+# for a second program per multiprocessor; float32 tiles take twice the bytes and registers, so half the keys.
+BLOCK_C = {torch.float32: 64, torch.bfloat16: 128, torch.float16: 128}
+# Programs per multiprocessor the column ranges aim at: a few resident at once keep enough key loads in flight
+# to cover memory latency, and more, shorter ranges shrink the last wave's idle tail.
+PROGRAMS_PER_SM = 8
+STAGES = 3
+WARPS = 4
+INTERPRETER_BLOCK_C = 16  # several steps per range even on the tests' small caches
+INTERPRETER_PROGRAMS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def column_ranges(batch: int, columns: int, block_c: int, device: torch.device) -> int:
+    """Column ranges per sequence (the grid's second axis), from the shapes alone (module docstring)."""
+    target = INTERPRETER_PROGRAMS if device.type != "cuda" else PROGRAMS_PER_SM * _multiprocessors(device)
+    return max(1, min(cdiv(target, batch), cdiv(columns, block_c)))
+
+
+def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor, scale: float,
+                          ranges: Optional[int] = None) -> Tensor:
+    """The `decode_indexer_scores` contract (`ops.indexer.decode_indexer_scores`) → `[B, C]` float32, −inf past
+    each sequence's count. `ranges` overrides the column ranges per sequence (tests; default `column_ranges`)."""
+    check_decode_indexer_inputs(q, keys, weights, counts)
+    if q.dtype not in SUPPORTED_DTYPES or keys.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"triton decode indexer runs {[str(d) for d in SUPPORTED_DTYPES]}, got q {q.dtype} and "
+                        f"keys {keys.dtype}")
+    require_triton(q.device, "decode indexer", "q's device")
+    batch, heads, dim = q.shape
+    width = keys.shape[1]
+    scores = torch.empty((batch, width), dtype=torch.float32, device=q.device)
+    if scores.numel() == 0:
+        return scores
+    block_c = INTERPRETER_BLOCK_C if interpreting() else BLOCK_C[q.dtype]
+    ranges = column_ranges(batch, width, block_c, q.device) if ranges is None else ranges
+    if ranges < 1:
+        raise ValueError(f"triton decode indexer: ranges must be >= 1, got {ranges}")
+    per_range = cdiv(cdiv(width, ranges), block_c) * block_c
+    with _on_device(q.device):
+        launcher(_kernels().decode_indexer_scores_kernel)[(batch, cdiv(width, per_range))](
+            q.contiguous(), keys.contiguous(), weights.contiguous(), counts.contiguous(), scores, width, heads, dim,
+            per_range, float(scale), BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_DOT), BLOCK_C=block_c,
+            PRECISION=dot_precision(q.dtype), num_warps=WARPS, num_stages=STAGES)
+    return scores
+
+
+def _kernels():
+    from megatron_dsa.backends.triton_kernels import _decode_indexer_kernels
+
+    return _decode_indexer_kernels
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

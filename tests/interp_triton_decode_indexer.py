@@ -1,0 +1,86 @@
+"""Triton decode indexer scores in the CPU interpreter against the reference (`ops.indexer.decode_indexer_scores`,
+fp32): ragged counts (none, part of a step, every key, more than the cache holds), heads and dims that pad to
+the next power of two, one and several column ranges, keys kept in another dtype than the queries; and decode
+steps of a C layer whose indexer runs the kernel against the same steps through the reference op (the reference
+decode equals the full forward in float64: tests/test_decoding.py).
+
+Not collected by the default suite: `test_triton_decode_indexer.py` runs this file in a child process under the
+interpreter (`triton_support.run_interpreted` says why). Tolerance: fp32 kernel vs fp32 reference differ only
+in summation order, atol 1e-5 / rtol 1e-5 on scores of order 1-10.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dsa.backends import call_counts, reset_call_counts
+from megatron_dsa.backends.triton_kernels.decode_indexer import decode_indexer_scores as triton_scores
+from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.layers.kinds import build_attention
+from megatron_dsa.ops.indexer import decode_indexer_scores as reference_scores
+from interp_triton_decode_attention import decoding_config
+from triton_support import interpreter  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("interpreter")
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def scores_inputs(heads: int, dim: int, width: int = 37, seed: int = 0):
+    """Five sequences over a 37-key cache (steps of 16 keys: two whole, one partial): no key yet, a partial first
+    step, a count ending inside a later step, every key, and a count past the cache (it counts as every key)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.tensor([0, 5, 21, width, width + 4])
+    return (torch.randn(5, heads, dim, generator=g), torch.randn(5, width, dim, generator=g),
+            torch.randn(5, heads, generator=g), counts)
+
+
+@pytest.mark.parametrize("heads, dim", [(4, 16), (3, 24), (20, 32)], ids=["h4_d16", "h3_d24_padded", "h20_d32"])
+@pytest.mark.parametrize("ranges", [1, 3, None], ids=["one_range", "three_ranges", "default_ranges"])
+def test_op_matches_reference(heads, dim, ranges):
+    q, keys, weights, counts = scores_inputs(heads, dim)
+    expected = reference_scores(q, keys, weights, counts, 0.37)
+    got = triton_scores(q, keys, weights, counts, 0.37, ranges=ranges)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))  # −inf exactly past each count
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_keys_in_another_dtype_are_read_in_the_query_dtype():
+    q, keys, weights, counts = scores_inputs(4, 16)
+    half = keys.half()
+    torch.testing.assert_close(triton_scores(q, half, weights, counts, 0.37),
+                               reference_scores(q, half, weights, counts, 0.37), **TOL)
+
+
+def test_an_empty_cache_and_an_empty_batch():
+    q, keys, weights, counts = scores_inputs(4, 16)
+    assert triton_scores(q, keys[:, :0], weights, counts, 0.37).shape == (5, 0)
+    assert triton_scores(q[:0], keys[:0], weights[:0], counts[:0], 0.37).shape == (0, 37)
+
+
+@torch.no_grad()
+def test_decode_steps_with_the_triton_indexer_match_the_reference_decode():
+    """Prefill (reference path) then one token at a time through a C layer whose indexer scores run the Triton
+    kernel (counted), against the same steps through the reference op: the same picks every step, outputs to
+    fp32 rounding."""
+    config = decoding_config("C")
+    torch.manual_seed(0)
+    reference = build_attention(config.replace(attention_backend="unfused"), kind="C").eval()
+    fused = build_attention(config.replace(attention_backend_overrides={"decode_indexer_scores": "triton"}),
+                            kind="C").eval()
+    fused.load_state_dict(reference.state_dict())
+    hidden = torch.randn(30, 3, config.hidden_size)
+    outputs, picks = [], []
+    for layer in (reference, fused):
+        cache = LayerCache.for_layer(layer, 3, 30)
+        steps, chosen = [layer(hidden[:6], inference_cache=cache)[0]], []
+        reset_call_counts()
+        for t in range(6, 30):
+            steps.append(layer(hidden[t:t + 1], inference_cache=cache)[0])
+            chosen.append(layer.core_attention.last_decode_picks)
+        outputs.append(torch.cat(steps))
+        picks.append(torch.stack(chosen))
+    assert call_counts()[("triton", "decode_indexer_scores")] == 24
+    assert torch.equal(picks[1], picks[0]) and (picks[0] >= 0).any()
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=1e-4)

@@ -1,0 +1,97 @@
+"""Decode indexer scores (`ops.indexer.decode_indexer_scores`, the Triton kernel
+`backends/triton_kernels/decode_indexer.py`): one query row per cached sequence against its own compressed keys.
+
+The CPU cases of the kernel run in the Triton interpreter in a child process (`interp_triton_decode_indexer.py`;
+`triton_support.py` says why a child process). Here: dispatch (auto on the CPU, an explicit request that cannot
+run, the counters of a decode step) and the GPU test (`gpu` marker) with its tolerance stated where it is used.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dsa.backends import BackendUnavailableError, call_counts, reset_call_counts
+from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.layers.kinds import build_attention
+from megatron_dsa.ops.indexer import decode_indexer_scores as reference_scores
+from interp_triton_decode_attention import decoding_config
+from triton_support import compile_for_sm90, ptxas_report, run_interpreted, without_interpreter  # noqa: F401
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_interpreter_cases():
+    """The kernel against the reference op, and C-layer decode steps through it against the reference decode
+    (fp32, interpreter), in a child process."""
+    run_interpreted("interp_triton_decode_indexer.py")
+
+
+def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(tmp_path):
+    """The bf16 kernel at dsv4 indexer dims compiles for sm_90a as a launch specialises it (triton bundles ptxas):
+    its dots run on wgmma, the key loads are pipelined (cp.async), nothing spills, and its shared memory lets two
+    programs share a multiprocessor (228 KiB per SM, 1 KiB of it reserved per program)."""
+    from megatron_dsa.backends.triton_kernels import _decode_indexer_kernels as kernels
+    from megatron_dsa.backends.triton_kernels import decode_indexer
+
+    signature = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*bf16", counts_ptr="*i64", out_ptr="*fp32", C="i32",
+                     HI="i32", DI="i32", COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr",
+                     BLOCK_D="constexpr", BLOCK_C="constexpr", PRECISION="constexpr")
+    constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=decode_indexer.BLOCK_C[torch.bfloat16], PRECISION="tf32")
+    compiled = compile_for_sm90(kernels, "decode_indexer_scores_kernel", signature, constexprs, decode_indexer.WARPS,
+                                decode_indexer.STAGES)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    assert "0 bytes spill stores" in ptxas_report(ptx, tmp_path)
+    assert 2 * (compiled.metadata.shared + 1024) <= 228 * 1024, compiled.metadata.shared
+
+
+def test_auto_scores_a_decode_step_through_the_reference_op_on_cpu():
+    """Each decode step of a C layer scores the cached keys once, through the decode family (the training
+    family's candidate ids are never built)."""
+    layer = build_attention(decoding_config("C"), kind="C").eval()
+    cache = LayerCache.for_layer(layer, 2, 12)
+    hidden = torch.randn(12, 2, layer.config.hidden_size)
+    with torch.no_grad():
+        layer(hidden[:5], inference_cache=cache)
+        reset_call_counts()
+        for t in range(5, 12):
+            layer(hidden[t:t + 1], inference_cache=cache)
+    counts = call_counts()
+    assert counts[("unfused", "decode_indexer_scores")] == 7 and counts[("unfused", "topk")] == 7
+    assert not any(op == "indexer_scores" for _, op in counts)
+
+
+def test_an_explicit_triton_request_that_cannot_run_says_why(without_interpreter, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = decoding_config("C").replace(attention_backend_overrides={"decode_indexer_scores": "triton"})
+    with pytest.raises(BackendUnavailableError, match="'triton' cannot run decode_indexer_scores: tensors on cpu"):
+        build_attention(config, kind="C")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bf16_triton_decode_scores_match_the_float64_reference_on_the_gpu():
+    """dsv4-flash indexer dims (HI = 64, DI = 128, a 32k-entry cache: 128k tokens at ratio 4), 8 sequences with
+    ragged counts (none, part of a step, all), default column ranges; bf16 kernel against the float64 reference
+    on the same bf16-rounded inputs.
+
+    Tolerance per score: 2⁻¹⁴ · M with M = scale · Σ_h |w_h| Σ_d |q_hd k_d| (float64). The products of bf16
+    values are exact in fp32; the dot's 128 and the heads' 64 fp32 additions err by at most
+    ~(128 + 64) · 2⁻²⁴ · M ≈ 2⁻¹⁶·⁴ · M. A dropped head or a wrong key moves a score by a fair fraction of M."""
+    from megatron_dsa.backends.triton_kernels.decode_indexer import decode_indexer_scores as triton_scores
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batch, heads, dim, width = 8, 64, 128, 32768
+    q = torch.randn(batch, heads, dim, device="cuda", generator=g).bfloat16()
+    keys = torch.randn(batch, width, dim, device="cuda", generator=g).bfloat16()
+    weights = torch.randn(batch, heads, device="cuda", generator=g).bfloat16() * heads ** -0.5
+    counts = torch.tensor([0, 1, 100, 129, 16000, width - 1, width, width], device="cuda")
+    scale = dim ** -0.5
+    got = triton_scores(q, keys, weights, counts, scale)
+    expected = reference_scores(q.double(), keys.double(), weights.double(), counts, scale)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    magnitude = torch.einsum("bh,bhd,bjd->bj", weights.double().abs() * scale, q.double().abs(), keys.double().abs())
+    error = (got.double() - expected).abs()[finite]
+    assert (error <= 2 ** -14 * magnitude[finite]).all(), float((error / magnitude[finite]).max())
