@@ -4,8 +4,10 @@ dispatches."""
 
 from __future__ import annotations
 
+import ast
 import logging
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import pytest
@@ -186,6 +188,24 @@ def test_a_layout_is_remembered_as_what_probes_see_of_it(clean_registry: None) -
     for layout in (TokenLayout.uniform(2, 4, cpu), TokenLayout.uniform(2, 4, cpu), packed, packed):
         assert resolve(dense, head_dim=64, layout=layout)[0] == "fake"
     assert [call["layout"] for call in asked] == [HostLayout((2, 4)), HostLayout(None)]
+
+
+ADAPTERS = ("cudnn", "flash_attn", "flashmla", "torch_sdpa", "triton", "unfused")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_an_adapter_imports_no_other_adapter(adapter: str) -> None:
+    """Backends share rules through the registry, `probes` and the layout glue, never through each other's
+    modules (so one backend's rules live in one place)."""
+    source = Path(registry.__file__).with_name(f"{adapter}.py").read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+    others = {f"megatron_dsa.backends.{name}" for name in ADAPTERS if name != adapter}
+    assert not imported & others, sorted(imported & others)
 
 
 # ---------------------------------------------------------------- typed call descriptions
