@@ -120,7 +120,7 @@ def register_baseline_backend(batch: int, device: torch.device, dtype: torch.dty
                  OpFamily.SPARSE_ATTENTION_BWD: partial(dense_masked_sparse_attention_backward, batch=batch),
                  OpFamily.DENSE_ATTENTION: dense_masked_causal_attention}
     ops = {op: attention.get(op) or resolve(op, AUTO, device=device, dtype=dtype)[1] for op in OpFamily}
-    register_backend(Backend(name=BASELINE_BACKEND, priority=-1, ops=ops))  # `auto` never picks it
+    register_backend(Backend(name=BASELINE_BACKEND, ops=ops))  # in no `AUTO_ORDER` row: `auto` never picks it
 
 
 # ---------------------------------------------------------------- measurement

@@ -121,12 +121,14 @@ def unfused_calls(p: Problem) -> tuple[Callable[[], object], Callable[[], object
 def vendor_calls(p: Problem) -> dict[str, Callable[[], object]]:
     """The vendor yardsticks that run here, by pass (each says once why it is missing otherwise)."""
     call = sparse_call(p.query, p.kv, p.indices)
-    ops = {"fwd": OpFamily.SPARSE_ATTENTION_FWD, "bwd": OpFamily.SPARSE_ATTENTION_BWD}
+    requests = {"fwd": (OpFamily.SPARSE_ATTENTION_FWD, call),
+                "bwd": (OpFamily.SPARSE_ATTENTION_BWD, {**call, "lse_grad": False})}
     calls = {}
     out, lse = sparse_attention_forward(p.query, p.kv, p.indices, p.sink, p.scale)
     for phase, backend in VENDORS.items():
+        op, description = requests[phase]
         try:
-            _, kernel = resolve(ops[phase], backend, **call, lse_grad=False)
+            _, kernel = resolve(op, backend, **description)
         except BackendUnavailableError as error:
             print(f"no {phase} yardstick: {error}", file=sys.stderr)
             continue

@@ -3,7 +3,8 @@
     train     the main training job (`python -m megatron_dsa.train`, same arguments)
     convert   convert attention checkpoints (`python -m megatron_dsa.convert`, same arguments)
     generate  sample from a trained checkpoint (`python -m megatron_dsa.generate`, same arguments)
-    info      versions, the device, the layer kinds, and which kernel backend can run which op family here
+    info      versions, the device, the layer kinds, which kernel backend can run which op family here,
+              and the order `auto` tries them in
 
 `train`, `convert` and `generate` hand their arguments to their module's own parser, so each option is
 defined once and `megatron-dsa train --help` is the module's help.
@@ -179,6 +180,25 @@ def wrap(text: str, width: int, indent: str) -> list[str]:
     return textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False) or [""]
 
 
+def describe_auto_order(width: int = WIDTH) -> list[str]:
+    """`AUTO_ORDER` (per op family, the backends `auto` asks, first to last) and the one `auto` picks for a
+    call on this machine's device, before the per-call rules (dtype, head dims, layout) have their say."""
+    from megatron_dsa.backends import AUTO, BackendUnavailableError, OpFamily, auto_order, resolve
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    rows = []
+    for op in OpFamily:
+        try:
+            here = resolve(op, AUTO, device=device)[0]
+        except BackendUnavailableError:
+            here = "none"
+        rows.append((op.value, " > ".join(auto_order(op)), here))
+    table = format_table(("op family", "auto tries, first to last", f"picks on {device}"), rows)
+    return ["auto's order per op family (the first backend that accepts a call runs it; the pick shown here",
+            "may still change per call with its dtype, head dims or layout):",
+            *(shorten("  " + line, width) for line in table.splitlines())]
+
+
 def describe_info(verbose: bool = False, width: int = WIDTH) -> str:
     """What `megatron-dsa info` prints: every line fits `width` columns."""
     from megatron_dsa.backends import availability_table
@@ -192,9 +212,11 @@ def describe_info(verbose: bool = False, width: int = WIDTH) -> str:
     if not verbose:
         lines.append("kernel backends: what each can run here (--verbose: versions, full reasons, kernels)")
         lines += summarise_backends(rows, width)
+        lines += ["", *describe_auto_order(width)]
         return "\n".join(lines)
     lines.append("kernel backends, their versions, and per op family whether each can run here:")
     lines += detail_backends(rows, width)
+    lines += ["", *describe_auto_order(width)]
     for section in (describe_generations(), describe_hopper_kernels()):
         lines.append("")
         for line in section.splitlines():

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 import megatron_dsa.backends.triton_kernels.sparse_attention as triton_sparse
+from megatron_dsa.backends import reset_call_counts, variant_counts
 from megatron_dsa.backends.triton_kernels.sparse_attention import (
     sparse_attention_backward,
     sparse_attention_forward,
@@ -87,6 +88,16 @@ def test_matches_reference(rows, heads, dim, width, kv_rows, grad_lse_given):
     query, kv, indices, sink = make_inputs(rows, heads, dim, width, kv_rows)
     indices[rows // 2] = -1  # one row without any valid index
     assert_matches_reference(query, kv, indices, sink, dim ** -0.5, grad_lse_given)
+
+
+def test_the_portable_kernels_run_here_and_are_counted_as_such():
+    """The interpreter cannot run the Gluon kernels: each pass runs the portable one, and the call counter
+    of the `triton` backend's variants says so."""
+    query, kv, indices, sink = make_inputs(6, 4, 16, 5, 9)
+    reset_call_counts()
+    run_triton(query, kv, indices, sink, 0.3, torch.randn_like(query), None)
+    assert variant_counts() == {("triton", "sparse_attention_fwd", "portable"): 1,
+                                ("triton", "sparse_attention_bwd", "portable"): 1}
 
 
 def test_wide_kv_offsets_match_reference(monkeypatch):

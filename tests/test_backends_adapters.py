@@ -30,6 +30,7 @@ from megatron_dsa.backends import (
     registry,
     reset_call_counts,
     resolve,
+    variant_counts,
 )
 from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.ops.dense_attention import block_attention_backward, block_attention_forward, causal_attention
@@ -67,6 +68,7 @@ def vendors(monkeypatch: pytest.MonkeyPatch):
     """Fresh registry state and probe caches; no vendor package importable unless a test installs one."""
     monkeypatch.setattr(registry, "_LOGGED_CHOICES", set())
     monkeypatch.setattr(registry, "_CALL_COUNTS", Counter())
+    monkeypatch.setattr(registry, "_VARIANT_COUNTS", Counter())
     for name in ("cudnn", "flash_mla", "flash_attn", "flash_attn.cute", "flash_attn.cute.interface",
                  "flash_attn.flash_attn_interface", "flash_attn_interface", "triton"):
         install(monkeypatch, name, None)
@@ -720,6 +722,8 @@ def test_fa4_block_glue_matches_the_reference(vendors, rows, keys, causal) -> No
     for a, b in zip(got, reference):
         torch.testing.assert_close(a, b.to(torch.bfloat16).float(), rtol=0, atol=0)
     assert backward_calls[-1]["causal"] is causal
+    assert variant_counts() == {("flash_attn", "dense_attention_block_fwd", "fa4"): 1,
+                                ("flash_attn", "dense_attention_block_bwd", "fa4"): 1}
 
 
 def test_block_ops_decline_with_reasons_and_auto_falls_back(vendors, caplog) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.__main__ import main
-from megatron_dsa.backends import BackendUnavailableError, OpFamily, probes, resolve
+from megatron_dsa.backends import BackendUnavailableError, OpFamily, probes, registry, resolve, variant_counts
 from megatron_dsa.backends.flash_attn import (
     FLASH_ATTENTION_2,
     FLASH_ATTENTION_3,
@@ -129,6 +129,7 @@ def test_generations_are_tried_fa4_then_fa3_then_fa2(vendors) -> None:
         attend(q, k, v, layout, 0.3)
         assert {key: len(value) - before[key] for key, value in calls.items()} == {
             key: int(key == name) for key in calls}, name
+        assert variant_counts().get(("flash_attn", DENSE.value, name.lower()), 0) == 1, variant_counts()
         installed(vendors, {module: None})
     assert calls["FA4"][0]["max_seqlen"] == layout.max_seqlen  # FA4 keeps the given bound (dense_layout)
 
@@ -228,15 +229,16 @@ def test_the_self_test_runs_once_per_call_class_and_keeps_the_random_state(vendo
 
 
 def test_a_verdict_kept_before_a_capture_serves_inside_it(vendors) -> None:
-    """The M layer's call description holds its layout, so the dispatcher asks the probe again during a
-    CUDA-graph capture: the warm-up step's verdict must answer there (a decline would switch kernels,
-    or fail an explicit `flash_attn`), and a class first seen inside the capture declines unkept."""
+    """Where the dispatcher asks the probe again during a CUDA-graph capture (a choice it does not
+    remember), the warm-up step's verdict must answer there (a decline would switch kernels, or fail an
+    explicit `flash_attn`), and a class first seen inside the capture declines unkept."""
     calls: list = []
     installed(vendors, fake_flash_attn_3(calls))
     on_gpu_generation(vendors, (9, 0))
     call = dense_call(bf16_problem([3, 5], [4, 6], tail=2)[0])
     assert resolve(DENSE, "flash_attn", **call)[0] == "flash_attn"
     vendors.setattr(probes, "capturing", lambda device: True)
+    registry.forget_choices()  # the probe itself answers inside the capture
     assert resolve(DENSE, "flash_attn", **call)[0] == "flash_attn"
     with pytest.raises(BackendUnavailableError, match="while a CUDA graph is captured"):
         resolve(DENSE, "flash_attn", **{**call, "dtype": torch.float16})

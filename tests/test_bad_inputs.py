@@ -422,7 +422,7 @@ def test_dispatch_of_unknown_backend_names_the_choices():
 
 def test_reserved_backend_name():
     with pytest.raises(ValueError, match="'auto' is reserved"):
-        registry.register_backend(registry.Backend(name="auto", priority=0))
+        registry.register_backend(registry.Backend(name="auto"))
 
 
 # ================================================================== main-job checkpoints and CLI

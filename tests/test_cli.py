@@ -159,6 +159,10 @@ def test_info_fits_a_100_column_terminal(verbose: bool, capsys: pytest.CaptureFi
     assert all(re.search(rf"^ *{name}\b", out, re.M) for name in backends), out
     detail = "triton sparse attention forward and backward (bf16, 64 heads, D = 512):"
     assert (detail in out) == verbose
+    # auto's order table, one row per op family, with its pick for a call on this machine's device
+    assert re.search(r"^  sparse_attention_fwd +flashmla > cudnn > triton > unfused +\w+$", out, re.M), out
+    assert re.search(r"^  dense_attention +flash_attn > cudnn > torch_sdpa > unfused +\w+$", out, re.M), out
+    assert torch.cuda.is_available() or re.search(r"^  rope +triton > unfused +unfused$", out, re.M), out
 
 
 def test_info_on_a_cuda_build_without_a_device_does_not_contradict_itself(monkeypatch: pytest.MonkeyPatch) -> None:

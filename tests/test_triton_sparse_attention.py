@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 import megatron_dsa.backends.triton_kernels.sparse_attention as triton_sparse
+from megatron_dsa.backends import OpFamily, variant_counts
 from megatron_dsa.backends.triton_kernels.sparse_attention import sparse_attention_forward
 from cuda_graphs import capture
 from interp_triton_sparse_attention import NAMES, make_inputs, reference, run_triton
@@ -228,7 +230,14 @@ def realistic_indices(rows: int, window: int, topk: int, ratio: int = 4, device:
     return torch.cat([win, top], 1).to(torch.int32), rows + entries
 
 
-KERNEL_CALLS = (triton_sparse.FORWARD_KERNEL_CALLS, triton_sparse.BACKWARD_KERNEL_CALLS)
+PASSES = (OpFamily.SPARSE_ATTENTION_FWD, OpFamily.SPARSE_ATTENTION_BWD)
+HOPPER, PORTABLE = triton_sparse.HOPPER_VARIANT, triton_sparse.PORTABLE_VARIANT
+
+
+def kernel_runs(op: OpFamily) -> Counter:
+    """Runs of each Triton sparse-attention kernel of `op` so far, by variant (Gluon Hopper or portable)."""
+    return Counter({variant: runs for (backend, family, variant), runs in variant_counts().items()
+                    if backend == triton_sparse.BACKEND and family == op.value})
 
 
 def cosine(a: Tensor, b: Tensor) -> float:
@@ -258,13 +267,13 @@ def test_gpu_matches_fp32_reference(dtype, rows, heads, dim, window, topk):
     grad_lse = torch.randn(rows, heads, device="cuda")
     scale = dim ** -0.5
 
-    before = [counter.copy() for counter in KERNEL_CALLS]
+    before = [kernel_runs(op) for op in PASSES]
     got = run_triton(query, kv, indices, sink, scale, grad_out, grad_lse)
     # The Hopper (Gluon) kernels serve bf16, 64-head blocks and D = 512 on sm_90; the rest is portable.
     hopper = (torch.cuda.get_device_capability()[0] == 9 and dtype == torch.bfloat16 and heads % 64 == 0
               and dim == 512)
-    for counter, earlier in zip(KERNEL_CALLS, before):
-        assert counter - earlier == {("hopper" if hopper else "portable"): 1}, counter - earlier
+    for op, earlier in zip(PASSES, before):
+        assert kernel_runs(op) - earlier == {(HOPPER if hopper else PORTABLE): 1}, kernel_runs(op) - earlier
     expected = reference(query.float(), kv.float(), indices, sink, scale, grad_out.float(), grad_lse)
     assert got[0].dtype == dtype and got[3].dtype == dtype and got[4].dtype == torch.float32
     out, lse = got[:2]
@@ -322,11 +331,11 @@ def test_gpu_hopper_backward_matches_portable(heads, window, topk, with_lse_grad
     def backward() -> tuple[Tensor, ...]:
         return triton_sparse.sparse_attention_backward(query, kv, indices, sink, scale, out, lse, grad_out, grad_lse)
 
-    before = triton_sparse.BACKWARD_KERNEL_CALLS.copy()
+    before = kernel_runs(OpFamily.SPARSE_ATTENTION_BWD)
     hopper = backward()
     with triton_sparse.portable_kernels():
         portable = backward()
-    assert triton_sparse.BACKWARD_KERNEL_CALLS - before == {"hopper": 1, "portable": 1}
+    assert kernel_runs(OpFamily.SPARSE_ATTENTION_BWD) - before == {HOPPER: 1, PORTABLE: 1}
     assert torch.equal(hopper[0][:5].float(), torch.zeros_like(hopper[0][:5].float()))  # rows without keys
     # Both round the same fp32 sums to bf16 (dq, dkv); only the fp32 summation order differs (the kv
     # gradient's atomics, in another order): cosine >= 0.99999 and relative norm error <= 2e-3 (a few bf16
@@ -348,11 +357,11 @@ def test_gpu_hopper_forward_matches_portable(heads, window, topk):
     """Metamorphic: the Hopper (Gluon) forward equals the portable Triton forward on the same inputs,
     including duplicate ids, -1 padding, ids past M and rows without any valid id."""
     query, kv, indices, sink, scale = hopper_case("forward", heads, window, topk)
-    before = triton_sparse.FORWARD_KERNEL_CALLS.copy()
+    before = kernel_runs(OpFamily.SPARSE_ATTENTION_FWD)
     out, lse = sparse_attention_forward(query, kv, indices, sink, scale)
     with triton_sparse.portable_kernels():
         portable_out, portable_lse = sparse_attention_forward(query, kv, indices, sink, scale)
-    assert triton_sparse.FORWARD_KERNEL_CALLS - before == {"hopper": 1, "portable": 1}
+    assert kernel_runs(OpFamily.SPARSE_ATTENTION_FWD) - before == {HOPPER: 1, PORTABLE: 1}
     assert torch.equal(out[:5].float(), torch.zeros_like(out[:5].float()))  # rows without keys
     assert torch.isinf(lse[:5]).all() and torch.isfinite(lse[5:]).all()
     # The LSE is an fp32 sum of fp32 exponentials in both, in another order: 1e-5 relative.
@@ -379,10 +388,10 @@ def test_gpu_hopper_kernels_replay_in_a_cuda_graph():
         return (out, lse, *triton_sparse.sparse_attention_backward(query, kv, indices, sink, scale, out, lse,
                                                                     grad_out, None))
 
-    before = [counter.copy() for counter in KERNEL_CALLS]
+    before = [kernel_runs(op) for op in PASSES]
     graph, captured = capture(step, warmup=2)
-    for counter, earlier in zip(KERNEL_CALLS, before):
-        assert counter - earlier == {"hopper": 3}, counter - earlier  # two warm-up calls and the captured one
+    for op, earlier in zip(PASSES, before):  # two warm-up calls and the captured one
+        assert kernel_runs(op) - earlier == {HOPPER: 3}, kernel_runs(op) - earlier
     for tensor in (query, kv, sink, grad_out):
         tensor.copy_(torch.randn_like(tensor))
     graph.replay()

@@ -6,23 +6,33 @@ from megatron_dsa.backends import cudnn, flash_attn, flashmla, torch_sdpa, trito
 from megatron_dsa.backends import library  # noqa: F401
 from megatron_dsa.backends.registry import (
     AUTO,
+    AUTO_ORDER,
+    FAMILY_KEYS,
     Backend,
-    BackendUnavailableError,
     BackendSelector,
+    BackendUnavailableError,
+    CallDescriptionError,
     OpFamily,
     Requested,
+    auto_order,
     availability_table,
     call_counts,
+    check_auto_order,
     check_backend_choice,
     dispatch,
     register_backend,
     registered_backends,
     reset_call_counts,
     resolve,
+    set_auto_order,
+    variant_counts,
 )
 
+check_auto_order()  # every built-in backend has its place in `AUTO_ORDER`, and only those that implement a family
+
 __all__ = [
-    "AUTO", "Backend", "BackendSelector", "BackendUnavailableError", "OpFamily", "Requested",
-    "availability_table", "call_counts", "check_backend_choice", "dispatch", "register_backend",
-    "registered_backends", "reset_call_counts", "resolve",
+    "AUTO", "AUTO_ORDER", "FAMILY_KEYS", "Backend", "BackendSelector", "BackendUnavailableError",
+    "CallDescriptionError", "OpFamily", "Requested", "auto_order", "availability_table", "call_counts",
+    "check_backend_choice", "dispatch", "register_backend", "registered_backends", "reset_call_counts", "resolve",
+    "set_auto_order", "variant_counts",
 ]

@@ -38,17 +38,16 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_dsa.backends import probes
-from megatron_dsa.backends.flash_attn import dense_problem
+from megatron_dsa.backends.dense_layout import batched_dense_attention
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.backends.sparse_layout import (
-    INT32_ROWS,
     empty_rows,
     heads_problem,
     kernel_ids,
+    kv_rows_problem,
     pad_heads,
     padded_heads,
 )
-from megatron_dsa.backends.torch_sdpa import batched_dense_attention, layout_problem
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl_per_row
 from megatron_dsa.backends.triton_kernels.kl_slots import kl_slots as triton_kl_slots
@@ -150,15 +149,22 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
     return grad_query, result["dkv"].to(kv.dtype), result["d_sink"][:heads].to(sink.dtype)
 
 
+def _sparse_problem(call: Mapping[str, Any]) -> Optional[str]:
+    """What the sparse forward and backward kernels share: bf16/fp16, D = 512 (the D = 576 mode uses only
+    512 dims as V), 64/128 heads, int32 ids."""
+    heads = call.get("heads")
+    return probes.first_problem(
+        probes.dtype_problem(call, (torch.bfloat16, torch.float16)),
+        probes.head_dim_problem(call, SPARSE_HEAD_DIM),
+        heads_problem(heads) if heads is not None else None,
+        kv_rows_problem(call),
+    )
+
+
 def _sparse_backward_problem(call: Mapping[str, Any]) -> Optional[str]:
-    head_dim, heads = call.get("head_dim"), call.get("heads")
     return probes.first_problem(
         "the kernel has no lse-gradient input (lse_grad needed)" if call.get("lse_grad") else None,
-        probes.dtype_problem(call, (torch.bfloat16, torch.float16)),
-        f"head dim {head_dim} unsupported (needs {SPARSE_HEAD_DIM})"
-        if head_dim is not None and head_dim != SPARSE_HEAD_DIM else None,
-        heads_problem(heads) if heads is not None else None,
-        f"{call['kv_rows']} kv rows exceed int32 ids" if call.get("kv_rows", 0) > INT32_ROWS else None,
+        _sparse_problem(call),
     )
 
 
@@ -205,9 +211,7 @@ def _sparse_forward_problem(call: Mapping[str, Any]) -> Optional[str]:
     call names its class). The kernel has no top-k limit (its wrapper takes any number of slots)."""
     return probes.first_problem(
         probes.gpu_problem(call, (10,), "cuDNN's sparse forward (built for SM100 only)"),
-        # The same dtypes, D = 512 (its D = 576 mode uses 512 dims as V), 64/128 heads and int32 ids as
-        # the backward (whose lse-gradient clause a forward call never sets).
-        _sparse_backward_problem(call),
+        _sparse_problem(call),
     ) or _self_test_problem(call)
 
 
@@ -318,14 +322,13 @@ def _visible_counts(visible: UniformVisibleRows, device: torch.device) -> Tensor
 
 
 def _indexer_scores_problem(call: Mapping[str, Any]) -> Optional[str]:
-    heads, head_dim, ratio = call.get("heads"), call.get("head_dim"), call.get("ratio")
+    heads, ratio = call.get("heads"), call.get("ratio")
     return probes.first_problem(
         # Unknown (no call yet: the layer-construction check) is not a decline; a call without it is.
         "needs the uniform visible-entry structure (only the selection of a uniform batch has it; the "
         "kernel scores whole sequences)" if call.get("visible") is False else None,
         probes.dtype_problem(call, (torch.bfloat16,)),
-        f"indexer head dim {head_dim} unsupported (needs {INDEXER_HEAD_DIM})"
-        if head_dim is not None and head_dim != INDEXER_HEAD_DIM else None,
+        probes.head_dim_problem(call, INDEXER_HEAD_DIM, "indexer head dim"),
         f"{heads} indexer heads unsupported (needs one of {INDEXER_FORWARD_HEADS})"
         if heads is not None and heads not in INDEXER_FORWARD_HEADS else None,
         # A 32-head tile packs 4 query rows but masks only its last 64-key block per element: below ratio
@@ -454,13 +457,12 @@ def kl_slots(candidates: Tensor, keys: int, student: Tensor, target: Tensor, gra
 
 
 def _indexer_kl_problem(call: Mapping[str, Any]) -> Optional[str]:
-    heads, head_dim, topk = call.get("heads"), call.get("head_dim"), call.get("topk")
+    heads, topk = call.get("heads"), call.get("topk")
     return probes.first_problem(
         "the dense indexer loss (the kernel scores selected slots; Megatron refuses cuDNN's SM90 dense "
         "path as unreliable)" if call.get("dense") else None,
         probes.dtype_problem(call, (torch.bfloat16,)),
-        f"indexer head dim {head_dim} unsupported (needs {INDEXER_HEAD_DIM})"
-        if head_dim is not None and head_dim != INDEXER_HEAD_DIM else None,
+        probes.head_dim_problem(call, INDEXER_HEAD_DIM, "indexer head dim"),
         f"{heads} indexer heads: more than {INDEXER_MIN_HEADS} not validated"
         if heads is not None and heads > INDEXER_MIN_HEADS else None,
         f"top-k {topk} exceeds the kernel's maximum {TOPK_MAX}" if topk is not None and topk > TOPK_MAX else None,
@@ -525,7 +527,7 @@ def indexer_loss(student_scores: Tensor, query: Tensor, kv: Tensor, candidates: 
 
 
 def _teacher_problem(call: Mapping[str, Any]) -> Optional[str]:
-    heads, head_dim, topk, ranks = call.get("heads"), call.get("head_dim"), call.get("topk"), call.get("tp_size")
+    heads, topk, ranks = call.get("heads"), call.get("topk"), call.get("tp_size")
     capability = probes.cuda_capability(call.get("device"))
     return probes.first_problem(
         "SM90 only (the SM100 target kernel zeroes rows whose selected mass is <= 1e-10; ours normalises "
@@ -535,8 +537,7 @@ def _teacher_problem(call: Mapping[str, Any]) -> Optional[str]:
         f"heads split over {ranks} tensor-parallel ranks (the kernel normalises each rank's target before "
         "the head sum over ranks)" if ranks is not None and ranks > 1 else None,
         probes.dtype_problem(call, (torch.bfloat16,)),
-        f"head dim {head_dim} unsupported (needs {SPARSE_HEAD_DIM})"
-        if head_dim is not None and head_dim != SPARSE_HEAD_DIM else None,
+        probes.head_dim_problem(call, SPARSE_HEAD_DIM),
         heads_problem(heads) if heads is not None else None,
         f"top-k {topk} above {TOPK_MAX} not validated (the kernel keeps a float per slot in shared memory "
         "beside 192 KiB of query and kv tiles)" if topk is not None and topk > TOPK_MAX else None,
@@ -555,8 +556,8 @@ def _dense_probe(call: Mapping[str, Any]) -> Optional[str]:
         None if torch.backends.cudnn.is_available() else "torch was built without cuDNN",
         probes.gpu_problem(call, (9, 10), "cuDNN SDPA"),
         probes.dtype_problem(call, (torch.bfloat16, torch.float16)),
-        layout_problem(call),
-        dense_problem(call),
+        probes.batched_layout_problem(call),
+        probes.dense_problem(call),
     )
 
 
@@ -584,7 +585,6 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
 
 CUDNN = Backend(
     name="cudnn",
-    priority=20,  # dense attention: after flash_attn (faster on H200), before torch_sdpa
     ops={OpFamily.SPARSE_ATTENTION_FWD: sparse_attention_forward,
          OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward, OpFamily.TOPK: topk,
          OpFamily.INDEXER_SCORES: indexer_scores, OpFamily.INDEXER_KL_BWD: indexer_kl_backward,
@@ -592,13 +592,6 @@ CUDNN = Backend(
          OpFamily.DENSE_ATTENTION: batched_dense_attention(_cudnn_sdpa)},
     probe=probe,
     version=lambda: probes.versions_line(DISTRIBUTION, "nvidia-cutlass-dsl"),
-    # The teacher measured slower than Triton's on an H200 (S = 4096, 64 heads, 512 slots: 0.42 against
-    # 0.35 ms in the C layer; benchmarks/indexer_loss.py 0.68 against 0.59 ms): after triton (15), before
-    # the reference.
-    # The sparse forward keeps the backend's 20, unmeasured: on SM100, its only GPU, FlashMLA (30; that
-    # adapter has run on GPUs, Hopper ones, this one only against a fake) stays first where installed (bf16
-    # only), and this tcgen05 kernel (also fp16) goes before Triton (15), whose fast kernels are Hopper-only.
-    op_priority={OpFamily.INDEXER_LOSS: 12},
 )
 
 register_backend(CUDNN)

@@ -1,4 +1,5 @@
-"""Layout glue between our dense (`M` kind) attention contract and the vendor kernels.
+"""Layout glue between our dense (`M` kind) attention contract and the vendor kernels, shared by the
+dense backends (FlashAttention's varlen bounds; cuDNN's and torch's batched SDPA kernels).
 
 Ours: `q [T, H, Dqk]`, `k [T, G, Dqk]`, `v [T, G, Dv]` flat rows in the segments of a `TokenLayout`,
 causal within each segment; returns `out [T, H, Dv]` and natural-log `lse [T, H]` float32.
@@ -92,3 +93,27 @@ def _sees_earlier_in_segment(flagged: Tensor, layout: TokenLayout) -> Tensor:
     counts = flagged.to(torch.int32).cumsum(0)
     before = torch.cat((torch.zeros_like(counts[:1]), counts))[layout.segment_starts]
     return counts > before
+
+
+# (q [B,H,S,Dqk], k [B,H,S,Dqk], v [B,H,S,Dv], scale) -> (out [B,H,S,Dv], lse [B,H,≥S])
+BatchedKernel = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+
+
+def batched_dense_attention(kernel: BatchedKernel) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The `dense_attention` contract on a batched causal kernel that returns its LSE (NaN and
+    infinity isolated per row as in the reference, `isolate_non_finite`)."""
+
+    @isolate_non_finite
+    def dense_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout,
+                        scale: float) -> tuple[Tensor, Tensor]:
+        shape = layout.uniform_shape
+        if shape is None:
+            raise ValueError("batched attention kernels need a uniform layout (the probe declines others)")
+        batch, seqlen = shape
+        heads = q.shape[1]
+        out, lse = kernel(to_batch(q, batch, seqlen), to_batch(expand_groups(k, heads), batch, seqlen),
+                          to_batch(expand_groups(v, heads), batch, seqlen), float(scale))
+        lse = lse.reshape(batch, heads, -1)[..., :seqlen]  # some kernels pad S (or add a unit dim)
+        return from_batch(out).to(q.dtype), lse.transpose(1, 2).reshape(-1, heads).float()
+
+    return dense_attention

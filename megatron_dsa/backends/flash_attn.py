@@ -41,15 +41,14 @@ from megatron_dsa.backends.registry import (
     Backend,
     BackendUnavailableError,
     OpFamily,
+    backend_named,
+    count_variant,
     register_backend,
-    registered_backends,
 )
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.layout import TokenLayout
 
-
-MAX_HEAD_DIM = 256
-HEAD_DIM_ALIGNMENT = 8  # 16 bytes of bf16/fp16
+NAME = "flash_attn"
 DTYPES = (torch.bfloat16, torch.float16)
 
 # (q [T, H, Dqk], k [M, G, Dqk], v [M, G, Dv], VarlenBounds, scale) -> (out [T, H, Dv], lse [H, T] or [T, H])
@@ -115,6 +114,7 @@ class Generation:
     """One FlashAttention generation: how to find it, where it runs and how to call it."""
 
     name: str
+    variant: str  # what `registry.variant_counts` calls it
     module: str
     install_hint: str
     distributions: tuple[str, ...]  # for the versions shown by `info` and in self-test reports
@@ -232,6 +232,7 @@ def _fa2_shape_problem(shape: ShapeClass) -> Optional[str]:
 # ---------------------------------------------------------------- the generations, best first
 FLASH_ATTENTION_4 = Generation(
     name="FlashAttention-4",
+    variant="fa4",
     module="flash_attn.cute",
     install_hint="install the [flash-attn] extra (pip install 'megatron_dsa[flash-attn]')",
     distributions=("flash-attn-4", "nvidia-cutlass-dsl"),
@@ -243,6 +244,7 @@ FLASH_ATTENTION_4 = Generation(
 )
 FLASH_ATTENTION_3 = Generation(
     name="FlashAttention-3",
+    variant="fa3",
     # Every FA3 build installs the top-level module; newer ones add `flash_attn_3.flash_attn_interface`,
     # which only re-exports it.
     module="flash_attn_interface",
@@ -255,6 +257,7 @@ FLASH_ATTENTION_3 = Generation(
 )
 FLASH_ATTENTION_2 = Generation(
     name="FlashAttention-2",
+    variant="fa2",
     module="flash_attn.flash_attn_interface",  # absent where only FA4 (`flash_attn.cute`) is installed
     install_hint="pip install flash-attn --no-build-isolation (FlashAttention-2 >= 2.6)",
     distributions=("flash-attn",),
@@ -361,38 +364,24 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale:
     generation, declined = serving_generation(ShapeClass.of_tensors(q, k, v))
     if generation is None:
         raise BackendUnavailableError(f"backend 'flash_attn' cannot run dense_attention: {'; '.join(declined)}")
+    count_variant(NAME, OpFamily.DENSE_ATTENTION, generation.variant)
     return generation.attend(q, k, v, layout, scale)
-
-
-def dense_problem(call: Mapping[str, Any]) -> Optional[str]:
-    """Shape rules shared by the dense fused kernels: head dims ≤ 256 and 16-byte aligned, G | H."""
-    if call.get("lse_grad"):
-        return "the kernel's lse carries no gradient (lse_grad needed)"
-    for name in ("head_dim", "v_head_dim"):
-        dim = call.get(name)
-        if dim is not None and (dim > MAX_HEAD_DIM or dim % HEAD_DIM_ALIGNMENT):
-            return f"{name} {dim} unsupported (needs <= {MAX_HEAD_DIM} and a multiple of {HEAD_DIM_ALIGNMENT})"
-    heads, groups = call.get("heads"), call.get("groups")
-    if heads is not None and groups is not None and heads % groups:
-        return f"{groups} kv groups do not divide {heads} heads"
-    return None
 
 
 def batches_left_to_cudnn(generation: Generation, call: Mapping[str, Any]) -> Optional[str]:
     """Why `auto` should not take FA2 for this call: a whole-sequence (uniform) batch that cuDNN SDPA runs.
 
     FA2's Ampere-style kernels run at a fraction of Hopper's (and Blackwell's) tensor-core rate, where
-    torch's cuDNN SDPA (the `cudnn` backend, priority 20) uses them fully; FA3 and FA4 do too and keep
-    their place. `priority`/`op_priority` are per backend and cannot tell the generations apart, so the
-    probe declines, as torch_sdpa's CPU kernel does, only under `auto` (`explicit` runs FA2) and only when
-    cuDNN SDPA itself accepts the call (asked through the registry, so its rules live in one place):
+    torch's cuDNN SDPA (the `cudnn` backend, after `flash_attn` in `AUTO_ORDER`) uses them fully; FA3 and
+    FA4 do too and keep their place. The order is per backend and cannot tell the generations apart, so
+    the probe declines, as torch_sdpa's CPU kernel does, only under `auto` (`explicit` runs FA2) and only
+    when cuDNN SDPA itself accepts the call (asked through the registry, so its rules live in one place):
     packed layouts, which cuDNN and torch SDPA decline, and GPUs or builds without it keep FA2.
     """
     layout = call.get("layout")
     if generation is not FLASH_ATTENTION_2 or call.get("explicit") or layout is None or layout.uniform_shape is None:
         return None
-    cudnn = next((backend for backend in registered_backends(OpFamily.DENSE_ATTENTION) if backend.name == "cudnn"),
-                 None)
+    cudnn = backend_named("cudnn")
     if cudnn is None or cudnn.decline_reason(OpFamily.DENSE_ATTENTION, call) is not None:
         return None
     return ("FlashAttention-2 would serve, but cuDNN SDPA runs whole-sequence batches faster on this GPU "
@@ -402,7 +391,7 @@ def batches_left_to_cudnn(generation: Generation, call: Mapping[str, Any]) -> Op
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
     if op is not OpFamily.DENSE_ATTENTION:
         return block_probe(op, call)
-    problem = dense_problem(call)  # first: no self-test for a call no generation could take
+    problem = probes.dense_problem(call)  # first: no self-test for a call no generation could take
     if problem is not None:
         return problem
     generation, declined = serving_generation(ShapeClass.of_call(call))
@@ -422,6 +411,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -
     if generation is None:
         raise BackendUnavailableError(f"backend 'flash_attn' cannot run dense_attention_block_fwd: "
                                       f"{'; '.join(declined)}")
+    count_variant(NAME, OpFamily.DENSE_ATTENTION_BLOCK_FWD, generation.variant)
     return generation.attend_block(q, k, v, scale, causal)
 
 
@@ -431,6 +421,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, gr
     and `P = exp(s − lse)` from the `out` and `lse` it is given: the merged ones of every block. Batched
     (one sequence), not varlen: FA4's SM90 backward takes no varlen bounds."""
     backward = probes.load(FA4_BACKWARD_MODULE)._flash_attn_bwd
+    count_variant(NAME, OpFamily.DENSE_ATTENTION_BLOCK_BWD, FLASH_ATTENTION_4.variant)
     dq, dk, dv = backward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.to(q.dtype).unsqueeze(0),
                           grad_out.to(q.dtype).unsqueeze(0), lse.float().transpose(0, 1).unsqueeze(0).contiguous(),
                           softmax_scale=float(scale), causal=causal)[:3]
@@ -438,7 +429,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, gr
 
 
 def block_probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
-    problem = dense_problem(call)
+    problem = probes.dense_problem(call)
     if problem is not None:
         return problem
     generation, declined = serving_generation(ShapeClass.of_call(call))
@@ -476,8 +467,7 @@ def describe_generations() -> str:
 
 
 FLASH_ATTN = Backend(
-    name="flash_attn",
-    priority=30,  # FA4: the fastest dense option measured on an H200; FA2 on Hopper: `batches_left_to_cudnn`
+    name=NAME,
     ops={OpFamily.DENSE_ATTENTION: dense_attention, OpFamily.DENSE_ATTENTION_BLOCK_FWD: block_forward,
          OpFamily.DENSE_ATTENTION_BLOCK_BWD: block_backward},
     probe=probe,

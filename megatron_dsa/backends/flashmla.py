@@ -25,10 +25,10 @@ from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.backends.sparse_layout import (
     HEAD_TILE,
-    INT32_ROWS,
     empty_rows,
     heads_problem,
     kernel_ids,
+    kv_rows_problem,
     pad_heads,
     padded_heads,
 )
@@ -89,21 +89,19 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
 
 
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
-    head_dim, heads = call.get("head_dim"), call.get("heads")
+    heads = call.get("heads")
     return probes.first_problem(
         package_problem(),
         probes.gpu_problem(call, (9, 10), "FlashMLA sparse prefill"),
         probes.dtype_problem(call, (torch.bfloat16,)),
-        f"head dim {head_dim} unsupported (needs {HEAD_DIM})"
-        if head_dim is not None and head_dim != HEAD_DIM else None,
+        probes.head_dim_problem(call, HEAD_DIM),
         heads_problem(heads) if heads is not None else None,
-        f"{call['kv_rows']} kv rows exceed int32 ids" if call.get("kv_rows", 0) > INT32_ROWS else None,
+        kv_rows_problem(call),
     )
 
 
 FLASHMLA = Backend(
     name="flashmla",
-    priority=30,  # the fastest sparse forward on Hopper (docs/performance.md, 'Kernels')
     ops={OpFamily.SPARSE_ATTENTION_FWD: sparse_attention_forward},
     probe=probe,
     version=lambda: probes.versions_line("flash_mla"),

@@ -1,6 +1,7 @@
 """Shared capability checks of the vendor-kernel backends: optional packages (imported lazily, once),
-package versions, the GPU generation, dtypes, one-time self-tests. Every check returns None ("fine") or
-a reason string."""
+package versions, the GPU generation, dtypes, one-time self-tests, and the decline rules several
+backends share (dense head dims, batched layouts, fixed head dims). Every check returns None ("fine") or a
+reason string. Backends share rules through this module and the registry, never by importing each other."""
 
 from __future__ import annotations
 
@@ -95,6 +96,46 @@ def dtype_problem(call: Mapping[str, Any], allowed: Iterable[torch.dtype]) -> Op
     if dtype is not None and dtype not in allowed:
         return f"dtype {dtype} unsupported (needs one of {[str(d) for d in allowed]})"
     return None
+
+
+# The fused dense kernels (FlashAttention, cuDNN SDPA, torch SDPA on the GPU): head dims up to 256 in
+# 16-byte steps of bf16/fp16.
+DENSE_MAX_HEAD_DIM = 256
+DENSE_HEAD_DIM_ALIGNMENT = 8
+
+
+def dense_problem(call: Mapping[str, Any]) -> Optional[str]:
+    """Shape rules shared by the dense fused kernels: no LSE gradient, head dims ≤ 256 and 16-byte
+    aligned, G | H."""
+    if call.get("lse_grad"):
+        return "the kernel's lse carries no gradient (lse_grad needed)"
+    for name in ("head_dim", "v_head_dim"):
+        dim = call.get(name)
+        if dim is not None and (dim > DENSE_MAX_HEAD_DIM or dim % DENSE_HEAD_DIM_ALIGNMENT):
+            return (f"{name} {dim} unsupported (needs <= {DENSE_MAX_HEAD_DIM} and a multiple of "
+                    f"{DENSE_HEAD_DIM_ALIGNMENT})")
+    heads, groups = call.get("heads"), call.get("groups")
+    if heads is not None and groups is not None and heads % groups:
+        return f"{groups} kv groups do not divide {heads} heads"
+    return None
+
+
+def batched_layout_problem(call: Mapping[str, Any]) -> Optional[str]:
+    """Kernels on batched `[B, H, S, D]` tensors (cuDNN and torch SDPA) take whole sequences of one
+    length only: the layout must be uniform."""
+    layout = call.get("layout")
+    if layout is not None and layout.uniform_shape is None:
+        return "packed/padded layouts unsupported (batched kernel: whole sequences of one length only)"
+    return None
+
+
+def head_dim_problem(call: Mapping[str, Any], needed: int, what: str = "head dim") -> Optional[str]:
+    """None unless the call's head dim is known and not `needed` (kernels built for one head dim)."""
+    head_dim = call.get("head_dim")
+    if head_dim is not None and head_dim != needed:
+        return f"{what} {head_dim} unsupported (needs {needed})"
+    return None
+
 
 
 def first_problem(*problems: Optional[str]) -> Optional[str]:

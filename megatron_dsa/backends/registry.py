@@ -2,25 +2,37 @@
 
 A backend is a named provider of implementations for some op families. Before it is used for a call
 it is asked `decline_reason(op, call)`: `None` means "I can run this", a string says why not
-("package cudnn not importable", "head dim 96 unsupported", ...). The call description `call` holds
-what the probes need (device, dtype, head_dim, heads, topk, lse_grad, ...) plus `explicit`: True when
-the backend was requested by name.
+("package cudnn not importable", "head dim 96 unsupported", ...).
 
-`auto` takes the first backend in priority order that accepts and logs its choice once per
-(op, choice, reasons); an explicitly requested backend that declines raises `BackendUnavailableError`
-carrying its reason. The choice can be made per op (`HybridAttentionConfig.attention_backend_overrides`).
-Every dispatched call increments a counter tests read to prove which path ran.
+Three tables here say how a call is dispatched:
+
+* `AUTO_ORDER`: per op family, the backends `auto` asks, first to last; the first that accepts runs the
+  call. It is the only place the order is set (`set_auto_order` changes it; a backend a family's row
+  does not name runs that family only when requested by name).
+* `CALL_KEYS` and `FAMILY_KEYS`: the call description of each family, the keyword arguments of
+  `dispatch`/`resolve` the probes read (device, dtype, head_dim, heads, topk, lse_grad, ...). A key the
+  family does not declare, or a value of the wrong type, is a `CallDescriptionError` naming the key and
+  the family, both at the call and inside a probe that reads it. Probes also see `explicit`: True when
+  the backend was requested by name.
+
+`auto` logs its choice once per (op, choice, reasons); an explicitly requested backend that declines
+raises `BackendUnavailableError` carrying its reason. The choice can be made per op
+(`HybridAttentionConfig.attention_backend_overrides`). Every dispatched call increments a counter per
+(backend, op) that tests read to prove which path ran (`call_counts`); a backend with several kernels
+for one family also counts which one ran (`variant_counts`).
 
 Choices are remembered per (op, requested name, call description) when the description holds only
-plain values (device, dtype, integers, strings; at most `MAX_REMEMBERED_CHOICES`): the probes answer from the call and from what is
-installed, which a process does not change, and asking every backend again costs tens of
-microseconds per call, a few hundred per layer step. Code that changes what is installed (tests that
-fake packages or GPUs) calls `forget_choices()`. Choices made while a CUDA graph is being captured are
-not remembered: a probe that must run its kernel once (a self-test) declines during a capture only.
+plain values (device, dtype, integers, strings, a layout's `HostLayout`; at most `MAX_REMEMBERED_CHOICES`):
+the probes answer from the call and from what is installed, which a process does not change, and asking
+every backend again costs tens of microseconds per call, a few hundred per layer step. Code that changes
+what is installed (tests that fake packages or GPUs) calls `forget_choices()`. Choices made while a CUDA
+graph is being captured are not remembered: a probe that must run its kernel once (a self-test) declines
+during a capture only.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +42,7 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Protocol, Union
 import torch
 
 from megatron_dsa.device_cache import capturing_now
+from megatron_dsa.ops.layout import TokenLayout
 
 logger = logging.getLogger("megatron_dsa.backends")
 
@@ -64,6 +77,166 @@ class OpFamily(str, Enum):
     DECODE_INDEXER_SCORES = "decode_indexer_scores"
 
 
+# ---------------------------------------------------------------- the order `auto` tries, per family
+# Read a row as "first that accepts the call runs it". The reasons are measurements (docs/performance.md,
+# 'Kernels'); rules that depend on the call (a GPU generation, a head dim, a layout) are the backends'
+# decline reasons, not places in this table.
+AUTO_ORDER: dict[OpFamily, tuple[str, ...]] = {
+    # FlashMLA: the fastest sparse forward on Hopper (bf16). cuDNN's forward is built for SM100 only (unmeasured
+    # there; also fp16) and goes before Triton, whose fast (Gluon) kernels are Hopper-only.
+    OpFamily.SPARSE_ATTENTION_FWD: ("flashmla", "cudnn", "triton", "unfused"),
+    OpFamily.SPARSE_ATTENTION_BWD: ("cudnn", "triton", "unfused"),  # Triton's Gluon backward: 73-76% of cuDNN's
+    OpFamily.INDEXER_SCORES: ("cudnn", "triton", "unfused"),
+    # One Triton launch beats cuDNN's frontend call plus its ordering kernel while the GPU waits for the host.
+    OpFamily.TOPK: ("triton", "cudnn", "unfused"),
+    OpFamily.SELECTION_ROWS: ("triton", "unfused"),
+    # cuDNN's teacher measured slower than Triton's on an H200 (S = 4096, 64 heads, 512 slots: 0.42 against
+    # 0.35 ms in the C layer; benchmarks/indexer_loss.py 0.68 against 0.59 ms).
+    OpFamily.INDEXER_LOSS: ("triton", "cudnn", "unfused"),
+    OpFamily.INDEXER_KL_BWD: ("cudnn", "triton", "unfused"),
+    OpFamily.COMPRESSOR: ("triton", "unfused"),
+    OpFamily.ROPE: ("triton", "unfused"),
+    OpFamily.NORM_ROPE: ("triton", "unfused"),
+    OpFamily.RMS_NORM: ("triton", "unfused"),
+    # FlashAttention-4: the fastest dense option measured on an H200 (FA2 on Hopper and Blackwell leaves
+    # whole-sequence batches to cuDNN SDPA: flash_attn's decline rule). torch SDPA (its memory-efficient
+    # kernel) is slow on Hopper for head dims 192/128: the last fused choice.
+    OpFamily.DENSE_ATTENTION: ("flash_attn", "cudnn", "torch_sdpa", "unfused"),
+    OpFamily.DENSE_ATTENTION_BLOCK_FWD: ("flash_attn", "torch_sdpa", "unfused"),
+    OpFamily.DENSE_ATTENTION_BLOCK_BWD: ("flash_attn", "torch_sdpa", "unfused"),
+    OpFamily.DECODE_ATTENTION: ("triton", "unfused"),
+}
+
+
+# ---------------------------------------------------------------- call descriptions, per family
+@dataclass(frozen=True)
+class HostLayout:
+    """What probes see of a `TokenLayout` (host values only): the same in eager calls and while tracing, and
+    the part of a layout a choice is remembered under."""
+
+    uniform_shape: Optional[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class CallKey:
+    """One key of a call description: the types its value may take (None, "not known", always may) and
+    what it says."""
+
+    types: tuple[type, ...]
+    meaning: str
+
+
+_INT = (int, torch.SymInt)  # sizes are symbolic while tracing with dynamic shapes
+CALL_KEYS: dict[str, CallKey] = {
+    "device": CallKey((torch.device,), "the device of the call's tensors"),
+    "dtype": CallKey((torch.dtype,), "the dtype of the call's (query) tensors"),
+    "heads": CallKey(_INT, "query heads on this rank"),
+    "groups": CallKey(_INT, "key/value heads (query heads share them in groups)"),
+    "head_dim": CallKey(_INT, "the query/key head dim"),
+    "v_head_dim": CallKey(_INT, "the value head dim"),
+    "topk": CallKey(_INT, "selected slots (index columns) per query row"),
+    "kv_rows": CallKey(_INT, "rows of the kv latent the indices point into"),
+    "columns": CallKey(_INT, "candidate columns per row the top-k chooses from"),
+    "ratio": CallKey(_INT, "the compression ratio"),
+    "tp_size": CallKey(_INT, "tensor-parallel ranks the heads are split over"),
+    "lse_grad": CallKey((bool,), "a gradient flows through the returned LSE"),
+    "dense": CallKey((bool,), "the indexer loss scores every visible entry (not a top-k selection)"),
+    "visible": CallKey((bool,), "the uniform visible-entry structure comes with the call"),
+    "selected": CallKey((bool,), "decoding attends selected compressed entries"),
+    "layout": CallKey((TokenLayout, HostLayout), "the rows' TokenLayout (probes see its HostLayout)"),
+}
+EXPLICIT = "explicit"  # set by the dispatcher, never by a caller: True when the backend was named
+
+_DEVICE = ("device", "dtype")
+_SPARSE = (*_DEVICE, "head_dim", "heads", "topk", "kv_rows")
+_DENSE = (*_DEVICE, "head_dim", "v_head_dim", "heads", "groups", "lse_grad")
+FAMILY_KEYS: dict[OpFamily, frozenset[str]] = {family: frozenset(keys) for family, keys in {
+    OpFamily.SPARSE_ATTENTION_FWD: _SPARSE,
+    OpFamily.SPARSE_ATTENTION_BWD: (*_SPARSE, "lse_grad"),
+    OpFamily.INDEXER_SCORES: (*_DEVICE, "heads", "head_dim", "visible", "ratio"),
+    OpFamily.TOPK: (*_DEVICE, "topk", "columns"),
+    OpFamily.SELECTION_ROWS: _DEVICE,
+    OpFamily.INDEXER_LOSS: (*_DEVICE, "heads", "head_dim", "topk", "dense", "tp_size"),
+    OpFamily.INDEXER_KL_BWD: (*_DEVICE, "heads", "head_dim", "topk", "dense"),
+    OpFamily.COMPRESSOR: (*_DEVICE, "ratio"),
+    OpFamily.ROPE: _DEVICE,
+    OpFamily.NORM_ROPE: _DEVICE,
+    OpFamily.RMS_NORM: _DEVICE,
+    OpFamily.DENSE_ATTENTION: (*_DENSE, "layout"),
+    OpFamily.DENSE_ATTENTION_BLOCK_FWD: _DENSE,
+    OpFamily.DENSE_ATTENTION_BLOCK_BWD: _DENSE,
+    OpFamily.DECODE_ATTENTION: (*_DEVICE, "heads", "head_dim", "selected"),
+}.items()}
+
+
+class CallDescriptionError(TypeError):
+    """A call description names a key its op family does not declare, or a value of the wrong type."""
+
+
+def _unknown_key(op: OpFamily, key: str, where: str) -> CallDescriptionError:
+    declared = sorted(FAMILY_KEYS[op])
+    close = difflib.get_close_matches(key, declared, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return CallDescriptionError(f"{where} names key {key!r}, which the {op.value} call description does not "
+                                f"declare{hint}; it takes {', '.join(declared)}")
+
+
+def checked_call(op: OpFamily, call: Mapping[str, Any], explicit_allowed: bool = False) -> dict[str, Any]:
+    """`call` after checking every key against `op`'s declared keys and every value's type, with a layout as
+    its `HostLayout` (`explicit` passes only where `explicit_allowed`: the dispatcher sets it)."""
+    checked = {}
+    for key, value in call.items():
+        if key == EXPLICIT:
+            if not explicit_allowed:
+                raise CallDescriptionError(f"the {op.value} call description may not set {EXPLICIT!r}: the "
+                                           "dispatcher sets it (True when the backend is requested by name)")
+        elif key not in FAMILY_KEYS[op]:
+            raise _unknown_key(op, key, "the call")
+        elif value is not None and not isinstance(value, CALL_KEYS[key].types):
+            wanted = " or ".join(kind.__name__ for kind in CALL_KEYS[key].types)
+            raise CallDescriptionError(f"the {op.value} call description's {key!r} must be {wanted} "
+                                       f"({CALL_KEYS[key].meaning}), got {type(value).__name__}")
+        checked[key] = _host_layout(value) if key == "layout" else value
+    return checked
+
+
+def _host_layout(layout: Any) -> Any:
+    """A `TokenLayout` as its `HostLayout`; anything else as it is (the type check names a wrong one)."""
+    return HostLayout(layout.uniform_shape) if isinstance(layout, TokenLayout) else layout
+
+
+class CallDescription(dict):
+    """A checked call description as a probe reads it: reading a key its family does not declare raises
+    `CallDescriptionError` (a misspelt key in a probe must not read as "not known")."""
+
+    __slots__ = ("family",)
+
+    def __init__(self, family: OpFamily, call: Mapping[str, Any]):
+        super().__init__(call)
+        self.family = family
+
+    @classmethod
+    def of(cls, family: OpFamily, call: Mapping[str, Any]) -> "CallDescription":
+        """`call` (which may hold `explicit`) as the description of a `family` call, checked."""
+        if isinstance(call, CallDescription) and call.family is family:
+            return call
+        return cls(family, checked_call(family, call, explicit_allowed=True))
+
+    def _check(self, key: str) -> None:
+        if key != EXPLICIT and key not in FAMILY_KEYS[self.family]:
+            raise _unknown_key(self.family, key, "a probe")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self:
+            return dict.__getitem__(self, key)
+        self._check(key)
+        return default
+
+    def __missing__(self, key: str) -> Any:
+        self._check(key)
+        raise KeyError(key)
+
+
 class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run the call; the message says why."""
 
@@ -90,43 +263,47 @@ class Backend:
     """A named set of op implementations with a capability probe.
 
     `probe(op, call)` returns None when the backend accepts the call, else a reason string. It must be
-    cheap (import checks are cached by the backend module) and must never raise. With an empty call
-    description (no device) it answers what does not depend on the call: packages, GPU generation.
-    `version()` names the package versions the backend runs on (for `megatron_dsa info`).
+    cheap (import checks are cached by the backend module) and should not raise (an exception declines,
+    except `CallDescriptionError`: reading a key the family does not declare is a bug, not a decline).
+    `call` is the family's `CallDescription` (with `explicit`); with an empty one (no device) the probe
+    answers what does not depend on the call: packages, GPU generation. `version()` names the package versions the backend runs
+    on (for `megatron_dsa info`). Where `auto` tries it is `AUTO_ORDER`'s business, not the backend's.
     """
 
     name: str
-    priority: int  # higher is tried first by `auto`
     ops: dict[OpFamily, Callable[..., Any]] = field(default_factory=dict)
     probe: Callable[[OpFamily, Mapping[str, Any]], Optional[str]] = _accept_all
     version: Callable[[], str] = _no_version
-    # Per-op exceptions to `priority`: an op whose kernel measured slower than another backend's ranks
-    # below that backend for this op only.
-    op_priority: dict[OpFamily, int] = field(default_factory=dict)
-
-    def priority_for(self, op: OpFamily) -> int:
-        return self.op_priority.get(op, self.priority)
 
     def decline_reason(self, op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
+        """None when this backend runs `call` of `op`, else why not. `call` is checked against the family's
+        keys (`CallDescriptionError`); a probe that reads an undeclared key raises that error too, any
+        other exception in a probe declines."""
         if op not in self.ops:
             return f"no {op.value} implementation"
+        call = CallDescription.of(op, call)
         try:
             return self.probe(op, call)
+        except CallDescriptionError:
+            raise
         except Exception as error:  # noqa: BLE001 - a probe bug must decline, not crash `auto`
             return f"probe failed ({type(error).__name__}: {error})"
 
 
 _BACKENDS: dict[str, Backend] = {}
 _CALL_COUNTS: Counter = Counter()
+_VARIANT_COUNTS: Counter = Counter()
 _LOGGED_CHOICES: set[tuple[OpFamily, str, tuple[str, ...]]] = set()
 _CHOICES: dict[Hashable, tuple[str, Callable[..., Any]]] = {}
 # Call-description values a choice may be remembered under: their equality is their meaning.
-_PLAIN_VALUES = (type(None), bool, int, str, torch.dtype, torch.device)
+_PLAIN_VALUES = (type(None), bool, int, str, torch.dtype, torch.device, HostLayout)
 # Descriptions with shapes in them (kv rows) vary with packed lengths: the memory is bounded.
 MAX_REMEMBERED_CHOICES = 4096
 
 
 def register_backend(backend: Backend) -> None:
+    """Make `backend` requestable by name. `auto` tries it for a family only where `AUTO_ORDER` names it
+    (`set_auto_order`)."""
     if backend.name == AUTO:
         raise ValueError(f"'{AUTO}' is reserved and cannot name a backend")
     _BACKENDS[backend.name] = backend
@@ -139,10 +316,53 @@ def forget_choices() -> None:
     _CHOICES.clear()
 
 
+def auto_order(op: OpFamily) -> tuple[str, ...]:
+    """The backends `auto` asks for `op`, first to last (`AUTO_ORDER`'s row)."""
+    return AUTO_ORDER[as_family(op)]
+
+
+def set_auto_order(op: OpFamily, names: tuple[str, ...]) -> None:
+    """Let `auto` ask the backends `names` for `op`, in this order (a registered backend that implements
+    `op` may be left out: it then runs `op` only when requested by name)."""
+    op = as_family(op)
+    names = tuple(names)
+    problems = []
+    for name in names:
+        if name not in _BACKENDS:
+            problems.append(f"{name!r} is not a registered backend")
+        elif op not in _BACKENDS[name].ops:
+            problems.append(f"backend {name!r} has no {op.value} implementation")
+    if len(set(names)) != len(names):
+        problems.append("a backend is named twice")
+    if problems:
+        raise ValueError(f"auto order for {op.value} {list(names)}: {'; '.join(problems)}")
+    AUTO_ORDER[op] = names
+    forget_choices()
+
+
+def check_auto_order() -> None:
+    """Every built-in backend in its place: each `AUTO_ORDER` row names registered backends that implement
+    the family, and every registered backend implementing a family is in its row (the package checks this
+    once its backends are registered, before any plug-in)."""
+    for op in OpFamily:
+        set_auto_order(op, AUTO_ORDER[op])
+        missing = sorted(name for name, backend in _BACKENDS.items() if op in backend.ops and name not in AUTO_ORDER[op])
+        if missing:
+            raise ValueError(f"AUTO_ORDER[{op.value}] leaves out {missing}, which implement it")
+
+
 def registered_backends(op: Optional[OpFamily] = None) -> list[Backend]:
-    """Backends in the order `auto` tries them for `op` (highest priority first; without `op`, by
-    their general priority)."""
-    return sorted(_BACKENDS.values(), key=lambda b: -(b.priority if op is None else b.priority_for(op)))
+    """Backends in the order `auto` tries them for `op`; without `op`, every registered backend in the
+    order of registration."""
+    if op is None:
+        return list(_BACKENDS.values())
+    return [_BACKENDS[name] for name in AUTO_ORDER[as_family(op)] if name in _BACKENDS]
+
+
+def backend_named(name: str) -> Optional[Backend]:
+    """The registered backend called `name`, None if there is none (an adapter asking about another
+    backend goes through here, never through its module)."""
+    return _BACKENDS.get(name)
 
 
 def as_family(op: "OpFamily | str") -> OpFamily:
@@ -168,14 +388,15 @@ def resolve(op: OpFamily, requested: Requested = AUTO, **call: Any) -> tuple[str
     """Pick the backend for one call of `op`: returns `(backend name, implementation)`.
 
     `requested` is `auto`, a backend name, or a selector (the config) naming one per op. `call`
-    describes the call for capability probes (device, dtype, head_dim, ...).
+    describes the call for capability probes with the keys `FAMILY_KEYS[op]` declares (device, dtype,
+    head_dim, ...); any other key raises `CallDescriptionError`.
     """
-    op = OpFamily(op)
+    op = as_family(op)
     name = requested_name(op, requested)
     key = _choice_key(op, name, call)
     chosen = _CHOICES.get(key) if key is not None else None
     if chosen is None:
-        chosen = _choose(op, name, call)
+        chosen = _choose(op, name, checked_call(op, call))
         # A probe may decline only for the capture (a self-test reads values back): not remembered.
         if key is not None and not capturing_now():
             if len(_CHOICES) >= MAX_REMEMBERED_CHOICES:
@@ -185,23 +406,27 @@ def resolve(op: OpFamily, requested: Requested = AUTO, **call: Any) -> tuple[str
 
 
 def _choice_key(op: OpFamily, name: str, call: Mapping[str, Any]) -> Optional[Hashable]:
-    """The key a choice is remembered under, None when the description holds other values (a layout)."""
+    """The key a choice is remembered under (a layout as its `HostLayout`, all probes see of it); None
+    when the description holds other values (symbolic sizes). A key is checked once, when first seen."""
+    if "layout" in call:
+        call = {**call, "layout": _host_layout(call["layout"])}
     if not all(isinstance(value, _PLAIN_VALUES) for value in call.values()):
         return None
     return op, name, tuple(call.items())
 
 
-def _choose(op: OpFamily, name: str, call: Mapping[str, Any]) -> tuple[str, Callable[..., Any]]:
+def _choose(op: OpFamily, name: str, call: dict[str, Any]) -> tuple[str, Callable[..., Any]]:
     if name != AUTO:
         backend = _lookup(name, op)
-        reason = backend.decline_reason(op, {**call, "explicit": True})
+        reason = backend.decline_reason(op, CallDescription(op, {**call, EXPLICIT: True}))
         if reason is not None:
             raise BackendUnavailableError(f"backend {name!r} cannot run {op.value}: {reason}")
         return backend.name, backend.ops[op]
 
+    description = CallDescription(op, {**call, EXPLICIT: False})
     declined = []
     for backend in registered_backends(op):
-        reason = backend.decline_reason(op, {**call, "explicit": False})
+        reason = backend.decline_reason(op, description)
         if reason is None:
             _log_choice_once(op, backend.name, declined)
             return backend.name, backend.ops[op]
@@ -217,7 +442,7 @@ def dispatch(op: OpFamily, requested: Requested = AUTO, **call: Any) -> Callable
     if torch.compiler.is_compiling():
         return _TRACEABLE[as_family(op)](traced_choice(op, requested, **call))
     name, impl = resolve(op, requested, **call)
-    key = (name, OpFamily(op).value)
+    key = (name, as_family(op).value)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         _CALL_COUNTS[key] += 1
@@ -233,13 +458,6 @@ _TRACEABLE: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {}
 def register_traceable(op: OpFamily, adaptor: Callable[[str], Callable[..., Any]]) -> None:
     """How `dispatch` calls `op` inside a `torch.compile` trace (`backends.library` registers every family)."""
     _TRACEABLE[op] = adaptor
-
-
-@dataclass(frozen=True)
-class HostLayout:
-    """What probes read of a `TokenLayout` (host values only), for choices made while tracing."""
-
-    uniform_shape: Optional[tuple[int, int]]
 
 
 def traced_choice(op: OpFamily, requested: Requested = AUTO, **call: Any) -> str:
@@ -264,12 +482,19 @@ def _constant_choice(op: str, requested: str, plain: tuple[tuple[str, Any], ...]
 
 def count_call(backend: str, op: OpFamily) -> None:
     """Count one call of `op` run by `backend` (what `dispatch`'s callable does per call)."""
-    _CALL_COUNTS[(backend, OpFamily(op).value)] += 1
+    _CALL_COUNTS[(backend, as_family(op).value)] += 1
+
+
+def count_variant(backend: str, op: OpFamily, variant: str) -> None:
+    """Count one run of `backend`'s `variant` kernel for `op` (a backend with several kernels for a family
+    calls this where it picks one: Triton's Gluon-Hopper or portable sparse attention, a FlashAttention
+    generation, ...)."""
+    _VARIANT_COUNTS[(backend, as_family(op).value, variant)] += 1
 
 
 def backend_op(backend: str, op: OpFamily) -> Callable[..., Any]:
     """`backend`'s implementation of `op` (no probe: the name came from `resolve`)."""
-    return _lookup(backend, OpFamily(op)).ops[OpFamily(op)]
+    return _lookup(backend, as_family(op)).ops[as_family(op)]
 
 
 def check_backend_choice(default: str, overrides: Mapping[str, str]) -> None:
@@ -303,7 +528,7 @@ def check_backend_choice(default: str, overrides: Mapping[str, str]) -> None:
 def _require_runnable(backend: Backend, op: OpFamily, required: bool) -> None:
     if op not in backend.ops and not required:
         return
-    reason = backend.decline_reason(op, {"explicit": True})
+    reason = backend.decline_reason(op, {EXPLICIT: True})
     if reason is not None:
         raise BackendUnavailableError(f"backend {backend.name!r} cannot run {op.value}: {reason}")
 
@@ -319,12 +544,21 @@ def _log_choice_once(op: OpFamily, chosen: str, declined: list[str]) -> None:
 
 
 def call_counts() -> dict[tuple[str, str], int]:
-    """`{(backend, op): calls}` since the last reset."""
+    """`{(backend, op): calls}` since the last reset: every dispatched call, once."""
     return dict(_CALL_COUNTS)
 
 
+def variant_counts() -> dict[tuple[str, str, str], int]:
+    """`{(backend, op, variant): runs}` since the last reset, for backends with several kernels for one
+    family (`count_variant`): which kernel ran. Kernels called directly (tests, benchmarks) count here too,
+    so a variant's runs need not add up to `call_counts()`'s dispatched calls."""
+    return dict(_VARIANT_COUNTS)
+
+
 def reset_call_counts() -> None:
+    """Zero `call_counts()` and `variant_counts()`."""
     _CALL_COUNTS.clear()
+    _VARIANT_COUNTS.clear()
 
 
 def availability_table() -> list[tuple[str, str, str, str]]:
@@ -339,6 +573,7 @@ def availability_table() -> list[tuple[str, str, str, str]]:
         for op in OpFamily:
             if op not in backend.ops:
                 continue  # the table lists what a backend offers, not what it never implements
-            reason = backend.decline_reason(op, {"explicit": False})
+            reason = backend.decline_reason(op, {EXPLICIT: False})
             rows.append((backend.name, version, op.value, "yes" if reason is None else reason))
     return rows
+

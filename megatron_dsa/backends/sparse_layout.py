@@ -8,6 +8,8 @@ counts of 64 or 128 (Hopper kernels are built for 64-head tiles), `+inf` LSE on 
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import Tensor
 
@@ -27,6 +29,12 @@ def heads_problem(heads: int) -> str | None:
     if heads > MAX_HEADS:
         return f"{heads} local heads unsupported (at most {MAX_HEADS})"
     return None
+
+
+def kv_rows_problem(call: Mapping[str, Any]) -> str | None:
+    """A call description whose kv rows int32 ids cannot address (None: fine or not known)."""
+    rows = call.get("kv_rows")
+    return f"{rows} kv rows exceed int32 ids" if rows is not None and rows > INT32_ROWS else None
 
 
 def pad_heads(t: Tensor, heads: int, value: float = 0.0) -> Tensor:

@@ -11,41 +11,16 @@ serves explicit requests only: `auto` on a CPU keeps the reference. The LSE carr
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_dsa.backends import probes
-from megatron_dsa.backends.dense_layout import expand_groups, from_batch, isolate_non_finite, to_batch
-from megatron_dsa.backends.flash_attn import dense_problem
+from megatron_dsa.backends.dense_layout import batched_dense_attention, expand_groups, from_batch, to_batch
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
-from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
-
-# (q [B,H,S,Dqk], k [B,H,S,Dqk], v [B,H,S,Dv], scale) -> (out [B,H,S,Dv], lse [B,H,≥S])
-BatchedKernel = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
-
-
-def batched_dense_attention(kernel: BatchedKernel) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The `dense_attention` contract on a batched causal kernel that returns its LSE (NaN and
-    infinity isolated per row as in the reference, `isolate_non_finite`)."""
-
-    @isolate_non_finite
-    def dense_attention(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout,
-                        scale: float) -> tuple[Tensor, Tensor]:
-        shape = layout.uniform_shape
-        if shape is None:
-            raise ValueError("batched attention kernels need a uniform layout (the probe declines others)")
-        batch, seqlen = shape
-        heads = q.shape[1]
-        out, lse = kernel(to_batch(q, batch, seqlen), to_batch(expand_groups(k, heads), batch, seqlen),
-                          to_batch(expand_groups(v, heads), batch, seqlen), float(scale))
-        lse = lse.reshape(batch, heads, -1)[..., :seqlen]  # some kernels pad S (or add a unit dim)
-        return from_batch(out).to(q.dtype), lse.transpose(1, 2).reshape(-1, heads).float()
-
-    return dense_attention
 
 
 def _efficient(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -134,13 +109,6 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, gr
     return from_batch(dq).to(compute), _group_sum(dk.to(compute), groups), _group_sum(dv.to(compute), groups)
 
 
-def layout_problem(call: Mapping[str, Any]) -> Optional[str]:
-    layout = call.get("layout")
-    if layout is not None and layout.uniform_shape is None:
-        return "packed/padded layouts unsupported (batched kernel: whole sequences of one length only)"
-    return None
-
-
 # The CUDA memory-efficient kernel's dtypes (float64 raises inside aten); the CPU kernel also takes float64.
 CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -153,14 +121,13 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         if on_cpu and not call.get("explicit") else None,
         None if on_cpu or device is None else probes.gpu_problem(call, (8, 9, 10, 11, 12), "torch SDPA"),
         None if on_cpu else probes.dtype_problem(call, CUDA_DTYPES),
-        layout_problem(call),
-        dense_problem(call),
+        probes.batched_layout_problem(call) if op is OpFamily.DENSE_ATTENTION else None,  # blocks: one sequence
+        probes.dense_problem(call),
     )
 
 
 TORCH_SDPA = Backend(
     name="torch_sdpa",
-    priority=10,  # slow on Hopper for head dims 192/128: the last fused choice
     ops={OpFamily.DENSE_ATTENTION: batched_dense_attention(_kernel),
          OpFamily.DENSE_ATTENTION_BLOCK_FWD: block_forward, OpFamily.DENSE_ATTENTION_BLOCK_BWD: block_backward},
     probe=probe,

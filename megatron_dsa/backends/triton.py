@@ -54,7 +54,6 @@ def _topk_width_problem(columns: Optional[int], k: Optional[int], rows: Optional
 
 TRITON = Backend(
     name="triton",
-    priority=15,  # after the measured vendor kernels (cuDNN, FlashMLA, FlashAttention), before unfused
     ops={
         OpFamily.SPARSE_ATTENTION_FWD: sparse_attention.sparse_attention_forward,
         OpFamily.SPARSE_ATTENTION_BWD: sparse_attention.sparse_attention_backward,
@@ -72,9 +71,6 @@ TRITON = Backend(
     },
     probe=probe,
     version=lambda: probes.versions_line("triton"),
-    # The selection runs before the sparse forward, while the GPU waits for the host: one launch here
-    # beats cuDNN's frontend call plus the ordering kernel (measured: docs/performance.md).
-    op_priority={OpFamily.TOPK: 25},
 )
 
 register_backend(TRITON)

@@ -16,8 +16,7 @@ from megatron_dsa.ops.rope import norm_rope, rope
 from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
 
 UNFUSED = Backend(
-    name="unfused",
-    priority=0,  # the fallback: every fused backend outranks it
+    name="unfused",  # last in every row of `AUTO_ORDER`: the fallback that never declines
     ops={
         OpFamily.SPARSE_ATTENTION_FWD: sparse_attention_forward,
         OpFamily.SPARSE_ATTENTION_BWD: sparse_attention_backward,

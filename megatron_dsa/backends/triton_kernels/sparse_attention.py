@@ -52,7 +52,6 @@ interpreter. Importing this module never imports triton.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import functools
@@ -65,6 +64,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends import probes
+from megatron_dsa.backends.registry import OpFamily, count_variant
 from megatron_dsa.backends.sparse_layout import INT32_ROWS, kernel_ids
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton, triton_decline_reason
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
@@ -82,9 +82,10 @@ LOG2E = math.log2(math.e)
 HOPPER_HEAD_BLOCK = 64
 HOPPER_HEAD_DIM = 512
 HOPPER_MIN_TRITON = (3, 6)
-# Which kernel ran, per call and pass: "hopper" or "portable" (tests read them to prove the path).
-FORWARD_KERNEL_CALLS: collections.Counter = collections.Counter()
-BACKWARD_KERNEL_CALLS: collections.Counter = collections.Counter()
+# Which kernel ran, per call and pass, as the `triton` backend's variants in `registry.variant_counts()`
+# (tests read them to prove the path).
+BACKEND = "triton"
+HOPPER_VARIANT, PORTABLE_VARIANT = "gluon_hopper", "portable"
 
 
 # ---------------------------------------------------------------- kernels, decorated lazily per mode
@@ -397,7 +398,7 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
     operands = _prepare(query, kv, indices, sink)
     decline = hopper_decline(query)
     _log_kernel_choice("forward", decline)
-    FORWARD_KERNEL_CALLS["portable" if decline else "hopper"] += 1
+    count_variant(BACKEND, OpFamily.SPARSE_ATTENTION_FWD, PORTABLE_VARIANT if decline else HOPPER_VARIANT)
     with _on_device(query.device):
         if decline is None:
             _launch_hopper_forward(operands, out, lse, float(scale) * LOG2E)
@@ -438,7 +439,7 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
                    grad_query, grad_kv, sink_terms, float(scale), float(scale) * LOG2E)
         decline = hopper_decline(query)
         _log_kernel_choice("backward", decline)
-        BACKWARD_KERNEL_CALLS["portable" if decline else "hopper"] += 1
+        count_variant(BACKEND, OpFamily.SPARSE_ATTENTION_BWD, PORTABLE_VARIANT if decline else HOPPER_VARIANT)
         with _on_device(query.device):
             if decline is None:
                 _launch_hopper_backward(operands, *tensors, has_dlse=has_dlse)
