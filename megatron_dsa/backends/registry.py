@@ -105,6 +105,7 @@ AUTO_ORDER: dict[OpFamily, tuple[str, ...]] = {
     OpFamily.DENSE_ATTENTION_BLOCK_FWD: ("flash_attn", "torch_sdpa", "unfused"),
     OpFamily.DENSE_ATTENTION_BLOCK_BWD: ("flash_attn", "torch_sdpa", "unfused"),
     OpFamily.DECODE_ATTENTION: ("triton", "unfused"),
+    OpFamily.DECODE_INDEXER_SCORES: ("triton", "unfused"),
 }
 
 
@@ -137,6 +138,7 @@ CALL_KEYS: dict[str, CallKey] = {
     "topk": CallKey(_INT, "selected slots (index columns) per query row"),
     "kv_rows": CallKey(_INT, "rows of the kv latent the indices point into"),
     "columns": CallKey(_INT, "candidate columns per row the top-k chooses from"),
+    "rows": CallKey(_INT, "rows the top-k runs over, when the caller knows them (a decode step's batch)"),
     "ratio": CallKey(_INT, "the compression ratio"),
     "tp_size": CallKey(_INT, "tensor-parallel ranks the heads are split over"),
     "lse_grad": CallKey((bool,), "a gradient flows through the returned LSE"),
@@ -154,7 +156,7 @@ FAMILY_KEYS: dict[OpFamily, frozenset[str]] = {family: frozenset(keys) for famil
     OpFamily.SPARSE_ATTENTION_FWD: _SPARSE,
     OpFamily.SPARSE_ATTENTION_BWD: (*_SPARSE, "lse_grad"),
     OpFamily.INDEXER_SCORES: (*_DEVICE, "heads", "head_dim", "visible", "ratio"),
-    OpFamily.TOPK: (*_DEVICE, "topk", "columns"),
+    OpFamily.TOPK: (*_DEVICE, "topk", "columns", "rows"),
     OpFamily.SELECTION_ROWS: _DEVICE,
     OpFamily.INDEXER_LOSS: (*_DEVICE, "heads", "head_dim", "topk", "dense", "tp_size"),
     OpFamily.INDEXER_KL_BWD: (*_DEVICE, "heads", "head_dim", "topk", "dense"),
@@ -166,6 +168,7 @@ FAMILY_KEYS: dict[OpFamily, frozenset[str]] = {family: frozenset(keys) for famil
     OpFamily.DENSE_ATTENTION_BLOCK_FWD: _DENSE,
     OpFamily.DENSE_ATTENTION_BLOCK_BWD: _DENSE,
     OpFamily.DECODE_ATTENTION: (*_DEVICE, "heads", "head_dim", "selected"),
+    OpFamily.DECODE_INDEXER_SCORES: (*_DEVICE, "heads", "head_dim"),
 }.items()}
 
 
