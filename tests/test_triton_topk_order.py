@@ -135,7 +135,7 @@ def test_gpu_topk_matches_topk_columns_at_dsv4_shapes(cols):
 @pytest.mark.parametrize("scores_kind", ["ties", "distinct"])
 def test_gpu_decode_topk_matches_topk_columns_exactly(scores_kind):
     """A C layer's decode top-k at 128k tokens: 32 rows of 32768 columns (ratio 4), top-512, valid a prefix of
-    ragged length (none, fewer than k, all) and −inf after it as the decode scores have; through `auto` (the
+    ragged length (none, fewer than k, all) and −inf after it as the decode scores have; Triton named (the
     select-then-sort path, counted) and exactly the reference's columns and order. "ties": eight score values,
     so the 512th score is tied thousands of times; "distinct": random float32 scores."""
     from megatron_dsa.backends import call_counts, dispatch, reset_call_counts
@@ -151,7 +151,8 @@ def test_gpu_decode_topk_matches_topk_columns_exactly(scores_kind):
     valid = torch.arange(cols, device="cuda") < counts.unsqueeze(1)
     scores = scores.masked_fill(~valid, float("-inf"))
     reset_call_counts()
-    pick = dispatch(OpFamily.TOPK, "auto", device=scores.device, dtype=scores.dtype, topk=512, columns=cols, rows=rows)
+    pick = dispatch(OpFamily.TOPK, "triton", device=scores.device, dtype=scores.dtype, topk=512, columns=cols,
+                    rows=rows)
     got = pick(scores, valid, 512, None)
     assert call_counts() == {("triton", "topk"): 1}
     assert torch.equal(got, topk_columns(scores, valid, 512))
