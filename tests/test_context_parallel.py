@@ -203,9 +203,10 @@ def m_layer_memory(world: int = 1, rank: int = 0, state=None, comm: str = "p2p")
     return memory.peak, saved
 
 
-# (peak, saved) bounds per CP size, measured: CP-2 0.524 / 0.455 of CP-1, CP-4 0.293 / 0.281 (both comm types).
-# Before the ring carried the MLA latent: 0.685 / 0.568 and 0.385 / 0.338; before it merged blocks online,
-# kept no list of partials and sent dK/dV sums in K/V's dtype: 0.92 / 0.67 at CP-2.
+# (peak, saved) bounds per CP size, measured: CP-2 0.524 / 0.455 of CP-1 (all_gather 0.524 / 0.464), CP-4
+# 0.293 / 0.281 (all_gather 0.299 / 0.295). Before the ring carried the MLA latent: 0.685 / 0.568 and
+# 0.385 / 0.338 (all_gather 0.685 / 0.683 and 0.471 / 0.511); before it merged blocks online, kept no list
+# of partials and sent dK/dV sums in K/V's dtype: 0.92 / 0.67 at CP-2.
 MEMORY_BOUNDS = {2: (0.55, 0.48), 4: (0.30, 0.30)}
 
 
@@ -429,13 +430,13 @@ def test_context_parallel_nccl_bf16_matches_single_gpu():
 
 
 def nccl_large_ring_body(rank: int, world: int) -> None:
-    """M kind, p2p ring, messages far beyond NCCL's internal buffers (K/V of 4096 local rows × 16
-    groups × 320 dims in bf16 ≈ 40 MiB per step): catches a ring whose sends and receives are not
-    paired group by group (that deadlocks only at this size; tiny tests pass)."""
+    """M kind, p2p ring, messages far beyond NCCL's internal buffers (the latent rows of 4096 local rows ×
+    (kv_lora_rank 4096 + RoPE 64) in bf16 ≈ 33 MiB per step, and their gradient sums): catches a ring whose
+    sends and receives are not paired group by group (that deadlocks only at this size; tiny tests pass)."""
     state = initialize_parallel_state(cp_size=world)
     config = cp_config("M", "zigzag", "p2p", hidden_size=1024, num_attention_heads=16,
                        num_query_groups=16, qk_head_dim=128, v_head_dim=128, qk_pos_emb_head_dim=64,
-                       dsa_indexer_head_dim=64)
+                       kv_lora_rank=4096, dsa_indexer_head_dim=64)
     nccl_bf16_parity(rank, world, state, config, "M", 4096 * world, 1, 5, "M/p2p large")
 
 

@@ -8,10 +8,12 @@ the tensors a rank needs, with differentiable communication so backward sends ev
   that own them: point to point (`p2p`) or by an all-gather of piece tails (`all_gather`). Every compressed entry is pooled exactly once, by the rank holding its last
   token; the entries (and the indexer keys) are then all-gathered, so each query sees exactly its
   ratio-causal set of global entries.
-* M: the keys and values of the other ranks arrive one ring step at a time (`p2p`, isend/irecv)
-  or at once (`all_gather`); attention runs per (query piece, key piece) block, skipping blocks
-  entirely in the future, with a causal mask on the diagonal block, and the blocks are merged
-  through their log-sum-exp.
+* M: the rows that make the other ranks' keys and values (the MLA latent and RoPE key per token, or
+  K/V where the up-projection is an injected class) arrive one ring step at a time (`p2p`,
+  isend/irecv) or at once (`all_gather`); each visiting key piece is up-projected where it is
+  attended; attention runs per (query piece, key piece) block, skipping blocks entirely in the
+  future, with a causal mask on the diagonal block, and the blocks are merged through their
+  log-sum-exp.
 """
 
 from __future__ import annotations
@@ -441,7 +443,8 @@ class BlockAttentionFunction(torch.autograd.Function):
         cp = schedule.plan.cp_size
         block_grads = dispatch(OpFamily.DENSE_ATTENTION_BLOCK_BWD, ctx.backend, **block_call(q, expansion))
         grad_q = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
-        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[2] else None
+        grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[2]
+                       else None)
 
         def grads_of(source: int, rows_source: Tensor, grad_rows: Tensor) -> None:
             """Add this rank's share of the gradient of `source`'s rows (`rows_source`) into `grad_rows`
@@ -481,8 +484,7 @@ class BlockAttentionFunction(torch.autograd.Function):
 
 def _autocast_state(device: torch.device) -> dict:
     """The forward's autocast settings for `device`, to expand K/V the same way in backward."""
-    enabled = torch.is_autocast_enabled(device.type)
-    return dict(enabled=enabled, dtype=torch.get_autocast_dtype(device.type))
+    return dict(enabled=torch.is_autocast_enabled(device.type), dtype=torch.get_autocast_dtype(device.type))
 
 
 def _visiting(rows: Tensor, schedule: _RingSchedule, group: ProcessGroup, ring: bool) -> Iterator[tuple[int, Tensor]]:

@@ -238,7 +238,7 @@ class LatentKeyValues:
 
     def expand(self) -> tuple[Tensor, Tensor]:
         """`k [N, G/tp, qk + P]`, `v [N, G/tp, Dv]`, through the layer's modules."""
-        k_nope, v = self.up.split(apply(self.layer.linear_kv_up_proj, self.latent))
+        k_nope, v = self.layer.core.keys_values(self.layer, self.latent)
         # One RoPE key shared by all heads; this rank's heads give part of its gradient.
         return self.up.with_rope(k_nope, copy_to_tensor_parallel_region(self.rope, self.layer.tp_group)), v
 

@@ -98,7 +98,8 @@ class LocalRows:
         return lambda: pooled
 
     def attend_causal(self, q: Tensor, keys: KeyValueSource, scale: float, backend: Requested) -> Tensor:
-        """q `[N, H, Dqk]` over the keys' k `[N, G, Dqk]`, v `[N, G, Dv]` → `[N, H, Dv]`, causal within each segment."""
+        """q `[N, H, Dqk]` over the keys' expanded k `[N, G, Dqk]`, v `[N, G, Dv]` → `[N, H, Dv]`, causal
+        within each segment."""
         k, v = keys.expand()
         attend = dispatch(OpFamily.DENSE_ATTENTION, backend, device=q.device, dtype=q.dtype,
                           head_dim=q.shape[-1], v_head_dim=v.shape[-1], heads=q.shape[1], groups=k.shape[1],
