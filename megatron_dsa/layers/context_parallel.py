@@ -8,10 +8,12 @@ the tensors a rank needs, with differentiable communication so backward sends ev
   that own them: point to point (`p2p`) or by an all-gather of piece tails (`all_gather`). Every compressed entry is pooled exactly once, by the rank holding its last
   token; the entries (and the indexer keys) are then all-gathered, so each query sees exactly its
   ratio-causal set of global entries.
-* M: the keys and values of the other ranks arrive one ring step at a time (`p2p`, isend/irecv)
-  or at once (`all_gather`); attention runs per (query piece, key piece) block, skipping blocks
-  entirely in the future, with a causal mask on the diagonal block, and the blocks are merged
-  through their log-sum-exp.
+* M: the rows that make the other ranks' keys and values (the MLA latent and RoPE key per token, or
+  K/V where the up-projection is an injected class) arrive one ring step at a time (`p2p`,
+  isend/irecv) or at once (`all_gather`); each visiting key piece is up-projected where it is
+  attended; attention runs per (query piece, key piece) block, skipping blocks entirely in the
+  future, with a causal mask on the diagonal block, and the blocks are merged through their
+  log-sum-exp.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -98,9 +100,9 @@ class ContextParallelRows:
         out = self.outputs(torch.where(self.layout.query_valid.unsqueeze(1), latent, 0.0))
         return out.unsqueeze(1) if self.batch is None else out.view(self.batch, -1, out.shape[-1]).transpose(0, 1)
 
-    def attend_causal(self, q: Tensor, k: Tensor, v: Tensor, scale: float, backend: Requested) -> Tensor:
+    def attend_causal(self, q: Tensor, keys: KeyValueSource, scale: float, backend: Requested) -> Tensor:
         """Causal attention over every rank's keys of the same sequences (`ring_attention`)."""
-        return ring_attention(q, k, v, self.plan, self.rank, self.group, scale, self.comm_type, backend)
+        return ring_attention(q, keys.ring_keys(), self.plan, self.rank, self.group, scale, self.comm_type, backend)
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -287,152 +289,217 @@ def _halo_owners(plan: ContextParallelPlan, rank: int, halo: int) -> dict[tuple[
     return owners
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ContextParallelPlan, rank: int,
-                   group: ProcessGroup, scale: float, comm_type: str, backend: Requested = AUTO) -> Tensor:
+class KeyExpansion(Protocol):
+    """How the rows an M ring carries become a block's keys and values, and how their gradients go back."""
+
+    groups: int
+    v_head_dim: int
+
+    def keys_values(self, rows: Tensor, weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """Rows `[n, F]` → `k [n, G, Dqk]`, `v [n, G, Dv]`."""
+
+    def backward(self, rows: Tensor, weight: Optional[Tensor], grad_k: Tensor, grad_v: Tensor,
+                 grad_weight: Optional[Tensor]) -> Tensor:
+        """The gradient of `rows` `[n, F]` (compute dtype) given those of `keys_values`' k and v (compute
+        dtype); adds the gradient of `weight` into `grad_weight` (compute dtype) when one is given."""
+
+
+@dataclass(frozen=True)
+class RingKeys:
+    """An M layer's keys and values as the CP ring carries them: this rank's `rows [N, F]` (pieces in
+    order), which `expansion` turns into K/V block by block, with `weight` (None when the rows are K/V)."""
+
+    rows: Tensor
+    expansion: KeyExpansion
+    weight: Optional[Tensor] = None
+
+
+class KeyValueSource(Protocol):
+    """An M layer's keys and values, as a row context asks for them."""
+
+    def expand(self) -> tuple[Tensor, Tensor]:
+        """`k [N, G, Dqk]`, `v [N, G, Dv]` of every row (differentiable)."""
+
+    def ring_keys(self) -> RingKeys:
+        """What a context-parallel ring carries instead (differentiable in its rows and weight)."""
+
+
+@dataclass(frozen=True)
+class PackedKeyValues:
+    """Rows that are K and V already, packed `[n, G·Dqk + G·Dv]`: nothing to expand."""
+
+    groups: int
+    head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def ring_keys(cls, k: Tensor, v: Tensor) -> RingKeys:
+        """`k [N, G, Dqk]`, `v [N, G, Dv]` → the ring's rows."""
+        return RingKeys(torch.cat((k.flatten(1), v.flatten(1)), dim=1), cls(k.shape[1], k.shape[2], v.shape[2]))
+
+    def keys_values(self, rows: Tensor, weight: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        width = self.groups * self.head_dim
+        return (rows[:, :width].unflatten(1, (self.groups, self.head_dim)),
+                rows[:, width:].unflatten(1, (self.groups, self.v_head_dim)))
+
+    def backward(self, rows: Tensor, weight: Optional[Tensor], grad_k: Tensor, grad_v: Tensor,
+                 grad_weight: Optional[Tensor]) -> Tensor:
+        return torch.cat((grad_k.flatten(1), grad_v.flatten(1)), dim=1)
+
+
+def ring_attention(q: Tensor, keys: RingKeys, plan: ContextParallelPlan, rank: int, group: ProcessGroup,
+                   scale: float, comm_type: str, backend: Requested = AUTO) -> Tensor:
     """Causal attention of this rank's query pieces over every rank's key pieces (dense `M` kind).
 
-    q `[N, H, Dqk]`, k `[N, G, Dqk]`, v `[N, G, Dv]` are this rank's rows (pieces in order).
-    Returns `[N, H, Dv]` (sized by the query heads and V's head dim, never by V's shape). Each
-    (query piece, key piece) block runs the dispatched `dense_attention_block_fwd` / `_bwd` ops of
-    `backend` (a name, `auto` or the layer config).
+    q `[N, H, Dqk]` and `keys.rows [N, F]` are this rank's rows (pieces in order). Returns `[N, H, Dv]`
+    (sized by the query heads and the expansion's V head dim). The rows travel (`p2p`: around the ring;
+    `all_gather`: all at once, their gradient reduce-scattered back) and each visiting key piece is
+    expanded to K/V where it is attended. Each (query piece, key piece) block runs the dispatched
+    `dense_attention_block_fwd` / `_bwd` ops of `backend` (a name, `auto` or the layer config).
     """
     schedule = _RingSchedule(plan, rank)
-    kv = _pack(k, v)
-    if comm_type == "all_gather":  # every rank's K/V at once; the gather's backward reduce-scatters dK/dV
-        kv = all_gather_rows(kv, group)
-    return BlockAttentionFunction.apply(q, kv, (k.shape[1], k.shape[2]), schedule, group, float(scale), backend,
-                                        comm_type == "p2p")
+    rows = keys.rows
+    if comm_type == "all_gather":
+        rows = all_gather_rows(rows, group)
+    return BlockAttentionFunction.apply(q, rows, keys.weight, keys.expansion, schedule, group, float(scale),
+                                        backend, comm_type == "p2p")
 
 
-def block_call(q: Tensor, k: Tensor, v: Tensor) -> dict:
+def block_call(q: Tensor, expansion: KeyExpansion) -> dict:
     """The call description the dense block ops' probes read (shapes only, no device reads)."""
-    return dict(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1], heads=q.shape[1],
-                groups=k.shape[1], lse_grad=False)  # the ring merges the LSE itself: no gradient flows into it
+    return dict(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=expansion.v_head_dim,
+                heads=q.shape[1], groups=expansion.groups,
+                lse_grad=False)  # the ring merges the LSE itself: no gradient flows into it
 
 
 class _RingSchedule:
-    """Which (query piece, key rows) blocks meet when rank `source`'s K/V visit this rank."""
+    """Which (query piece, key piece) blocks meet when rank `source`'s rows visit this rank."""
 
     def __init__(self, plan: ContextParallelPlan, rank: int):
         self.plan, self.rank = plan, rank
         self.query_pieces = plan.pieces(rank)
         self.query_bounds = _piece_bounds(self.query_pieces)
 
-    def blocks(self, source: int) -> list[tuple[slice, slice, bool]]:
-        """`(query rows, key rows of the source block, causal)` for every block that is not skipped
-        (other sequence, or keys all in the future)."""
+    def blocks(self, source: int) -> list[tuple[slice, list[tuple[slice, bool]]]]:
+        """`(key rows, [(query rows, causal), ...])` for every key piece of `source` some query piece
+        attends (a block of another sequence, or with keys all in the future, is skipped)."""
         key_pieces = self.plan.pieces(source)
         found = []
-        for q_piece, query_rows in zip(self.query_pieces, self.query_bounds):
-            for key_piece, key_rows in zip(key_pieces, _piece_bounds(key_pieces)):
-                if key_piece.sequence != q_piece.sequence:
-                    continue
-                relation = block_relation(q_piece, key_piece)
-                if relation != "skip":
-                    found.append((query_rows, key_rows, relation == "causal"))
+        for key_piece, key_rows in zip(key_pieces, _piece_bounds(key_pieces)):
+            relations = [(query_rows, block_relation(q_piece, key_piece))
+                         for q_piece, query_rows in zip(self.query_pieces, self.query_bounds)
+                         if q_piece.sequence == key_piece.sequence]
+            queries = [(query_rows, relation == "causal") for query_rows, relation in relations if relation != "skip"]
+            if queries:
+                found.append((key_rows, queries))
         return found
 
 
 class BlockAttentionFunction(torch.autograd.Function):
-    """M-kind attention over every rank's K/V, block by block, as one autograd Function.
+    """M-kind attention over every rank's keys, block by block, as one autograd Function.
 
-    `ring` (`p2p`; TransformerEngine's algorithm, docs/parallelism.md, 'the P2P ring'): K/V, packed as one
-    `[N, G·(Dqk+Dv)]` buffer, travel to the next rank `cp − 1` times; each step's transfer is posted before
-    the step's blocks are computed, so it overlaps them. Otherwise `kv` holds every rank's K/V already
-    (`[cp·N, ...]`, all-gathered by the caller, whose backward reduce-scatters the gradient returned here).
+    `ring` (`p2p`; TransformerEngine's algorithm, docs/parallelism.md, 'the P2P ring'): the rows
+    (`RingKeys`: the MLA latent and RoPE key per token, or packed K/V) travel to the next rank `cp − 1`
+    times; each step's transfer is posted before the step's blocks are computed, so it overlaps them.
+    Otherwise `rows` holds every rank's rows already (`[cp·N, F]`, all-gathered by the caller, whose
+    backward reduce-scatters the gradient returned here).
 
-    Memory (per rank, O(N) beyond one block): each block's `(out, lse)` is merged into one running result
-    by LSE as soon as it is computed (never a list of every block's partials: those were `(2cp+1)/(2cp)`
-    of the whole sequence's output on every rank). Saved: q, the rank's own K/V, the returned output and
-    the merged LSE; backward recomputes each block from them (`dense_attention_block_bwd`, probabilities
-    `exp(s − lse_merged)`, `delta = <dO, O_merged>`). In the ring, each block's partial dK/dV sum travels
-    with it one step behind (exchanged after the step's compute, awaited only after the next step's
-    compute), so after the last step every rank holds its own block's full dK/dV.
+    Memory (per rank, O(N) beyond one key piece): each visiting key piece is expanded to K/V only while
+    its blocks run (forward), and again in backward; each block's `(out, lse)` is merged into one running
+    result by LSE as soon as it is computed. Saved: q, the rows (the rank's own; all ranks' under
+    `all_gather`), the expansion's weight, the returned output and the merged LSE; backward recomputes
+    each block from them (`dense_attention_block_bwd`, probabilities `exp(s − lse_merged)`,
+    `delta = <dO, O_merged>`) and turns its dK/dV into the rows' gradient at once (and the weight's, summed
+    over every block this rank expanded). In the ring, each block's partial row-gradient sum travels with
+    it one step behind (exchanged after the step's compute, awaited only after the next step's compute), so
+    after the last step every rank holds its own rows' full gradient.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, kv: Tensor, split: tuple[int, int], schedule: _RingSchedule, group: ProcessGroup,
-                scale: float, backend: Requested, ring: bool) -> Tensor:
+    def forward(ctx, q: Tensor, rows: Tensor, weight: Optional[Tensor], expansion: KeyExpansion,
+                schedule: _RingSchedule, group: ProcessGroup, scale: float, backend: Requested, ring: bool) -> Tensor:
         compute = compute_dtype(q.dtype)
-        own_k, own_v = _unpack(kv if ring else kv.chunk(schedule.plan.cp_size)[schedule.rank], split)
-        attend = dispatch(OpFamily.DENSE_ATTENTION_BLOCK_FWD, backend, **block_call(q, own_k, own_v))
-        out = q.new_zeros(*q.shape[:2], own_v.shape[-1], dtype=compute)
+        attend = dispatch(OpFamily.DENSE_ATTENTION_BLOCK_FWD, backend, **block_call(q, expansion))
+        out = q.new_zeros(*q.shape[:2], expansion.v_head_dim, dtype=compute)
         lse = q.new_full(q.shape[:2], float("-inf"), dtype=compute)
-        for source, kv_source in _visiting(kv, schedule, group, ring):
-            k_src, v_src = _unpack(kv_source, split)
-            for rows, key_rows, causal in schedule.blocks(source):
-                block = attend(q[rows], k_src[key_rows], v_src[key_rows], scale, causal)
-                out[rows], lse[rows] = merge_attention([(out[rows], lse[rows]), block])
+        for source, rows_source in _visiting(rows, schedule, group, ring):
+            for key_rows, queries in schedule.blocks(source):
+                k, v = expansion.keys_values(rows_source[key_rows], weight)
+                for query_rows, causal in queries:
+                    block = attend(q[query_rows], k, v, scale, causal)
+                    out[query_rows], lse[query_rows] = merge_attention([(out[query_rows], lse[query_rows]), block])
+                del k, v  # one key piece's K/V alive at a time
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.split, ctx.schedule, ctx.group, ctx.scale, ctx.backend, ctx.ring = split, schedule, group, scale, backend, ring
+        ctx.save_for_backward(q, rows, weight, out, lse)
+        ctx.expansion, ctx.schedule, ctx.group, ctx.scale, ctx.backend, ctx.ring = (expansion, schedule, group,
+                                                                                      scale, backend, ring)
+        ctx.autocast = _autocast_state(q.device)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, kv, out, lse = ctx.saved_tensors
-        schedule, split = ctx.schedule, ctx.split
+        q, rows, weight, out, lse = ctx.saved_tensors
+        schedule, expansion = ctx.schedule, ctx.expansion
         cp = schedule.plan.cp_size
-        k, v = _unpack(kv if ctx.ring else kv.chunk(cp)[schedule.rank], split)
-        block_grads = dispatch(OpFamily.DENSE_ATTENTION_BLOCK_BWD, ctx.backend, **block_call(q, k, v))
+        block_grads = dispatch(OpFamily.DENSE_ATTENTION_BLOCK_BWD, ctx.backend, **block_call(q, expansion))
         grad_q = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[2]
+                       else None)
 
-        def grads_of(source: int, kv_source: Tensor, grad_kv: Tensor) -> None:
-            """Add this rank's share of the gradient of `source`'s K/V (`kv_source`) into `grad_kv`
-            (packed like it, compute dtype) and the blocks' dQ into `grad_q`."""
-            k_src, v_src = _unpack(kv_source, split)
-            grad_k, grad_v = _unpack(grad_kv, split)
-            for rows, key_rows, causal in schedule.blocks(source):
-                d_q, d_k, d_v = block_grads(q[rows], k_src[key_rows], v_src[key_rows], out[rows], lse[rows],
-                                            grad_out[rows], ctx.scale, causal)
-                grad_q[rows] += d_q
-                grad_k[key_rows] += d_k
-                grad_v[key_rows] += d_v
+        def grads_of(source: int, rows_source: Tensor, grad_rows: Tensor) -> None:
+            """Add this rank's share of the gradient of `source`'s rows (`rows_source`) into `grad_rows`
+            (compute dtype), the blocks' dQ into `grad_q` and the expansion weight's into `grad_weight`."""
+            for key_rows, queries in schedule.blocks(source):
+                keys = rows_source[key_rows]
+                with torch.autocast(q.device.type, **ctx.autocast):  # K/V as forward expanded them
+                    k, v = expansion.keys_values(keys, weight)
+                for query_rows, causal in queries:
+                    d_q, d_k, d_v = block_grads(q[query_rows], k, v, out[query_rows], lse[query_rows],
+                                                grad_out[query_rows], ctx.scale, causal)
+                    grad_q[query_rows] += d_q
+                    grad_rows[key_rows] += expansion.backward(keys, weight, d_k, d_v, grad_weight)
+                del k, v
 
-        if not ctx.ring:
-            grad_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
-            for source, (kv_source, grad_source) in enumerate(zip(kv.chunk(cp), grad_kv.chunk(cp))):
-                grads_of(source, kv_source, grad_source)
-            return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None, None, None, None
-        arriving = None
-        for source, kv_source in _visiting(kv, schedule, ctx.group, ring=True):
-            grad_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
-            grads_of(source, kv_source, grad_kv)
-            if arriving is not None:  # the predecessor's sum for this block, from its previous step
-                grad_kv += arriving.wait()
-            # Send the sum on with the block's next visitor; receive the sum for our next block.
-            # After the last step that is the sum for this rank's own block: dK/dV are home. The sums
-            # travel in K/V's dtype: a float32 one in flight and another arriving, beside the step's own
-            # float32 sums, were a third of a bf16 rank's peak (one rounding per hop instead).
-            arriving = RingTransfer(grad_kv.to(kv.dtype), ctx.group) if cp > 1 else None
-            del grad_kv
-        home = arriving.wait() if arriving is not None else grad_kv
-        return grad_q.to(q.dtype), home.to(kv.dtype), None, None, None, None, None, None
+        if ctx.ring:
+            arriving = grad_rows = None
+            for source, rows_source in _visiting(rows, schedule, ctx.group, ring=True):
+                grad_rows = torch.zeros(rows.shape, dtype=lse.dtype, device=rows.device)
+                grads_of(source, rows_source, grad_rows)
+                if arriving is not None:  # the predecessor's sum for these rows, from its previous step
+                    grad_rows += arriving.wait()
+                if cp > 1:
+                    # Send the sum on with the rows' next visitor; receive the sum for our next rows. After
+                    # the last step that is the sum for this rank's own rows: their gradient is home. Sums
+                    # travel in the rows' dtype (one rounding per hop): packed K/V rows would otherwise carry
+                    # float32 sums as large as a third of a bf16 rank's peak.
+                    arriving, grad_rows = RingTransfer(grad_rows.to(rows.dtype), ctx.group), None
+            home = arriving.wait() if arriving is not None else grad_rows
+        else:
+            home = torch.zeros(rows.shape, dtype=lse.dtype, device=rows.device)
+            for source, (rows_source, grad_source) in enumerate(zip(rows.chunk(cp), home.chunk(cp))):
+                grads_of(source, rows_source, grad_source)
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_q.to(q.dtype), home.to(rows.dtype), grad_weight, None, None, None, None, None, None
 
 
-def _visiting(kv: Tensor, schedule: _RingSchedule, group: ProcessGroup, ring: bool) -> Iterator[tuple[int, Tensor]]:
-    """`(source rank, its K/V)` in the order they are attended. Ring: the rank's own first, then each
-    predecessor's as it arrives; the next transfer is posted before a step's K/V are handed out, so the
-    caller's compute overlaps it. Otherwise `kv` holds every rank's rows: its chunks in rank order."""
+def _autocast_state(device: torch.device) -> dict:
+    """The forward's autocast settings for `device`, to expand K/V the same way in backward."""
+    return dict(enabled=torch.is_autocast_enabled(device.type), dtype=torch.get_autocast_dtype(device.type))
+
+
+def _visiting(rows: Tensor, schedule: _RingSchedule, group: ProcessGroup, ring: bool) -> Iterator[tuple[int, Tensor]]:
+    """`(source rank, its rows)` in the order they are attended. Ring: the rank's own first, then each
+    predecessor's as they arrive; the next transfer is posted before a step's rows are handed out, so the
+    caller's compute overlaps it. Otherwise `rows` holds every rank's: its chunks in rank order."""
     cp = schedule.plan.cp_size
     if not ring:
-        yield from enumerate(kv.chunk(cp))
+        yield from enumerate(rows.chunk(cp))
         return
     for step in range(cp):
-        transfer = RingTransfer(kv, group) if step + 1 < cp else None
-        yield (schedule.rank - step) % cp, kv
+        transfer = RingTransfer(rows, group) if step + 1 < cp else None
+        yield (schedule.rank - step) % cp, rows
         if transfer is not None:
-            kv = transfer.wait()
-
-
-def _pack(k: Tensor, v: Tensor) -> Tensor:
-    return torch.cat((k.flatten(1), v.flatten(1)), dim=1).contiguous()
-
-
-def _unpack(kv: Tensor, split: tuple[int, int]) -> tuple[Tensor, Tensor]:
-    groups, head_dim = split
-    width = groups * head_dim
-    return kv[:, :width].view(-1, groups, head_dim), kv[:, width:].view(kv.shape[0], groups, -1)
+            rows = transfer.wait()
 
 
 def _piece_bounds(pieces: list[Piece]) -> list[slice]:

@@ -15,18 +15,21 @@ the row context (`layers.rows.TokenRows`) where the rows' keys and compressed en
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_dsa.backends import OpFamily, dispatch
 from megatron_dsa.config import HybridAttentionConfig, yarn_mscale
 from megatron_dsa.layers.common import RMSNorm, has_call_hooks, linear
 from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
+from megatron_dsa.layers.context_parallel import PackedKeyValues, RingKeys
 from megatron_dsa.layers.submodules import apply
 from megatron_dsa.ops.output_projection import grouped_output_projection
-from megatron_dsa.parallel.linear import divide
+from megatron_dsa.parallel.linear import ColumnParallelLinear, divide
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region
 from megatron_dsa.parallel.sharding import tensor_parallel_parameter
 
@@ -158,11 +161,13 @@ class DenseMLACore:
     def attend(self, layer: "HybridAttention", x: Tensor, rows: "TokenRows") -> Tensor:
         c = layer.config
         q, latent, k_rope = self.project(layer, x, rows.layout.positions)
-        k_nope, v = self.keys_values(layer, latent)
-        # One RoPE key shared by all heads; this rank's heads give part of its gradient.
-        k_rope = copy_to_tensor_parallel_region(k_rope, layer.tp_group)
-        k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, layer.local_groups, -1)), dim=-1)
-        return rows.attend_causal(q, k, v, self.softmax_scale(c), c).flatten(1)
+        keys = LatentKeyValues(layer, self.up_projection(layer), latent, k_rope)
+        return rows.attend_causal(q, keys, self.softmax_scale(c), c).flatten(1)
+
+    @staticmethod
+    def up_projection(layer: "HybridAttention") -> "LatentUpProjection":
+        c = layer.config
+        return LatentUpProjection(layer.local_groups, c.mla_qk_head_dim, c.v_head_dim)
 
     def project(self, layer: "HybridAttention", x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Token rows `x [N, d]` at `positions [N]` → `(q [N, H/tp, qk + P]` (RoPE applied), the normalised
@@ -179,9 +184,75 @@ class DenseMLACore:
 
     def keys_values(self, layer: "HybridAttention", latent: Tensor) -> tuple[Tensor, Tensor]:
         """Normalised latent rows `[N, kv_lora_rank]` → `(k_nope [N, G/tp, qk], v [N, G/tp, Dv])`."""
-        c = layer.config
-        kv = apply(layer.linear_kv_up_proj, latent).view(-1, layer.local_groups, c.mla_qk_head_dim + c.v_head_dim)
-        return kv.split((c.mla_qk_head_dim, c.v_head_dim), dim=-1)
+        return self.up_projection(layer).split(apply(layer.linear_kv_up_proj, latent))
+
+
+@dataclass(frozen=True)
+class LatentUpProjection:
+    """An M layer's keys and values from the rows `[n, R + P]` that make them (normalised KV latent | shared
+    RoPE key) through `linear_kv_up_proj`'s local weight `W [G·(qk + Dv), R]`: `[k_nope | v] = latent · Wᵀ`
+    per group, and the one RoPE key appended to every group's `k_nope`. `R + P` numbers per token instead of
+    `G·(qk + P + Dv)`: what the context-parallel ring carries (its `KeyExpansion`, `layers.context_parallel`)."""
+
+    groups: int
+    qk_head_dim: int  # the un-rotated key dims of a group
+    v_head_dim: int
+
+    def split(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Up-projected rows `[n, G·(qk + Dv)]` → `(k_nope [n, G, qk], v [n, G, Dv])`."""
+        return kv.unflatten(1, (self.groups, -1)).split((self.qk_head_dim, self.v_head_dim), dim=-1)
+
+    def with_rope(self, k_nope: Tensor, rope: Tensor) -> Tensor:
+        """`k_nope [n, G, qk]` and the shared RoPE key `[n, P]` → `k [n, G, qk + P]`."""
+        return torch.cat((k_nope, rope.unsqueeze(1).expand(-1, self.groups, -1)), dim=-1)
+
+    def keys_values(self, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows `[n, R + P]` → `k [n, G, qk + P]`, `v [n, G, Dv]` (as `linear_kv_up_proj` computes them)."""
+        latent, rope = rows.split((weight.shape[1], rows.shape[1] - weight.shape[1]), dim=1)
+        k_nope, v = self.split(F.linear(latent, weight))
+        return self.with_rope(k_nope, rope), v
+
+    def backward(self, rows: Tensor, weight: Tensor, grad_k: Tensor, grad_v: Tensor,
+                 grad_weight: Optional[Tensor]) -> Tensor:
+        """`dk [n, G, qk + P]`, `dv [n, G, Dv]` (compute dtype) → the rows' gradient `[n, R + P]` (compute
+        dtype); `dW = [dk_nope | dv]ᵀ · latent` is added into `grad_weight` when given. The product with
+        `W` runs in W's dtype, as `linear_kv_up_proj`'s backward does (no float32 copy of W per block)."""
+        grad_kv = torch.cat((grad_k[..., :self.qk_head_dim], grad_v), dim=-1).flatten(1).to(weight.dtype)
+        latent = rows[:, :weight.shape[1]]
+        if grad_weight is not None:
+            grad_weight += grad_kv.t() @ latent.to(weight.dtype)
+        grad_rope = grad_k[..., self.qk_head_dim:].sum(1)  # the key shared by all groups
+        return torch.cat(((grad_kv @ weight).to(grad_rope.dtype), grad_rope), dim=1)
+
+
+@dataclass(frozen=True, eq=False)
+class LatentKeyValues:
+    """An M layer's keys and values, held as what makes them (`layers.context_parallel.KeyValueSource`):
+    the rows' normalised KV latent `latent [N, R]` and shared RoPE key `rope [N, P]`, up-projected by the
+    layer's `linear_kv_up_proj`."""
+
+    layer: "HybridAttention"
+    up: LatentUpProjection
+    latent: Tensor
+    rope: Tensor
+
+    def expand(self) -> tuple[Tensor, Tensor]:
+        """`k [N, G/tp, qk + P]`, `v [N, G/tp, Dv]`, through the layer's modules."""
+        k_nope, v = self.layer.core.keys_values(self.layer, self.latent)
+        # One RoPE key shared by all heads; this rank's heads give part of its gradient.
+        return self.up.with_rope(k_nope, copy_to_tensor_parallel_region(self.rope, self.layer.tp_group)), v
+
+    def ring_keys(self) -> RingKeys:
+        """The latent and RoPE key per token (`[N, R + P]`, the same on every TP rank: their gradient is
+        summed over TP once, here), up-projected by the ring per visiting block with the weight of
+        `linear_kv_up_proj`. That needs the package's own column-parallel linear, without hooks: another
+        class owns its forward (FP8 casts) and its weight gradient (Megatron and Transformer Engine add it
+        into `main_grad` and fire hooks once per step), so for it the ring carries the expanded K/V."""
+        projection = self.layer.linear_kv_up_proj
+        if type(projection) is not ColumnParallelLinear or has_call_hooks(projection):
+            return PackedKeyValues.ring_keys(*self.expand())
+        rows = copy_to_tensor_parallel_region(torch.cat((self.latent, self.rope), dim=1), self.layer.tp_group)
+        return RingKeys(rows, self.up, projection.weight)
 
 
 SPARSE_MLA = SparseMLACore()

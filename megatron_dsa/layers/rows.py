@@ -16,7 +16,7 @@ the cache's buffers, not from rows of this call.) The layer builds one row conte
 | `compressed_layout(r)` | where the entries this call pools at ratio `r` live |
 | `visible_entries(r)` | each row's visible entries, as rows of the buffer `gather_entries` gives |
 | `gather_entries(pooled, r)` | starts moving the pooled entries to that buffer; the returned call gives it |
-| `attend_causal(q, k, v, scale, backend)` | causal attention of the rows' queries over every key of their sequences |
+| `attend_causal(q, keys, scale, backend)` | causal attention of the rows' queries over every key of their sequences (`keys`: a `KeyValueSource`, expanded here or carried by the CP ring) |
 | `real_query_count` | real query rows of the whole batch: the divisor of the mean indexer loss |
 """
 
@@ -32,7 +32,7 @@ from megatron_dsa.backends import OpFamily, Requested, dispatch
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.ops.indices import VisibleEntries, visible_compressed_entries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
-from megatron_dsa.layers.context_parallel import ContextParallelRows
+from megatron_dsa.layers.context_parallel import ContextParallelRows, KeyValueSource
 from megatron_dsa.packed_seq import (PackedSeqParams, check_packed_hidden_states, documents_from_attention_mask,
                                      validate_packed_seq_params)
 from megatron_dsa.parallel.state import ParallelState
@@ -59,7 +59,7 @@ class TokenRows(Protocol):
 
     def gather_entries(self, pooled: Tensor, ratio: int) -> Callable[[], Tensor]: ...
 
-    def attend_causal(self, q: Tensor, k: Tensor, v: Tensor, scale: float, backend: Requested) -> Tensor: ...
+    def attend_causal(self, q: Tensor, keys: KeyValueSource, scale: float, backend: Requested) -> Tensor: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,8 +97,10 @@ class LocalRows:
     def gather_entries(self, pooled: Tensor, ratio: int) -> Callable[[], Tensor]:
         return lambda: pooled
 
-    def attend_causal(self, q: Tensor, k: Tensor, v: Tensor, scale: float, backend: Requested) -> Tensor:
-        """q `[N, H, Dqk]`, k `[N, G, Dqk]`, v `[N, G, Dv]` → `[N, H, Dv]`, causal within each segment."""
+    def attend_causal(self, q: Tensor, keys: KeyValueSource, scale: float, backend: Requested) -> Tensor:
+        """q `[N, H, Dqk]` over the keys' expanded k `[N, G, Dqk]`, v `[N, G, Dv]` → `[N, H, Dv]`, causal
+        within each segment."""
+        k, v = keys.expand()
         attend = dispatch(OpFamily.DENSE_ATTENTION, backend, device=q.device, dtype=q.dtype,
                           head_dim=q.shape[-1], v_head_dim=v.shape[-1], heads=q.shape[1], groups=k.shape[1],
                           layout=self.layout, lse_grad=False)  # the layer uses only `out`
