@@ -3,10 +3,11 @@
 * LM text: the built-in corpus, `corpus/builtin-v1.txt.gz` (English-like prose written by
   `tools/make_corpus.py`, pinned by its SHA-256 so every Python version trains on the same bytes),
   or any text file given as `train.corpus`; split into train / validation by interleaved blocks.
-* Retrieval: `k=v;` pairs (one-letter keys, one-digit values) at the start of a sequence, a run of
-  `.`, then queries `?k` at the end; the model must write the value next. With `configs/tiny.yaml`
-  every value lies beyond the reach of the whole stack of sliding windows (`window_reach`), so only
-  the compressed (C/H) paths of the hybrid attention can carry it. Loss counts the answer bytes only.
+* Retrieval: `k=v;` pairs (one-letter keys, one-digit values; each pair's slot is filled with copies
+  of its value) open a sequence, a run of `.` follows, and queries `?k` spaced evenly over it ask the
+  keys; the model must write the value next. With `configs/tiny.yaml` every answer lies beyond the
+  reach of the whole stack of sliding windows (`window_reach`) from every earlier copy of its value,
+  so only the compressed (C/H) paths of the hybrid attention can carry it. Loss counts the answers only.
 
 Every batch is a pure function of `(seed, stream, index)`, so a resumed run sees the same batches.
 """
@@ -29,11 +30,11 @@ BUILTIN_CORPUS_SHA256 = "6a0facbb6af11d3adac91bd5558f4b729e743bc0f40cf6c572943d0
 BUILTIN = "builtin"  # the `train.corpus` value that selects the built-in corpus
 KEY_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 VALUE_ALPHABET = b"0123456789"
-PAIR_BYTES = 4  # 'k=v;'
+PAIR_BYTES = 4  # 'k=v;': one group of the ratio-4 compressor
 PAIR_VALUE = 2  # offset of the value in 'k=v;'
 QUERY_BYTES = 3  # '?kv': the key itself predicts the answer
 QUERY_ANSWER = 2  # offset of the answer in '?kv'
-FILLER = b"."  # the gap between the pairs and the queries
+FILLER = b"."  # the gap between the pairs and the queries, and between queries
 
 
 # ---------------------------------------------------------------- corpus
@@ -120,7 +121,7 @@ def window_reach(num_layers: int, window: int) -> int:
 @dataclass(frozen=True)
 class RetrievalSamples:
     """`tokens [n, S+1]`; `answer_positions` / `source_positions` `[n, num_queries]`: where each
-    answer byte sits in the queries and where the same value was stated in the pair list."""
+    answer byte sits in the queries and where its pair states the value (the `=v` byte)."""
 
     tokens: Tensor
     answer_positions: Tensor
@@ -129,64 +130,84 @@ class RetrievalSamples:
 
 @dataclass(frozen=True)
 class RetrievalTask:
-    """`a=3;q=7;…\n......\n?q7?a3…`: sequences of `seq_len + 1` bytes.
+    """`a=3;333…\n.....?a3.....?a3`: sequences of `seq_len + 1` bytes.
 
-    `num_pairs` pairs of a distinct one-letter key and a random digit open the sequence (a pair is
-    4 bytes: one group of the ratio-4 compressor); `num_queries` distinct keys of them are asked at
-    the end, each answered by its value. The position that predicts an answer lies more than
-    `min_distance` positions after the value; where that exceeds `window_reach` of a window-only
-    stack, such a model cannot see the value and is at chance, 1/10 per answer.
+    `num_pairs` pairs of a distinct one-letter key and a random digit open the sequence, each in a
+    slot of `pair_bytes` bytes: `k=v;` (one group of the ratio-4 compressor) then the value repeated
+    to fill the slot, so the compressed entries holding a pair carry its value, not filler. A newline
+    ends the pairs; the rest is `.` with `num_queries` queries `?kv` spaced evenly over it, the last
+    at the very end. Queries ask the keys in random order, each key once before any key is asked
+    again. Every answer lies more than `closest_distance` positions after any earlier copy of its
+    value (in the pairs or in an earlier query); where that exceeds the reach of a window-only stack
+    (`window_reach`), such a model cannot see the value and is at chance, 1/10 per answer.
     """
 
     seq_len: int
-    num_pairs: int = 8
-    num_queries: int = 4
+    num_pairs: int = 1
+    num_queries: int = 2
     min_distance: int = 60
+    pair_bytes: int = PAIR_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "num_pairs", "num_queries", "min_distance"):
+        for name in ("seq_len", "num_pairs", "num_queries", "min_distance", "pair_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"retrieval {name} must be a positive integer, got {value!r}")
         if self.num_pairs > len(KEY_ALPHABET):
             raise ValueError(f"retrieval num_pairs {self.num_pairs} exceeds the {len(KEY_ALPHABET)} one-letter keys")
-        if self.num_queries > self.num_pairs:
-            raise ValueError(f"retrieval num_queries {self.num_queries} exceeds num_pairs {self.num_pairs} "
-                             f"(each query asks a different key)")
-        if self.filler_len < 0 or self.closest_distance <= self.min_distance:
-            raise ValueError(f"retrieval seq_len {self.seq_len} is too short for {self.num_pairs} pairs and "
-                             f"{self.num_queries} queries with every answer more than {self.min_distance} "
-                             f"positions after its value")
+        if self.pair_bytes < PAIR_BYTES:
+            raise ValueError(f"retrieval pair_bytes {self.pair_bytes} is shorter than a pair 'k=v;' ({PAIR_BYTES})")
+        if self.query_spacing < QUERY_BYTES or self.closest_distance <= self.min_distance:
+            raise ValueError(f"retrieval seq_len {self.seq_len} is too short for {self.num_pairs} pair(s) of "
+                             f"{self.pair_bytes} bytes and {self.num_queries} query(ies) with every answer more "
+                             f"than {self.min_distance} positions after any earlier copy of its value")
 
     @property
-    def filler_len(self) -> int:
-        return self.seq_len + 1 - PAIR_BYTES * self.num_pairs - QUERY_BYTES * self.num_queries - 2  # 2: the '\n's
+    def header_len(self) -> int:
+        """Bytes of the pairs and the newline after them."""
+        return self.pair_bytes * self.num_pairs + 1
+
+    @property
+    def query_spacing(self) -> int:
+        """Positions between consecutive answers (the first query takes the leftover bytes too)."""
+        return (self.seq_len + 1 - self.header_len) // self.num_queries
+
+    @property
+    def answer_positions(self) -> Tensor:
+        """`[num_queries]` positions of the answers (the same in every sequence)."""
+        last = self.seq_len  # the sequence's final byte
+        return last - self.query_spacing * torch.arange(self.num_queries - 1, -1, -1)
 
     @property
     def closest_distance(self) -> int:
-        """Positions from the last pair's value to the position that predicts the first answer."""
-        return (self._query_start + QUERY_ANSWER - 1) - (PAIR_BYTES * (self.num_pairs - 1) + PAIR_VALUE)
-
-    @property
-    def _query_start(self) -> int:
-        return self.seq_len + 1 - QUERY_BYTES * self.num_queries
+        """The fewest positions from any copy of a value to the position that predicts an answer of
+        it: from the last byte of the pairs to the first answer, or between consecutive answers."""
+        first_answer = int(self.answer_positions[0])
+        last_value = self.header_len - 2  # the pairs end with a value byte (or ';' when pair_bytes is 4)
+        return min((first_answer - 1) - last_value, self.query_spacing - 1)
 
     def sample(self, count: int, generator: torch.Generator) -> RetrievalSamples:
         """`count` sequences. The gap is a constant run of `.` (FILLER), so the pairs are the only
-        compressed entries that carry anything (with corpus text there, 8 pairs stayed at chance
-        for 700 steps of tiny.yaml; so did 4 pairs with dots: see the README)."""
-        filler = FILLER * self.filler_len
+        compressed entries that carry anything (README: which layouts the tiny model learns)."""
+        answers = self.answer_positions
         sequences, sources = [], []
         for _ in range(count):
             letters = torch.randperm(len(KEY_ALPHABET), generator=generator)[: self.num_pairs].tolist()
             keys = [KEY_ALPHABET[i:i + 1] for i in letters]
             values = _random_bytes(VALUE_ALPHABET, self.num_pairs, generator)
-            asked = torch.randperm(self.num_pairs, generator=generator)[: self.num_queries].tolist()
-            pairs = b"".join(key + b"=" + values[i:i + 1] + b";" for i, key in enumerate(keys))
-            queries = b"".join(b"?" + keys[i] + values[i:i + 1] for i in asked)
-            sequences.append(list(pairs + b"\n" + filler + b"\n" + queries))
-            sources.append([PAIR_BYTES * i + PAIR_VALUE for i in asked])
-        answers = self._query_start + QUERY_ANSWER + QUERY_BYTES * torch.arange(self.num_queries)
+            rounds = -(-self.num_queries // self.num_pairs)
+            asked = torch.cat([torch.randperm(self.num_pairs, generator=generator)
+                               for _ in range(rounds)])[: self.num_queries].tolist()
+            fill = self.pair_bytes - PAIR_BYTES
+            tokens = bytearray(FILLER * (self.seq_len + 1))
+            for i, key in enumerate(keys):
+                slot = self.pair_bytes * i
+                tokens[slot:slot + self.pair_bytes] = key + b"=" + values[i:i + 1] + b";" + values[i:i + 1] * fill
+            tokens[self.header_len - 1] = ord("\n")
+            for i, answer in zip(asked, answers.tolist()):
+                tokens[answer - QUERY_ANSWER:answer + 1] = b"?" + keys[i] + values[i:i + 1]
+            sequences.append(list(tokens))
+            sources.append([self.pair_bytes * i + PAIR_VALUE for i in asked])
         return RetrievalSamples(tokens=torch.tensor(sequences, dtype=torch.long).view(count, self.seq_len + 1),
                                 answer_positions=answers.expand(count, -1),
                                 source_positions=torch.tensor(sources, dtype=torch.long).view(count, self.num_queries))

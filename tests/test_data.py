@@ -69,25 +69,29 @@ def test_a_text_file_can_be_the_corpus(tmp_path):
 
 
 # ---------------------------------------------------------------- retrieval task
-PAIR = re.compile(rb"([a-z])=([0-9]);")
+SLOT = re.compile(rb"([a-z])=([0-9]);(\2*)")
 QUERY = re.compile(rb"\?([a-z])([0-9])")
 
 
-Pairs = dict[bytes, tuple[bytes, int]]  # key -> (value, position of the value)
+Pairs = dict[bytes, tuple[bytes, list[int]]]  # key -> (value, positions of every copy of the value)
 Queries = list[tuple[bytes, bytes, int]]  # (key, answer, position of the answer)
 
 
-def decode(sequence: bytes, num_pairs: int, num_queries: int) -> tuple[Pairs, Queries]:
-    """Parse one retrieval sequence from its bytes alone: `{key: (value, value position)}` of the
-    pair list and `[(key, answer, answer position)]` of the queries."""
-    pairs_text, rest = sequence.split(b"\n", 1)
-    filler, queries_text = rest.rsplit(b"\n", 1)
-    assert set(filler) == {ord(".")}, "the gap holds no pairs or queries"
-    pairs = {m.group(1): (m.group(2), m.start(2)) for m in PAIR.finditer(pairs_text)}
-    assert PAIR.sub(b"", pairs_text) == b"" and len(pairs) == num_pairs, "distinct one-letter keys"
-    offset = len(sequence) - len(queries_text)
-    queries = [(m.group(1), m.group(2), offset + m.start(2)) for m in QUERY.finditer(queries_text)]
-    assert QUERY.sub(b"", queries_text) == b"" and len({k for k, _, _ in queries}) == num_queries
+def decode(sequence: bytes, pair_bytes: int) -> tuple[Pairs, Queries]:
+    """Parse one retrieval sequence from its bytes alone: `{key: (value, value positions)}` of the
+    pair slots and `[(key, answer, answer position)]` of the queries in the gap."""
+    header, rest = sequence.split(b"\n", 1)
+    assert len(header) % pair_bytes == 0
+    pairs = {}
+    for start in range(0, len(header), pair_bytes):
+        slot = SLOT.fullmatch(header[start:start + pair_bytes])
+        assert slot, f"a slot is k=v; then copies of v: {header[start:start + pair_bytes]!r}"
+        copies = [start + 2] + [start + 4 + i for i in range(len(slot.group(3)))]
+        pairs[slot.group(1)] = (slot.group(2), copies)
+    assert len(pairs) == len(header) // pair_bytes, "distinct one-letter keys"
+    offset = len(header) + 1
+    queries = [(m.group(1), m.group(2), offset + m.start(2)) for m in QUERY.finditer(rest)]
+    assert set(QUERY.sub(b"", rest)) == {ord(".")}, "the gap holds queries and filler only"
     return pairs, queries
 
 
@@ -95,19 +99,27 @@ def tiny_job() -> JobConfig:
     return JobConfig.from_yaml(TINY_YAML)
 
 
-def test_every_answer_is_determined_by_the_text_and_out_of_the_window_only_reach():
-    job = tiny_job()
-    task, attention = job.retrieval_task(), job.attention
+@pytest.mark.parametrize("task", [tiny_job().retrieval_task(),
+                                  data.RetrievalTask(seq_len=200, num_pairs=3, num_queries=5, min_distance=16,
+                                                     pair_bytes=8)],
+                         ids=["tiny", "3-pairs-5-queries"])
+def test_every_answer_is_determined_by_the_text_and_out_of_reach_of_its_earlier_copies(task):
+    attention = tiny_job().attention
     # A stack of L sliding windows of w tokens (itself included) sees L * (w - 1) positions back.
     reach = attention.num_layers * (attention.csa_window_size - 1)
     samples = task.sample(64, seeded_generator(3, "decode-test", 0))
     for row, sequence in enumerate(samples.tokens.tolist()):
-        pairs, queries = decode(bytes(sequence), task.num_pairs, task.num_queries)
+        pairs, queries = decode(bytes(sequence), task.pair_bytes)
+        assert len(pairs) == task.num_pairs and len(queries) == task.num_queries
         assert samples.answer_positions[row].tolist() == [position for _, _, position in queries]
-        for key, answer, position in queries:
-            value, source = pairs[key]
-            assert answer == value
-            assert (position - 1) - source > reach  # the logits at position - 1 predict the answer
+        asked = [key for key, _, _ in queries]
+        assert len(set(asked[:task.num_pairs])) == min(task.num_pairs, task.num_queries)  # each key before repeats
+        for index, (key, answer, position) in enumerate(queries):
+            value, copies = pairs[key]
+            assert answer == value and samples.source_positions[row, index] == copies[0]
+            earlier = copies + [p for k, _, p in queries[:index] if k == key]
+            assert (position - 1) - max(earlier) >= task.closest_distance  # logits at position - 1 predict it
+    assert tiny_job().retrieval_task().closest_distance > reach
 
 
 def test_retrieval_batches_are_deterministic_and_score_the_answers_only():
@@ -122,25 +134,32 @@ def test_retrieval_batches_are_deterministic_and_score_the_answers_only():
     assert first.is_retrieval.tolist() == [False, False, True, True] and first.loss_mask[:2].all()
     for row in (2, 3):
         sequence = bytes(first.inputs[row].tolist()) + bytes(first.targets[row, -1:].tolist())
-        _, queries = decode(sequence, task.num_pairs, task.num_queries)
+        _, queries = decode(sequence, task.pair_bytes)
         scored = first.loss_mask[row].nonzero().flatten().tolist()
         assert scored == [position - 1 for _, _, position in queries]  # target p is token p + 1
         assert [bytes([first.targets[row, p]]) for p in scored] == [answer for _, answer, _ in queries]
 
 
+def test_a_task_that_does_not_fit_its_sequence_is_rejected():
+    with pytest.raises(ValueError, match="too short"):
+        data.RetrievalTask(seq_len=64, num_pairs=2, num_queries=2, min_distance=16, pair_bytes=16)
+    with pytest.raises(ValueError, match="pair_bytes"):
+        data.RetrievalTask(seq_len=256, pair_bytes=3)
+
+
 @pytest.mark.parametrize("pattern, sees_the_values", [("WWWW", False), ("WCHC", True)])
 def test_only_compressed_layers_let_the_answers_depend_on_the_values(pattern, sees_the_values):
-    """Changing every value in the pair list changes a freshly initialised model's logits at the
-    answer-predicting positions only if the model has C/H layers: the window-only control cannot
-    see the values at all, so it stays at chance however it is trained."""
+    """Changing every digit of the sequence (each copy of each value, in the pairs and in earlier
+    answers) changes a freshly initialised model's logits at the answer-predicting positions only if
+    the model has C/H layers: the window-only control cannot see any copy of a value before it must
+    write it, so it stays at chance however it is trained."""
     job = tiny_job()
     attention, task = job.attention.replace(layer_pattern=pattern), job.retrieval_task()
     torch.manual_seed(0)
     model = HybridLM(attention, job.model).eval()
     samples = task.sample(2, seeded_generator(1, "reach", 0))
-    changed = samples.tokens.clone()
-    values = torch.arange(task.num_pairs) * data.PAIR_BYTES + data.PAIR_VALUE
-    changed[:, values] = (changed[:, values] - ord("0") + 1) % 10 + ord("0")
+    digits = (samples.tokens >= ord("0")) & (samples.tokens <= ord("9"))
+    changed = torch.where(digits, (samples.tokens - ord("0") + 1) % 10 + ord("0"), samples.tokens)
     predicting = samples.answer_positions - 1
     with torch.no_grad():
         logits = [model(tokens[:, :-1]).gather(1, predicting.unsqueeze(-1).expand(-1, -1, 256))

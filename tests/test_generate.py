@@ -74,18 +74,22 @@ def test_top_p_keeps_the_smallest_nucleus_and_temperature_zero_is_greedy() -> No
 
 def test_retrieval_scored_by_generation_counts_right_answers() -> None:
     model = model_fp64()
-    task = RetrievalTask(seq_len=80, num_pairs=2, num_queries=2, min_distance=6)
-    samples = task.sample(3, seeded_generator(0, "t", 0))
-    scores = score_retrieval(model, samples.tokens, samples.answer_positions)
-    # Independent count: greedy answers by the full forward, one answer byte at a time.
-    right = []
-    for row, positions in zip(samples.tokens, samples.answer_positions):
-        sequence = row[:positions[0]]
-        for position in positions:
-            token = model(sequence.unsqueeze(0))[0, -1].argmax()
-            right.append(bool(token == row[position]))
-            sequence = torch.cat((sequence, token.view(1)))
-    assert scores.samples == 3 and scores.generated_bytes == pytest.approx(sum(right) / len(right))
+    task = RetrievalTask(seq_len=80, num_pairs=2, num_queries=3, min_distance=6)
+    samples = task.sample(4, seeded_generator(0, "t", 0))
+    tokens, positions = samples.tokens.clone(), samples.answer_positions
+    # Make some answers the model's own greedy choice (by the full forward), so the count is not 0.
+    with torch.no_grad():
+        for row, column in ((0, 0), (0, 1), (0, 2), (1, 1), (2, 0), (2, 2)):
+            position = int(positions[row, column])
+            tokens[row, position] = model(tokens[row, :position].unsqueeze(0))[0, -1].argmax()
+    scores = score_retrieval(model, tokens, positions)
+    # Independent count: greedy answers by the full forward, each from the true bytes before it.
+    right = [[bool(model(row[:p].unsqueeze(0))[0, -1].argmax() == row[p]) for p in ps.tolist()]
+             for row, ps in zip(tokens, positions)]
+    flat = [r for answers in right for r in answers]
+    assert sum(flat) >= 6
+    assert scores.samples == 4 and scores.generated_bytes == pytest.approx(sum(flat) / len(flat))
+    assert scores.generated_answers == pytest.approx(sum(all(answers) for answers in right) / 4)
 
 
 def test_the_cli_samples_from_a_main_job_checkpoint(tmp_path, capsys) -> None:

@@ -172,7 +172,7 @@ def small_job(directory: Path) -> Path:
     job = yaml.safe_load((EXAMPLE.parents[1] / "configs" / "tiny.yaml").read_text())
     job["attention"].update(num_layers=2, layer_pattern="CH")
     job["model"].update(max_seq_len=64)
-    job["train"].update(batch_size=2, seq_len=64, retrieval_fraction=0.5, retrieval_pairs=2,
+    job["train"].update(batch_size=2, seq_len=64, retrieval_fraction=0.5, retrieval_pairs=1,
                         retrieval_queries=2, corpus_max_bytes=40_000, warmup_steps=1)
     path = directory / "job.yaml"
     path.write_text(yaml.safe_dump(job))

@@ -70,7 +70,7 @@ def stalled_step_body(rank: int, world: int, out: str) -> None:
 
     os.environ["WORLD_SIZE"] = str(world)
     job = job_module.JobConfig.from_yaml("configs/tiny.yaml", steps=2, out_dir=out, seq_len=64, batch_size=2,
-                                         retrieval_pairs=2, retrieval_queries=2, eval_batches=1, corpus_max_bytes=200_000)
+                                         retrieval_pairs=1, retrieval_queries=2, eval_batches=1, corpus_max_bytes=200_000)
     job = dataclasses.replace(job, model=dataclasses.replace(job.model, max_seq_len=64))
     if rank == 1:
         original = loop.train_batch  # where the training loop looks it up

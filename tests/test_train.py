@@ -25,7 +25,7 @@ def small_job_yaml(tmp_path: Path, **train_values) -> Path:
     """configs/tiny.yaml shrunk to seconds: short sequences, small batches, a small corpus."""
     job = yaml.safe_load(TINY_YAML.read_text())
     job["model"]["max_seq_len"] = 64
-    job["train"].update(dict(batch_size=2, seq_len=64, retrieval_pairs=2, retrieval_queries=2, corpus_max_bytes=200_000,
+    job["train"].update(dict(batch_size=2, seq_len=64, retrieval_pairs=1, retrieval_queries=2, corpus_max_bytes=200_000,
                              warmup_steps=1, eval_batches=1, log_interval=1, eval_interval=2,
                              checkpoint_interval=2, out_dir=str(tmp_path / "run")), **train_values)
     path = tmp_path / "job.yaml"
@@ -114,7 +114,8 @@ def test_example_script_runs(tmp_path):
     ("train", "lr", -1.0),
     ("train", "retrieval_fraction", 1.5),
     ("train", "retrieval_queries", 0),
-    ("train", "retrieval_queries", 9),  # more than retrieval_pairs
+    ("train", "retrieval_pairs", 27),  # more than the one-letter keys
+    ("train", "retrieval_pair_bytes", 3),  # shorter than 'k=v;'
     ("train", "corpus", 7),
     ("train", "corpus", "no/such/corpus.txt"),
     ("train", "dtype", "fp16"),

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import yaml
 
 from megatron_dsa.config import HybridAttentionConfig, check_field_types
-from megatron_dsa.data import BUILTIN, KEY_ALPHABET, RetrievalTask
+from megatron_dsa.data import BUILTIN, KEY_ALPHABET, PAIR_BYTES, RetrievalTask
 from megatron_dsa.data_parallel import DATA_PARALLEL_MODES
 from megatron_dsa.model import ModelConfig
 
@@ -34,7 +34,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     retrieval_fraction: float = 0.25  # share of each batch's rows that are retrieval sequences
     retrieval_pairs: int = 8  # key/value pairs at the start of a retrieval sequence (<= 26)
-    retrieval_queries: int = 4  # keys asked at its end (<= retrieval_pairs), one answer byte each
+    retrieval_queries: int = 4  # keys asked, spaced evenly after the pairs, one answer byte each
+    retrieval_pair_bytes: int = 4  # bytes per pair: 'k=v;' then copies of the value (>= 4)
     corpus: str = BUILTIN  # LM text: the built-in corpus (pinned by SHA-256) or a text file's path
     corpus_max_bytes: int = 4_000_000
     seed: int = 1234
@@ -54,6 +55,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         for name in ("steps", "batch_size", "seq_len", "retrieval_pairs", "retrieval_queries", "corpus_max_bytes",
+                     "retrieval_pair_bytes",
                      "log_interval", "eval_interval", "eval_batches", "checkpoint_interval"):
             _require_int(name, getattr(self, name), minimum=1)
         _require_int("warmup_steps", self.warmup_steps, minimum=0)
@@ -78,10 +80,12 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"train.{name} must be in [0, 1], got {value!r}")
-        if self.retrieval_pairs > len(KEY_ALPHABET) or self.retrieval_queries > self.retrieval_pairs:
-            raise ValueError(f"train.retrieval_queries ({self.retrieval_queries}) must be <= train.retrieval_pairs "
-                             f"({self.retrieval_pairs}) <= {len(KEY_ALPHABET)} (each query asks a different "
-                             f"one-letter key)")
+        if self.retrieval_pairs > len(KEY_ALPHABET):
+            raise ValueError(f"train.retrieval_pairs ({self.retrieval_pairs}) must be <= {len(KEY_ALPHABET)} (each "
+                             f"pair has a different one-letter key)")
+        if self.retrieval_pair_bytes < PAIR_BYTES:
+            raise ValueError(f"train.retrieval_pair_bytes must be >= {PAIR_BYTES} (a pair 'k=v;'), got "
+                             f"{self.retrieval_pair_bytes}")
         if self.corpus != BUILTIN and not Path(self.corpus).is_file():
             raise ValueError(f"train.corpus must be {BUILTIN!r} or the path of a text file, got {self.corpus!r} "
                              f"(no such file)")
@@ -141,10 +145,12 @@ class JobConfig:
         self.retrieval_task()  # fail at load time if the task does not fit the sequence
 
     def retrieval_task(self) -> RetrievalTask:
-        """Every value lies beyond one sliding window of its query; `describe_retrieval` says whether
-        it also lies beyond the reach of a window-only stack of this depth (it does for tiny.yaml)."""
+        """Every answer lies beyond one sliding window of any earlier copy of its value;
+        `describe_retrieval` says whether it also lies beyond the reach of a window-only stack of this
+        depth (it does for tiny.yaml)."""
         return RetrievalTask(seq_len=self.train.seq_len, num_pairs=self.train.retrieval_pairs,
-                             num_queries=self.train.retrieval_queries, min_distance=self.attention.csa_window_size)
+                             num_queries=self.train.retrieval_queries, min_distance=self.attention.csa_window_size,
+                             pair_bytes=self.train.retrieval_pair_bytes)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "JobConfig":

@@ -33,12 +33,13 @@ def format_eval(stats: EvalStats) -> str:
 
 
 def describe_retrieval(job: JobConfig) -> str:
-    """One line: how far each retrieval answer lies from its value, against the reach of a
+    """One line: how far each retrieval answer lies from any earlier copy of its value, against the reach of a
     window-only (all `W`) stack of the same depth and window."""
     task, attention = job.retrieval_task(), job.attention
     reach = window_reach(attention.num_layers, attention.csa_window_size)
     verdict = ("beyond it: only C, H or M layers can reach the values" if task.closest_distance > reach
                else "within it: a window-only model could solve the task too")
     return (f"retrieval: {task.num_pairs} key/value pair(s), {task.num_queries} query(ies) per sequence; every "
-            f"answer is predicted >= {task.closest_distance} tokens after its value, a window-only stack of "
+            f"answer is predicted >= {task.closest_distance} tokens after any earlier copy of its value, a "
+            f"window-only stack of "
             f"{attention.num_layers} layers sees {reach} back ({verdict})")
