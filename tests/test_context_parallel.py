@@ -287,14 +287,22 @@ def check_m_ring_rows(rank: int, world: int, state, comm: str, injected: bool) -
     tag = f"M {comm} injected={injected} rank={rank}"
     close(out, mine(ref_out), f"{tag} output")
     close(x_local.grad, mine(x.grad), f"{tag} input grad")
-    for name, param in layer.named_parameters():
-        grad = param.grad.clone()
-        dist.all_reduce(grad, group=state.cp_group)
-        close(grad, dict(ref.named_parameters())[name].grad, f"{tag} grad of {name}")
+    for name, grad, expected in cp_summed_grads(layer, ref, state.cp_group):
+        close(grad, expected, f"{tag} grad of {name}")
 
 
 def test_m_ring_carries_the_latent_unless_the_up_projection_is_injected():
     run_distributed(m_ring_rows_body, 2, timeout_s=120)
+
+
+def cp_summed_grads(layer: HybridAttention, ref: HybridAttention, group, dtype=None):
+    """`(name, this rank's gradient summed over the CP group, the CP-1 layer's gradient)` per parameter (in
+    `dtype`, if given): every rank's share of a replicated parameter's gradient adds up to CP-1's."""
+    expected = dict(ref.named_parameters())
+    for name, param in layer.named_parameters():
+        grad = param.grad.to(dtype or param.grad.dtype, copy=True)
+        dist.all_reduce(grad, group=group)
+        yield name, grad, expected[name].grad
 
 
 def m_autocast_body(rank: int, world: int) -> None:
@@ -318,10 +326,7 @@ def check_m_autocast(rank: int, world: int, state, comm: str) -> None:
         out, _ = layer(x_local)
     (out.double() * mine(batch.upstream)).sum().backward()
     pairs = [("output", out, mine(ref_out)), ("input grad", x_local.grad, mine(x.grad))]
-    for name, param in layer.named_parameters():
-        grad = param.grad.clone()
-        dist.all_reduce(grad, group=state.cp_group)
-        pairs.append((f"grad {name}", grad, dict(ref.named_parameters())[name].grad))
+    pairs += [(f"grad {name}", grad, expected) for name, grad, expected in cp_summed_grads(layer, ref, state.cp_group)]
     assert_bf16_parity(pairs, f"M {comm} autocast rank={rank}")
 
 
@@ -400,10 +405,8 @@ def nccl_bf16_parity(rank: int, world: int, state, config: HybridAttentionConfig
     out, _ = layer(x_local)
     (out.float() * mine(upstream)).sum().backward()
     pairs = [("output", out, mine(ref_out)), ("input grad", x_local.grad, mine(x.grad))]
-    for name, param in layer.named_parameters():
-        grad = param.grad.float()
-        dist.all_reduce(grad, group=state.cp_group)
-        pairs.append((f"grad {name}", grad, dict(ref.named_parameters())[name].grad))
+    pairs += [(f"grad {name}", grad, expected)
+              for name, grad, expected in cp_summed_grads(layer, ref, state.cp_group, torch.float32)]
     assert_bf16_parity(pairs, f"{tag} rank={rank}")
 
 

@@ -31,17 +31,22 @@ def test_interpreter_cases():
     run_interpreted("interp_triton_decode_attention.py")
 
 
-def test_auto_decodes_through_the_unfused_op_on_cpu():
+def test_auto_decodes_through_the_unfused_ops_on_cpu():
+    """Each decode step of a C layer attends through the decode family and scores the cached keys once
+    through the decode scores family (no reference step, and the training family's candidate ids are never
+    built)."""
     layer = build_attention(decoding_config("C"), kind="C").eval()
-    cache = LayerCache.for_layer(layer, 2, 8)
-    hidden = torch.randn(8, 2, layer.config.hidden_size)
+    cache = LayerCache.for_layer(layer, 2, 12)
+    hidden = torch.randn(12, 2, layer.config.hidden_size)
     with torch.no_grad():
         layer(hidden[:5], inference_cache=cache)
         reset_call_counts()
-        for t in range(5, 8):
+        for t in range(5, 12):
             layer(hidden[t:t + 1], inference_cache=cache)
-    assert call_counts()[("unfused", "decode_attention")] == 3
-    assert not any(op == "sparse_attention_fwd" for _, op in call_counts())  # no reference step ran
+    counts = call_counts()
+    assert counts[("unfused", "decode_attention")] == 7
+    assert counts[("unfused", "decode_indexer_scores")] == 7 and counts[("unfused", "topk")] == 7
+    assert not any(op in ("sparse_attention_fwd", "indexer_scores") for _, op in counts)
 
 
 def test_an_explicit_triton_request_that_cannot_run_says_why(without_interpreter, monkeypatch):

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dsa.backends import BackendUnavailableError, call_counts, reset_call_counts
-from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.backends import BackendUnavailableError
 from megatron_dsa.layers.kinds import build_attention
 from megatron_dsa.ops.indexer import decode_indexer_scores as reference_scores
 from interp_triton_decode_attention import decoding_config
@@ -44,22 +43,6 @@ def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(tmp_path):
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx
     assert "0 bytes spill stores" in ptxas_report(ptx, tmp_path)
     assert 2 * (compiled.metadata.shared + 1024) <= 228 * 1024, compiled.metadata.shared
-
-
-def test_auto_scores_a_decode_step_through_the_reference_op_on_cpu():
-    """Each decode step of a C layer scores the cached keys once, through the decode family (the training
-    family's candidate ids are never built)."""
-    layer = build_attention(decoding_config("C"), kind="C").eval()
-    cache = LayerCache.for_layer(layer, 2, 12)
-    hidden = torch.randn(12, 2, layer.config.hidden_size)
-    with torch.no_grad():
-        layer(hidden[:5], inference_cache=cache)
-        reset_call_counts()
-        for t in range(5, 12):
-            layer(hidden[t:t + 1], inference_cache=cache)
-    counts = call_counts()
-    assert counts[("unfused", "decode_indexer_scores")] == 7 and counts[("unfused", "topk")] == 7
-    assert not any(op == "indexer_scores" for _, op in counts)
 
 
 def test_an_explicit_triton_request_that_cannot_run_says_why(without_interpreter, monkeypatch):
