@@ -453,7 +453,7 @@ def nccl_fused_blocks_body(rank: int, world: int) -> None:
     backend where one is installed (FlashAttention, torch's efficient kernel), and CP-2 equals one GPU."""
     state = initialize_parallel_state(cp_size=world)
     config = cp_config("M", "zigzag", "p2p", hidden_size=1024, num_attention_heads=16, num_query_groups=16,
-                       qk_head_dim=128, v_head_dim=128, qk_pos_emb_head_dim=64)
+                       qk_head_dim=128, v_head_dim=128, qk_pos_emb_head_dim=64, dsa_indexer_head_dim=64)
     reset_call_counts()
     nccl_bf16_parity(rank, world, state, config, "M", 2048, 1, 7, "M/p2p fused blocks")
     ran = {backend for (backend, op) in call_counts() if op.startswith("dense_attention_block")}

@@ -111,7 +111,7 @@ PRIORITY_ORDER = {
     "dense_attention_block_fwd": ("flash_attn", "torch_sdpa", "unfused"),
     "dense_attention_block_bwd": ("flash_attn", "torch_sdpa", "unfused"),
     "decode_attention": ("triton", "unfused"),
-    "decode_indexer_scores": ("unfused", "triton"),
+    "decode_indexer_scores": ("triton", "unfused"),
 }
 
 

@@ -299,7 +299,8 @@ def dense_attention_block_fwd_op(backend: str, q: Tensor, k: Tensor, v: Tensor, 
     """`dense_attention_block_fwd` family: `(out [n, H, Dv], lse [n, H])` of one block of the context-parallel
     ring. No gradient: the ring's autograd Function calls `dense_attention_block_bwd` itself."""
     out, lse = _kernel(OpFamily.DENSE_ATTENTION_BLOCK_FWD, backend)(q, k, v, scale, causal)
-    return out, lse
+    # Contiguous, as the fake implementation promises: kernels on batched `[1, H, n, D]` layouts return views.
+    return out.contiguous(), lse.contiguous()
 
 
 @dense_attention_block_fwd_op.register_fake
@@ -313,7 +314,7 @@ def dense_attention_block_bwd_op(backend: str, q: Tensor, k: Tensor, v: Tensor, 
                                  grad_out: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     """`dense_attention_block_bwd` family: `(dq, dk, dv)` of one block, given the merged `out` and `lse`."""
     grads = _kernel(OpFamily.DENSE_ATTENTION_BLOCK_BWD, backend)(q, k, v, out, lse, grad_out, scale, causal)
-    return tuple(grads)
+    return tuple(grad.contiguous() for grad in grads)
 
 
 @dense_attention_block_bwd_op.register_fake

@@ -105,9 +105,7 @@ AUTO_ORDER: dict[OpFamily, tuple[str, ...]] = {
     OpFamily.DENSE_ATTENTION_BLOCK_FWD: ("flash_attn", "torch_sdpa", "unfused"),
     OpFamily.DENSE_ATTENTION_BLOCK_BWD: ("flash_attn", "torch_sdpa", "unfused"),
     OpFamily.DECODE_ATTENTION: ("triton", "unfused"),
-    # The reference first: Triton's decode scores have run only in Triton's interpreter so far; named, or
-    # after `set_auto_order(OpFamily.DECODE_INDEXER_SCORES, ("triton", "unfused"))`, they run (issue 29).
-    OpFamily.DECODE_INDEXER_SCORES: ("unfused", "triton"),
+    OpFamily.DECODE_INDEXER_SCORES: ("triton", "unfused"),
 }
 
 

@@ -33,9 +33,9 @@ from megatron_dsa.ops.indices import UniformVisibleRows
 
 MAX_WIDTH = 4096  # keys per row one program sorts in registers
 AUTO_MAX_COLUMNS = 1024  # the widest rows sorted whole; wider ones are selected first (see above)
-# The most rows `auto` gives the wide-row path (one program each; 256 would suit a decode batch): none until the
-# select has run on a GPU, not only in Triton's interpreter (issue 29); named, `triton` takes it for any rows.
-SELECT_AUTO_MAX_ROWS = 0
+# The most rows `auto` gives the wide-row path (one program each): a decode batch. Named, `triton` takes it for any
+# number of rows.
+SELECT_AUTO_MAX_ROWS = 256
 SELECT_BLOCK = 2048  # columns per step of the select's passes
 SELECT_WARPS = 8
 INTERPRETER_SELECT_BLOCK = 16  # several steps per row on the tests' small rows
