@@ -5,8 +5,11 @@ of W/C/H layers the decode step (`decode_step`), so both are held to the full fo
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_distributed
 from megatron_dsa import HybridAttentionConfig
@@ -69,6 +72,36 @@ def test_chunked_prefill_of_odd_sizes_equals_the_full_forward(kind: str) -> None
     layer, hidden = layer_and_input(kind, 40, batch=2, seed=1)
     full = layer(hidden)[0]
     assert max_error(run_in_chunks(layer, hidden, [3, 7, 1, 9, 5, 13, 2]), full) < TOLERANCE
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts the aten ops that run (views excluded: they launch nothing), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind, compressors, ratio", [("C", 2, 4), ("H", 1, 8)])
+@torch.no_grad()
+def test_a_decode_steps_compressor_writes_are_one_copy_each(kind: str, compressors: int, ratio: int) -> None:
+    """A decode step writes each compressor's new kv and gate slot and its group's entry with one `index_copy_`
+    each (flattened rows from index arithmetic shared by both compressors), orders the slots of the overlapping
+    ratio 4 with one `index_select` per state, and builds the pooling's layout without a search: the small ops
+    a captured step replays every token. The window ring is the step's one `index_put_`."""
+    layer, hidden = layer_and_input(kind, 12, batch=3)
+    cache = LayerCache.for_layer(layer, 3, 12)
+    layer(hidden[:9], inference_cache=cache)
+    with AtenOps() as ops:
+        layer(hidden[9:10], inference_cache=cache)
+    assert ops.counts["index_copy_"] == 3 * compressors, ops.counts
+    assert ops.counts["index_select"] == (2 * compressors if ratio == 4 else 0), ops.counts
+    assert ops.counts["index_put_"] == 1 and ops.counts["searchsorted"] == 0, ops.counts
 
 
 @torch.no_grad()

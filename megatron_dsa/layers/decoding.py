@@ -28,7 +28,8 @@ Two paths:
   call): fixed shapes, no host sync, every cache write in place, so it can be captured in a CUDA graph
   (`DecodeGraph`). The attention is the `decode_attention` op family (a split-K Triton kernel on CUDA);
   a C layer's indexer scores each sequence's cached compressed keys where they lie (`decode_indexer_scores`,
-  then `topk`), and the compressors pool the one entry the new token may complete.
+  then `topk`), and the compressors pool the one entry of the new token's group (written complete or not:
+  an unfinished entry is not visible yet), with every write one `index_copy_` into a flattened buffer.
 """
 
 from __future__ import annotations
@@ -70,25 +71,59 @@ class CompressorState:
 
 
 @dataclass(frozen=True, eq=False)
+class PendingGroups:
+    """Index tensors of a decode step's compressor writes that depend only on the cache's shapes (ratio r, K
+    pending slots and C entries per sequence; a state `[B, K, n]` and a store `[B, C, Dc]` are written
+    flattened, one row per sequence).
+
+    slot_base: `[B]` `b·K`, the first row of sequence b's slots. entry_base: `[B]` `b·C`, of its entries.
+    segments: the `TokenLayout` of B segments of K rows (each sequence's slots, oldest first, pooled as one
+    segment); numbering: `[B + 1]` `0 … B` (one entry per segment: its entries' offsets); all_valid: `[B]` True.
+    own_first: `[B]` `b·K + K − r`, the row of the first token of the new token's group among the slots
+    oldest first. oldest_first: ratio 4 only (`K = 2r`, two groups held), `[2, B, K]` the rows of sequence b's
+    slots oldest first when the new token's entry `j` has parity `j % 2` (for K = r the slots are in order)."""
+
+    ratio: int
+    slots: int
+    slot_base: Tensor
+    entry_base: Tensor
+    segments: TokenLayout
+    numbering: Tensor
+    all_valid: Tensor
+    own_first: Tensor
+    oldest_first: Optional[Tensor]
+
+    @classmethod
+    def build(cls, batch: int, ratio: int, entries: int, device: torch.device) -> "PendingGroups":
+        slots = _pending_slots(ratio)
+        arange = lambda *args: torch.arange(*args, device=device)  # noqa: E731
+        slot_base = arange(0, batch * slots, slots)
+        oldest_first = None
+        if slots == 2 * ratio:  # slot of position q: q % 2r; entry j's previous group, then its own
+            halves = arange(slots).view(2, ratio)
+            in_order = torch.stack((halves.flip(0).flatten(), halves.flatten()))  # [parity, K]
+            oldest_first = slot_base.view(1, batch, 1) + in_order.unsqueeze(1)
+        return cls(ratio, slots, slot_base, arange(0, batch * entries, entries),
+                   TokenLayout(arange(0, (batch + 1) * slots, slots), batch * slots, slots), arange(batch + 1),
+                   torch.ones(batch, dtype=torch.bool, device=device), slot_base + (slots - ratio), oldest_first)
+
+
+@dataclass(frozen=True, eq=False)
 class DecodeIndex:
     """Index tensors a decode step reads that depend only on the cache's shapes, built once with the cache (a
     captured step would otherwise replay the kernels that build them, every token).
 
-    sequences: `[B]` `0 … B−1`. entry_columns: `[C]` `0 … C−1` (C = capacity // r; empty without compressors).
-    pending: per count `K` of a compressor's pending slots, `slots [K]` `0 … K−1`, `segments` the `TokenLayout` of
-    B segments of K rows (the pooled slots of each sequence) and `one_entry_each [B + 1]` `0 … B` (its entries'
-    offsets: every segment pools one entry)."""
+    sequences: `[B]` `0 … B−1`. entry_columns: `[C]` `0 … C−1` (C: the cache's entries per sequence; empty
+    without compressors). groups: the compressors' `PendingGroups` (None without compressors)."""
 
     sequences: Tensor
     entry_columns: Tensor
-    pending: dict[int, tuple[Tensor, TokenLayout, Tensor]]
+    groups: Optional[PendingGroups]
 
     @classmethod
-    def build(cls, batch: int, entries: int, slot_counts: set[int], device: torch.device) -> "DecodeIndex":
-        arange = lambda *args: torch.arange(*args, device=device)  # noqa: E731
-        pending = {k: (arange(k), TokenLayout(arange(0, (batch + 1) * k, k), batch * k, k), arange(batch + 1))
-                   for k in slot_counts}
-        return cls(arange(batch), arange(entries), pending)
+    def build(cls, batch: int, ratio: int, entries: int, device: torch.device) -> "DecodeIndex":
+        groups = PendingGroups.build(batch, ratio, entries, device) if ratio else None
+        return cls(torch.arange(batch, device=device), torch.arange(entries, device=device), groups)
 
 
 @dataclass
@@ -98,8 +133,10 @@ class LayerCache:
     seqlens: `[B]` int64 tokens cached per sequence (updated in place: a captured decode step reads it where it
     is); `longest` a host-side upper bound of its largest value (checked against `capacity` without a sync). W/C/H: `window [B, max(W−1, 1), D]` K = V rows at
     slot `position % (W−1)`; `compressors` the `CompressorState` of the attention's (`"attention"`) and
-    the indexer's (`"indexer"`) compressor; `entries [B, capacity // r, D]` compressed entries and
-    `indexer_keys [B, capacity // r, DI]`; `index` the step's static index tensors (`DecodeIndex`). M: `latent
+    the indexer's (`"indexer"`) compressor; `entries [B, ⌈capacity / r⌉, D]` compressed entries and
+    `indexer_keys [B, ⌈capacity / r⌉, DI]` (entry `j` is valid once its group is complete, `j < seqlens // r`;
+    a decode step writes the new token's unfinished group there too, never seen before it is rewritten
+    complete); `index` the step's static index tensors (`DecodeIndex`). M: `latent
     [B, capacity, kv_lora_rank]`, `k_rope [B, capacity, P]`.
     """
 
@@ -140,11 +177,11 @@ class LayerCache:
                 cache.compressors[name] = CompressorState(empty(batch, slots, width), empty(batch, slots, width))
         if attention.compressor is not None:
             cache.ratio = attention.ratio
-            cache.entries = empty(batch, capacity // attention.ratio, c.v_head_dim)
+            cache.entries = empty(batch, -(-capacity // attention.ratio), c.v_head_dim)
         if attention.indexer is not None:
-            cache.indexer_keys = empty(batch, capacity // attention.ratio, c.dsa_indexer_head_dim)
-        cache.index = DecodeIndex.build(batch, 0 if cache.entries is None else cache.entries.shape[1],
-                                        {state.slots for state in cache.compressors.values()}, device)
+            cache.indexer_keys = empty(batch, cache.entries.shape[1], c.dsa_indexer_head_dim)
+        cache.index = DecodeIndex.build(batch, cache.ratio, 0 if cache.entries is None else cache.entries.shape[1],
+                                        device)
         return cache
 
     @property
@@ -330,8 +367,7 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
     entries, picks = None, None
     if attention.compressor is not None:
         # The attention's and the indexer's compressors share the ratio: one set of slot arithmetic serves both.
-        group = _NewTokenGroup.of(positions, attention.ratio, cache.compressors["attention"].slots,
-                                  cache.entries.shape[1], index)
+        group = _NewTokenGroup.of(positions, index)
         _pool_new_entry(attention.compressor, cache.compressors["attention"], projected, group, cache.entries,
                         inv_freq)
         entries = cache.entries
@@ -356,56 +392,47 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
 
 
 class _NewTokenGroup(NamedTuple):
-    """Where the new token at position p sits in its compressor's group, for `_pool_new_entry` (ratio r, K pending
-    slots, C entries), per sequence (`sequences [B]`): its slot `p % K`; its group's entry `j = p // r` and the
-    slot that entry is kept at (`min(j, C − 1)`; a group past the capacity is never complete); whether p
-    completes the group; and the layout of the K positions ending with p's group, oldest first (`order [B, K]`:
-    their slots)."""
+    """Where the new token at position p sits in its compressors' pending slots, for `_pool_new_entry`, per
+    sequence (flattened rows, `PendingGroups`): its slot's row (slot `p % K`); the store row of its group's entry
+    `j = p // r`; the rows of the K slots ending with p's group, oldest first (ratio 4 only; else the slots in
+    order); and the layout that pools them, one segment and one entry per sequence."""
 
-    sequences: Tensor
-    slot: Tensor
-    entry: Tensor
-    store_slot: Tensor
-    complete: Tensor
-    order: Tensor
+    slot_rows: Tensor
+    entry_rows: Tensor
+    oldest_first: Optional[Tensor]
     layout: CompressedLayout
 
     @classmethod
-    def of(cls, positions: Tensor, ratio: int, slots: int, entries: int, index: DecodeIndex) -> "_NewTokenGroup":
-        steps, segments, one_entry_each = index.pending[slots]
+    def of(cls, positions: Tensor, index: DecodeIndex) -> "_NewTokenGroup":
+        groups, ratio = index.groups, index.groups.ratio
         entry = torch.div(positions, ratio, rounding_mode="floor")
-        # The K positions ending with p's group (p itself where the group is complete; before the sequence for
-        # ratio 4's first entry, whose previous group the pooling masks): every pooled row is in the segment.
-        start = (entry + 1) * ratio - slots
-        tokens = dataclasses.replace(segments, position_offsets=start)
-        layout = CompressedLayout(tokens=tokens, ratio=ratio, cu_compressed=one_entry_each,
-                                  capacity=positions.shape[0], max_entries=0, first_entry=entry)
-        return cls(index.sequences, positions % slots, entry, entry.clamp(max=max(entries - 1, 0)),
-                   (positions + 1) % ratio == 0, torch.remainder(start.unsqueeze(1) + steps, slots), layout)
+        # The K positions ending with p's group start at (j + 1)·r − K (before the sequence for ratio 4's first
+        # entry, whose previous group the pooling masks): every pooled row is in the segment.
+        start = entry * ratio if groups.slots == ratio else entry * ratio - (groups.slots - ratio)
+        tokens = dataclasses.replace(groups.segments, position_offsets=start)
+        layout = CompressedLayout.one_entry_per_segment(tokens, ratio, entry, groups.own_first, groups.numbering,
+                                                        groups.all_valid)
+        oldest_first = (None if groups.oldest_first is None
+                        else groups.oldest_first[entry % 2, index.sequences].flatten())
+        return cls(groups.slot_base + positions % groups.slots, groups.entry_base + entry, oldest_first, layout)
 
 
 def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: dict, group: _NewTokenGroup,
                     store: Tensor, inv_freq: Tensor) -> None:
-    """Keep the new token's compressor projections and, where it completes a group (`(p + 1) % r == 0`), write
-    entry `j = p // r` into `store [B, C, Dc]`.
+    """Keep the new token's compressor projections and pool its group into entry `j = p // r` of `store [B, C,
+    Dc]`: complete where p completes the group (`(p + 1) % r == 0`); until then the entry is not visible
+    (`j >= (p + 1) // r`) and a later token rewrites it.
 
-    Every sequence pools the state's `K` slots (oldest first) as one segment of a `CompressedLayout` that owns
-    one entry per segment, whether or not its group is complete (fixed shapes, no branch on values); the write
-    keeps the old row where it is not."""
-    rows = group.sequences
+    Every sequence pools the state's `K` slots (oldest first) as one segment of a layout that owns one entry
+    per segment, whether or not its group is complete (fixed shapes, no branch on values)."""
     kv, gate = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
-    state.kv[rows, group.slot] = kv.to(state.kv.dtype)
-    state.gate[rows, group.slot] = gate.to(state.gate.dtype)
-    if store.shape[1] == 0:  # a capacity below one group: no entry ever
-        return
-
-    def oldest_first(buffer: Tensor) -> Tensor:
-        return buffer.gather(1, group.order.unsqueeze(-1).expand(-1, -1, buffer.shape[-1])).flatten(0, 1)
-
-    pooled = compressor({compressor.linear_wkv: oldest_first(state.kv),
-                         compressor.linear_wgate: oldest_first(state.gate)}, group.layout, inv_freq)
-    old = store[rows, group.store_slot]
-    store[rows, group.store_slot] = torch.where(group.complete.unsqueeze(1), pooled.to(store.dtype), old)
+    flat_kv, flat_gate = state.kv.flatten(0, 1), state.gate.flatten(0, 1)  # views: the writes land in the state
+    flat_kv.index_copy_(0, group.slot_rows, kv.to(state.kv.dtype))
+    flat_gate.index_copy_(0, group.slot_rows, gate.to(state.gate.dtype))
+    if group.oldest_first is not None:
+        flat_kv, flat_gate = flat_kv.index_select(0, group.oldest_first), flat_gate.index_select(0, group.oldest_first)
+    pooled = compressor({compressor.linear_wkv: flat_kv, compressor.linear_wgate: flat_gate}, group.layout, inv_freq)
+    store.flatten(0, 1).index_copy_(0, group.entry_rows, pooled.to(store.dtype))
 
 
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
