@@ -24,9 +24,13 @@ Two paths:
 - `attend_cached`, the readable reference: any number of new tokens per sequence (prefill chunks, packed
   prompts); it gathers the rows each query reads and up-projects M's cached latents each step (no weight
   absorption). It reads the new lengths back to the host once per call.
-- `decode_step`, one new token per sequence of a W, C or H layer (the layer takes it for every `[1, B, d]`
-  call): fixed shapes, no host sync, every cache write in place, so it can be captured in a CUDA graph
-  (`DecodeGraph`). The attention is the `decode_attention` op family (a split-K Triton kernel on CUDA);
+- `decode_step`, one new token per sequence (the layer takes it for every `[1, B, d]` call): fixed shapes, no
+  host sync, every cache write in place, so it can be captured in a CUDA graph (`DecodeGraph`). The attention
+  is the `decode_attention` op family (a split-K Triton kernel on CUDA). An M layer absorbs its up-projection
+  into the query and the output (MLA's weight absorption: scores `q_nope·W_k·latent + q_rope·k_rope`, values
+  `W_v · Σ p·latent`), so its cached `[latent | k_rope]` rows are the family's K = V rows (its ring: every cached
+  position), with no sink, and the first `kv_lora_rank` output columns are the latent to up-project; an M
+  layer whose `linear_kv_up_proj` is not a plain weight (`DenseMLACore.plain_up_weight`) keeps the reference.
   a C layer's indexer scores each sequence's cached compressed keys where they lie (`decode_indexer_scores`,
   then `topk`), and the compressors pool the one entry of the new token's group (written complete or not:
   an unfinished entry is not visible yet), with every write one `index_copy_` into a flattened buffer.
@@ -114,16 +118,23 @@ class DecodeIndex:
     captured step would otherwise replay the kernels that build them, every token).
 
     sequences: `[B]` `0 … B−1`. entry_columns: `[C]` `0 … C−1` (C: the cache's entries per sequence; empty
-    without compressors). groups: the compressors' `PendingGroups` (None without compressors)."""
+    without compressors). groups: the compressors' `PendingGroups` (None without compressors). no_sink: M only,
+    `[H/tp]` float32 −inf, the decode attention's sink for a softmax without one."""
 
     sequences: Tensor
     entry_columns: Tensor
     groups: Optional[PendingGroups]
+    no_sink: Optional[Tensor] = None
 
     @classmethod
     def build(cls, batch: int, ratio: int, entries: int, device: torch.device) -> "DecodeIndex":
         groups = PendingGroups.build(batch, ratio, entries, device) if ratio else None
         return cls(torch.arange(batch, device=device), torch.arange(entries, device=device), groups)
+
+    @classmethod
+    def latent(cls, batch: int, heads: int, device: torch.device) -> "DecodeIndex":
+        return cls(torch.arange(batch, device=device), torch.arange(0, device=device), None,
+                   torch.full((heads,), float("-inf"), device=device))
 
 
 @dataclass
@@ -136,8 +147,8 @@ class LayerCache:
     the indexer's (`"indexer"`) compressor; `entries [B, ⌈capacity / r⌉, D]` compressed entries and
     `indexer_keys [B, ⌈capacity / r⌉, DI]` (entry `j` is valid once its group is complete, `j < seqlens // r`;
     a decode step writes the new token's unfinished group there too, never seen before it is rewritten
-    complete); `index` the step's static index tensors (`DecodeIndex`). M: `latent
-    [B, capacity, kv_lora_rank]`, `k_rope [B, capacity, P]`.
+    complete); `index` the step's static index tensors (`DecodeIndex`). M: `latent [B, capacity, kv_lora_rank + P]`,
+    each position's normalised KV latent then its RoPE key.
     """
 
     kind: str
@@ -148,7 +159,6 @@ class LayerCache:
     entries: Optional[Tensor] = None
     indexer_keys: Optional[Tensor] = None
     latent: Optional[Tensor] = None
-    k_rope: Optional[Tensor] = None
     longest: int = 0
     ratio: int = 0  # the compressors' ratio r (0: none)
     index: Optional[DecodeIndex] = None  # W/C/H: what `decode_step` indexes with (built by `for_layer`)
@@ -165,8 +175,8 @@ class LayerCache:
         c = layer.config
         cache = cls(layer.kind_spec.symbol, capacity, torch.zeros(batch, dtype=torch.long, device=device))
         if isinstance(layer.core, DenseMLACore):
-            cache.latent = empty(batch, capacity, c.mla_kv_lora_rank)
-            cache.k_rope = empty(batch, capacity, c.qk_pos_emb_head_dim)
+            cache.latent = empty(batch, capacity, c.mla_kv_lora_rank + c.qk_pos_emb_head_dim)
+            cache.index = DecodeIndex.latent(batch, layer.local_heads, device)
             return cache
         cache.window = empty(batch, max(c.csa_window_size - 1, 1), c.v_head_dim)
         attention = layer.core_attention
@@ -190,7 +200,7 @@ class LayerCache:
 
     def nbytes(self) -> int:
         """Bytes the cache's buffers hold."""
-        buffers = [self.window, self.entries, self.indexer_keys, self.latent, self.k_rope]
+        buffers = [self.window, self.entries, self.indexer_keys, self.latent]
         buffers += [t for state in self.compressors.values() for t in (state.kv, state.gate)]
         return sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
@@ -346,8 +356,10 @@ def _write_slots(buffer: Tensor, rows: Tensor, new: TokenLayout, before: Tensor)
 # ---------------------------------------------------------------- one new token per sequence (W / C / H)
 def takes_decode_step(layer: "HybridAttention", seqlen: int, packed: bool) -> bool:
     """Whether a cached call of `seqlen` tokens per sequence runs `decode_step`: one unpacked token per
-    sequence of a W, C or H layer (M keeps the reference path)."""
-    return seqlen == 1 and not packed and not isinstance(layer.core, DenseMLACore)
+    sequence (of an M layer, one whose up-projection can be absorbed: `DenseMLACore.plain_up_weight`)."""
+    if seqlen != 1 or packed:
+        return False
+    return not isinstance(layer.core, DenseMLACore) or DenseMLACore.plain_up_weight(layer) is not None
 
 
 def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
@@ -360,6 +372,13 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
     if cache.longest + 1 > cache.capacity:
         raise ValueError(f"a sequence would reach {cache.longest + 1} tokens, more than the inference cache's "
                          f"capacity {cache.capacity}")
+    out = (_latent_decode if isinstance(layer.core, DenseMLACore) else _sparse_decode)(layer, x, cache)
+    cache.seqlens += 1  # last: the steps read it as the new token's positions
+    cache.longest += 1
+    return out
+
+
+def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
     c, attention, index = layer.config, layer.core_attention, cache.index
     positions = cache.seqlens  # the new token's position in each sequence
     inv_freq = layer.angle_freq(x.dtype)
@@ -385,10 +404,29 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
     cache.window[index.sequences, positions % cache.window.shape[1]] = kv_new
     # The reference path's selection names rows of a kv_all this step never builds: only the picks are kept.
     attention.last_selection, attention.last_decode_picks = None, picks
-    out = layer.core.finish(layer, out, positions)
-    cache.seqlens += 1  # last: `positions` is this tensor
-    cache.longest += 1
-    return out
+    return layer.core.finish(layer, out, positions)
+
+
+def _latent_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
+    """An M layer's decode step with its up-projection `W = [W_k; W_v]` per group absorbed (module docstring):
+    the query `[W_kᵀ·q_nope | q_rope]` attends the cached `[latent | k_rope]` rows of every earlier position
+    and the new one (decode attention: ring = the whole cache, window `capacity + 1`, no sink), and `W_v` maps
+    the output's latent columns to each head's value. `x [B, d]` → `[B, H/tp · Dv]`."""
+    c, core, positions = layer.config, layer.core, cache.seqlens
+    q, latent, k_rope = core.project(layer, x, positions)  # [B, H, qk + P], [B, R], [B, P]
+    groups, rank = layer.local_groups, latent.shape[-1]
+    w_k, w_v = DenseMLACore.plain_up_weight(layer).unflatten(0, (groups, -1)).split(
+        (c.mla_qk_head_dim, c.v_head_dim), dim=1)  # [G, qk, R], [G, Dv, R]
+    q_nope, q_rope = q.unflatten(1, (groups, -1)).split((c.mla_qk_head_dim, c.qk_pos_emb_head_dim), dim=-1)
+    query = torch.cat((torch.einsum("bghd,gdr->bghr", q_nope, w_k.to(q.dtype)), q_rope), dim=-1).flatten(1, 2)
+    rows_new = torch.cat((latent, k_rope), dim=-1).to(cache.latent.dtype)
+    attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=query.shape[1],
+                      head_dim=query.shape[2], selected=False)
+    out = attend(query, rows_new, cache.latent, positions, cache.capacity + 1, None, None, 1, cache.index.no_sink,
+                 core.softmax_scale(c))  # [B, H, R + P]
+    cache.latent[cache.index.sequences, positions] = rows_new
+    values = torch.einsum("bghr,gvr->bghv", out[..., :rank].unflatten(1, (groups, -1)), w_v.to(out.dtype))
+    return values.flatten(1)
 
 
 class _NewTokenGroup(NamedTuple):
@@ -456,12 +494,12 @@ def _latent_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
     core: DenseMLACore = layer.core
     q, latent, k_rope = core.project(layer, x, new.positions)
     seg, p, real = new.segment_ids, new.positions, new.row_valid
-    cache.latent[seg[real], p[real]] = latent[real].to(cache.latent.dtype)
-    cache.k_rope[seg[real], p[real]] = k_rope[real].to(cache.k_rope.dtype)
-    longest = int((cache.seqlens + new.real_seqlens).max())
-    k_nope, v = core.keys_values(layer, cache.latent[:, :longest].flatten(0, 1).to(x.dtype))
+    cache.latent[seg[real], p[real]] = torch.cat((latent, k_rope), dim=-1)[real].to(cache.latent.dtype)
+    longest, rank = int((cache.seqlens + new.real_seqlens).max()), latent.shape[-1]
+    cached = cache.latent[:, :longest].to(x.dtype)
+    k_nope, v = core.keys_values(layer, cached[..., :rank].flatten(0, 1))
     k_nope, v = k_nope.unflatten(0, (cache.batch, longest)), v.unflatten(0, (cache.batch, longest))
-    shared = cache.k_rope[:, :longest].to(x.dtype).unsqueeze(2).expand(-1, -1, layer.local_groups, -1)
+    shared = cached[..., rank:].unsqueeze(2).expand(-1, -1, layer.local_groups, -1)
     k = torch.cat((k_nope, shared), dim=-1)
     return _attend_prefix(q, k, v, seg, p, core.softmax_scale(layer.config)).flatten(1)
 
