@@ -1,23 +1,24 @@
 """Decode steps replayed from a CUDA graph: `DecodeGraph`.
 
-A decode step (`layers.decoding.decode_step`) has fixed shapes, reads nothing back to the host and writes its
-cache in place, so one step can be captured and replayed for every further
-token: the host then issues one graph launch per step instead of a few dozen kernels per layer.
+A decode step (`layers.decoding.decode_step`) has fixed shapes, reads nothing back to the host and writes
+its cache in place, so one step can be captured and replayed for every further token: the host then issues
+one graph launch per step instead of a few dozen kernels per layer.
 
     cache = LayerCache.for_layer(layer, batch, capacity)            # or model.new_inference_cache(...)
     layer(prompt, inference_cache=cache)                            # prefill (eager, any lengths)
     graph = DecodeGraph(lambda x: layer(x, inference_cache=cache)[0], next_rows, [cache])
     out = graph(next_rows)                                          # one token per sequence, replayed
 
-Capturing needs the step to run first (Triton compiles, backends are chosen): those warm-up runs write
-the cache, so what one step writes (lengths, window ring, compressor slots, the entry row of the new token's
-group, an M layer's latent row) is saved before and restored after each. A replay advances the caches by one token, as the eager step
-does; `DecodeGraph` keeps their host-side length bound and refuses a step past their capacity.
+Capturing needs the step to run first (Triton compiles, backends are chosen): those warm-up runs write the
+cache, so what one step writes (lengths, window ring, compressor slots, the entry row of the new token's
+group, an M layer's latent row) is saved before and restored after each. A replay advances the caches by one
+token, as the eager step does; `DecodeGraph` keeps their host-side length bound and refuses a step past
+their capacity.
 
 What a replay assumes: the input has the captured shape, dtype and device (checked); the caches are the
-captured objects with their captured buffers (the reference path, which prefill runs, updates them in
-place, so prefill may continue between replays); the output is graph memory the next replay overwrites
-(clone what you keep). An M layer whose up-projection is not a plain weight decodes through the reference path
+captured objects with their captured buffers (the reference path, which prefill runs, updates them in place,
+so prefill may continue between replays); the output is graph memory the next replay overwrites (clone what
+you keep). An M layer whose up-projection is not a plain weight decodes through the reference path
 (`layers.decoding.takes_decode_step`), which reads lengths back: CUDA refuses to capture that step.
 """
 
