@@ -82,7 +82,7 @@ def median_us(step: Callable[[], object], device: torch.device, repeats: int, wa
 def filled_cache(layer, batch: int, context: int, spare: int, generator: torch.Generator) -> LayerCache:
     """A cache of `batch` sequences holding `context` tokens each, its rows random, with room for `spare` more."""
     cache = LayerCache.for_layer(layer, batch, context + spare)
-    buffers = [cache.window, cache.entries, cache.indexer_keys]
+    buffers = [cache.window, cache.entries, cache.indexer_keys, cache.latent]
     buffers += [t for state in cache.compressors.values() for t in (state.kv, state.gate)]
     for buffer in buffers:
         if buffer is not None:
@@ -197,7 +197,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny run on the CPU (preset tiny, contexts 64 and 200, B = 1 and 2): checks that it runs")
     parser.add_argument("--preset", default="dsv4-flash", choices=sorted(PRESETS))
-    parser.add_argument("--kinds", default="CWH", help="layer kinds among W, C, H (M decodes on the reference path)")
+    parser.add_argument("--kinds", default="CWH",
+                        help="layer kinds among W, C, H, M (M: the whole dense-MLA layer step, weights absorbed)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536, 131072])
     parser.add_argument("--profile", action="store_true",
@@ -213,8 +214,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         args.preset, args.batches, args.contexts, args.dtype = "tiny", [1, 2], [64, 200], "float32"
         args.device, args.repeats, args.warmup, args.recompute_max_tokens = "cpu", 2, 1, 512
     kinds = args.kinds.upper()
-    if not kinds or set(kinds) - set("WCH"):
-        parser.error(f"--kinds takes W, C and H (M decodes on the reference path), got {args.kinds!r}")
+    if not kinds or set(kinds) - set("WCHM"):
+        parser.error(f"--kinds takes W, C, H and M, got {args.kinds!r}")
     args.kinds = kinds
     if min(args.batches + args.contexts + [args.repeats]) < 1 or args.warmup < 0:
         parser.error("--batches, --contexts and --repeats must be >= 1 and --warmup >= 0")

@@ -1,7 +1,7 @@
 """Sample from a model the main job trained, through the decoding cache.
 
     megatron-dsa generate --checkpoint OUT [--prompt TEXT ...] [--max-new-tokens N]
-                          [--temperature T] [--top-p P] [--seed S] [--retrieval N]
+                          [--temperature T] [--top-p P] [--seed S] [--retrieval N] [--cuda-graph]
 
 `python -m megatron_dsa.generate` is the same command. `--checkpoint` is a checkpoint directory
 (`OUT/checkpoints/step-N`) or a run's output directory (its newest checkpoint); the model's config comes
@@ -10,7 +10,9 @@ from the checkpoint's manifest. Prompts are prefilled together (packed, each at 
 greedy; otherwise tokens are sampled at that temperature from the smallest set of tokens whose
 probability reaches `--top-p`, from a generator seeded with `--seed`. `--retrieval N` scores the
 retrieval task on N validation samples by generating each answer from the sample's bytes before it,
-next to the teacher-forced score the main job's evaluation reports.
+next to the teacher-forced score the main job's evaluation reports. `--cuda-graph` (CUDA devices) captures
+the whole model's one-token decode step once as a CUDA graph (`layers.DecodeGraph`) and replays it for
+every further token; the prefill stays eager.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import yaml
 from torch import Tensor
 
 from megatron_dsa.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint, read_manifest
+from megatron_dsa.layers import DecodeGraph
 from megatron_dsa.model import HybridLM
 from megatron_dsa.packed_seq import PackedSeqParams
 
@@ -55,12 +58,16 @@ def check_sampling(temperature: float, top_p: float) -> None:
 
 @torch.no_grad()
 def generate(model: HybridLM, prompts: Sequence[Tensor], max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, generator: Optional[torch.Generator] = None, use_cache: bool = True) -> Tensor:
+             top_p: float = 1.0, generator: Optional[torch.Generator] = None, use_cache: bool = True,
+             cuda_graph: bool = False) -> Tensor:
     """Continue each prompt (`[L_b]` int64 token ids, lengths may differ) by `max_new_tokens` tokens →
     `[B, max_new_tokens]`. With the cache the prompts are prefilled packed, then each step feeds one
     token per sequence; `use_cache=False` runs the full forward over every sequence at every step (the
-    reference the cache must equal)."""
+    reference the cache must equal). `cuda_graph` (a model on a CUDA device, with the cache): the first
+    one-token step is captured as a CUDA graph (`layers.DecodeGraph`) and every step replays it."""
     check_sampling(temperature, top_p)
+    device = model.word_embeddings.weight.device
+    check_cuda_graph(cuda_graph, use_cache, device)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
@@ -70,9 +77,8 @@ def generate(model: HybridLM, prompts: Sequence[Tensor], max_new_tokens: int, te
     if longest > model.model_config.max_seq_len:
         raise ValueError(f"prompt + max_new_tokens - 1 = {longest} tokens exceeds model.max_seq_len "
                          f"{model.model_config.max_seq_len}")
-    device = model.word_embeddings.weight.device
     prompts = [p.to(device) for p in prompts]
-    step = _cached_steps(model, prompts, longest) if use_cache else _recomputed_steps(model, prompts)
+    step = _cached_steps(model, prompts, longest, cuda_graph) if use_cache else _recomputed_steps(model, prompts)
     generated: list[Tensor] = []
     logits = step(None)
     for _ in range(max_new_tokens):
@@ -82,13 +88,30 @@ def generate(model: HybridLM, prompts: Sequence[Tensor], max_new_tokens: int, te
     return torch.stack(generated, dim=1)
 
 
-def _cached_steps(model: HybridLM, prompts: list[Tensor], capacity: int):
-    """`step(None)` prefills the prompts; `step(tokens [B])` decodes one token each → last logits `[B, V]`."""
+def check_cuda_graph(cuda_graph: bool, use_cache: bool, device: torch.device) -> None:
+    if cuda_graph and not use_cache:
+        raise ValueError("cuda_graph replays the cached one-token decode step: it needs use_cache=True")
+    if cuda_graph and device.type != "cuda":
+        raise ValueError(f"cuda_graph needs the model on a CUDA device (CUDA graphs), got {device}")
+
+
+def _cached_steps(model: HybridLM, prompts: list[Tensor], capacity: int, cuda_graph: bool):
+    """`step(None)` prefills the prompts; `step(tokens [B])` decodes one token each → last logits `[B, V]`
+    (with `cuda_graph`, graph memory that the next step overwrites)."""
     cache = model.new_inference_cache(len(prompts), capacity)
+    graph: Optional[DecodeGraph] = None
+
+    def decode(tokens: Tensor) -> Tensor:  # tokens [B, 1]
+        return model(tokens, inference_cache=cache)[:, -1]
 
     def step(tokens: Optional[Tensor]) -> Tensor:
+        nonlocal graph
         if tokens is not None:
-            return model(tokens.unsqueeze(1), inference_cache=cache)[:, -1]
+            if not cuda_graph:
+                return decode(tokens.unsqueeze(1))
+            if graph is None:
+                graph = DecodeGraph(decode, tokens.unsqueeze(1), cache.layers)
+            return graph(tokens.unsqueeze(1))
         lengths = torch.tensor([p.numel() for p in prompts])
         cu = torch.zeros(len(prompts) + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
@@ -192,6 +215,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute the full forward at every step (slow; the cache's reference)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture the one-token decode step once as a CUDA graph and replay it (CUDA devices)")
     return parser
 
 
@@ -205,12 +230,17 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m megatron_dsa.g
             raise ValueError(f"--retrieval must be >= 0, got {args.retrieval}")
         from megatron_dsa.train import resolve_device
 
-        model = load_model(args.checkpoint, resolve_device(args.device), DTYPES[args.dtype])
+        if args.cuda_graph and args.no_cache:
+            raise ValueError("--cuda-graph replays the cached decode step: it cannot be combined with --no-cache")
+        device = resolve_device(args.device)
+        if args.cuda_graph and device.type != "cuda":
+            raise ValueError(f"--cuda-graph needs a CUDA device (CUDA graphs): got --device {args.device}")
+        model = load_model(args.checkpoint, device, DTYPES[args.dtype])
         generator = torch.Generator(device=model.word_embeddings.weight.device).manual_seed(args.seed)
         if args.prompt:
             prompts = [torch.tensor(list(text.encode()), dtype=torch.long) for text in args.prompt]
             continuations = generate(model, prompts, args.max_new_tokens, args.temperature, args.top_p,
-                                     generator, use_cache=not args.no_cache)
+                                     generator, use_cache=not args.no_cache, cuda_graph=args.cuda_graph)
             for text, continuation in zip(args.prompt, continuations):
                 print(text + bytes(continuation.tolist()).decode(errors="replace"))
         if args.retrieval:

@@ -76,15 +76,17 @@ def decoding_config(kind: str) -> HybridAttentionConfig:
                                              hca_compress_ratio=8, dsa_indexer_topk=3)
 
 
-@pytest.mark.parametrize("kind", ["W", "C", "H"])
+@pytest.mark.parametrize("kind", ["W", "C", "H", "M"])
 def test_decode_steps_with_the_triton_kernel_match_the_reference_decode(kind):
     """Prefill (reference path) then one token at a time: the attention through the Triton kernel (counted)
-    against the same steps through the unfused op, fp32."""
+    against the same steps through the unfused op, fp32 (M: its absorbed step, the whole cache as the ring and
+    a −inf sink)."""
     config = decoding_config(kind)
     torch.manual_seed(0)
     reference = build_attention(config.replace(attention_backend="unfused"), kind=kind).eval()
-    with torch.no_grad():
-        reference.core_attention.attn_sink.normal_()
+    if kind != "M":
+        with torch.no_grad():
+            reference.core_attention.attn_sink.normal_()
     fused = build_attention(config.replace(attention_backend_overrides={"decode_attention": "triton"}),
                             kind=kind).eval()
     fused.load_state_dict(reference.state_dict())

@@ -5,8 +5,11 @@ of W/C/H layers the decode step (`decode_step`), so both are held to the full fo
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_distributed
 from megatron_dsa import HybridAttentionConfig
@@ -69,6 +72,57 @@ def test_chunked_prefill_of_odd_sizes_equals_the_full_forward(kind: str) -> None
     layer, hidden = layer_and_input(kind, 40, batch=2, seed=1)
     full = layer(hidden)[0]
     assert max_error(run_in_chunks(layer, hidden, [3, 7, 1, 9, 5, 13, 2]), full) < TOLERANCE
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts the aten ops that run (views excluded: they launch nothing), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind, compressors, ratio", [("C", 2, 4), ("H", 1, 8)])
+@torch.no_grad()
+def test_a_decode_steps_compressor_writes_are_one_copy_each(kind: str, compressors: int, ratio: int) -> None:
+    """A decode step writes each compressor's new kv and gate slot and its group's entry with one `index_copy_`
+    each (flattened rows from index arithmetic shared by both compressors), orders the slots of the overlapping
+    ratio 4 with one `index_select` per state, and builds the pooling's layout without a search: the small ops
+    a captured step replays every token. The window ring is the step's one `index_put_`."""
+    layer, hidden = layer_and_input(kind, 12, batch=3)
+    cache = LayerCache.for_layer(layer, 3, 12)
+    layer(hidden[:9], inference_cache=cache)
+    with AtenOps() as ops:
+        layer(hidden[9:10], inference_cache=cache)
+    assert ops.counts["index_copy_"] == 3 * compressors, ops.counts
+    assert ops.counts["index_select"] == (2 * compressors if ratio == 4 else 0), ops.counts
+    assert ops.counts["index_put_"] == 1 and ops.counts["searchsorted"] == 0, ops.counts
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+@torch.no_grad()
+def test_an_m_layer_decodes_through_the_decode_attention_family_unless_its_up_projection_is_hooked(
+        hooked: bool) -> None:
+    """An M layer's single-token steps run the decode step, its up-projection absorbed, through the
+    `decode_attention` family (counted); with a hook on `linear_kv_up_proj` (a module whose output may not be
+    `latent · Wᵀ`) they take the reference path, which calls the module. Both equal the full forward."""
+    layer, hidden = layer_and_input("M", 14, batch=2, seed=2)
+    full = layer(hidden)[0]
+    calls = []
+    if hooked:
+        layer.linear_kv_up_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    reset_call_counts()
+    decoded = run_in_chunks(layer, hidden, [5] + [1] * 9)
+    assert max_error(decoded, full) < TOLERANCE
+    decode_calls = sum(n for (_, op), n in call_counts().items() if op == "decode_attention")
+    assert decode_calls == (0 if hooked else 9), call_counts()
+    if hooked:  # the reference path up-projects every cached latent, each step
+        assert calls == [2 * n for n in range(5, 15)]
 
 
 @torch.no_grad()
@@ -221,8 +275,8 @@ def test_bf16_decoding_on_the_gpu_is_as_close_to_float64_as_the_full_forward(kin
     scale = float(reference.abs().max())
     # What the bound's failure message needs to tell a wrong decode from an unfair bound: the prefill's and
     # the single-token steps' errors (the latter run every GEMM on B = 2 rows) and the backends of each path.
-    if kind != "M":  # the 163 single-token steps are decode steps, through the Triton decode kernel
-        assert call_counts().get(("triton", "decode_attention"), 0) == 163, call_counts()
+    # The 163 single-token steps are decode steps, through the Triton decode kernel (M's with its weights absorbed).
+    assert call_counts().get(("triton", "decode_attention"), 0) == 163, call_counts()
     if kind == "C":  # a C layer's top-k through Triton's; its decode scores stay on the reference under `auto`
         # until Triton's have run on a GPU (backends.registry.AUTO_ORDER; their own GPU test calls them)
         assert call_counts().get(("unfused", "decode_indexer_scores"), 0) == 163, call_counts()

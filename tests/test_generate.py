@@ -11,6 +11,7 @@ import torch
 
 from megatron_dsa import HybridAttentionConfig
 from megatron_dsa.__main__ import main as cli_main
+from megatron_dsa.backends import call_counts, reset_call_counts
 from megatron_dsa.checkpointing import CheckpointWriter
 from megatron_dsa.data import RetrievalTask, seeded_generator
 from megatron_dsa.generate import generate, next_tokens, score_retrieval
@@ -117,3 +118,44 @@ def test_the_cli_samples_from_a_main_job_checkpoint(tmp_path, capsys) -> None:
         cli_main(args + ["--temperature", "-1"])
     with pytest.raises(SystemExit, match="error: .*neither a checkpoint"):
         cli_main(["generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"])
+    with pytest.raises(SystemExit, match="^error: --cuda-graph needs a CUDA device .*--device cpu$"):
+        cli_main(args + ["--cuda-graph"])
+    with pytest.raises(SystemExit, match="^error: --cuda-graph .* cannot be combined with --no-cache$"):
+        cli_main(args + ["--cuda-graph", "--no-cache"])
+
+
+def test_cuda_graph_generation_needs_the_cache_and_a_cuda_device() -> None:
+    model, prompts = model_fp64(), [torch.tensor([1, 2, 3])]
+    with pytest.raises(ValueError, match="cuda_graph needs the model on a CUDA device"):
+        generate(model, prompts, 3, cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph .* needs use_cache=True"):
+        generate(model, prompts, 3, use_cache=False, cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.9)])
+def test_cuda_graph_generation_replays_the_eager_cached_steps(dtype: torch.dtype, temperature: float,
+                                                             top_p: float, monkeypatch) -> None:
+    """Generation through a captured decode step gives the eager cached path's tokens, greedy and sampled from
+    the same seed; the steps after the capture are graph replays (counted), not eager decode steps (the
+    dispatch counters move only while the step runs on the host: warm-up and capture)."""
+    model = model_fp64(1).to(device="cuda", dtype=dtype)
+    draw = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=draw) for n in (3, 14, 9)]
+    new_tokens = 24
+    run = lambda graphed: generate(model, prompts, new_tokens, temperature, top_p,  # noqa: E731
+                                   torch.Generator(device="cuda").manual_seed(7), cuda_graph=graphed)
+    eager = run(False)
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: (replays.append(1), replay(graph))[1])
+    reset_call_counts()
+    graphed = run(True)
+    assert torch.equal(graphed, eager)
+    assert len(set(eager.flatten().tolist())) > 3  # not one token repeated
+    assert len(replays) == new_tokens - 1
+    steps_on_the_host = 2 + 1  # DecodeGraph's default warm-up steps, then the capture
+    assert sum(n for (_, op), n in call_counts().items() if op == "decode_attention") == (
+        steps_on_the_host * len(model.layers)), call_counts()  # every kind's step, M's too

@@ -73,18 +73,21 @@ def test_bad_decode_inputs_are_named(argument, change, error):
         reference_decode(**{**inputs, **change(inputs)})
 
 
+@pytest.mark.parametrize("kind", ["C", "M"])
 @torch.no_grad()
-def test_a_warm_up_step_is_undone_exactly():
+def test_a_warm_up_step_is_undone_exactly(kind):
     """What `DecodeGraph` saves before its warm-up steps covers everything a decode step writes: after one step
-    (which completes an entry: position 7, ratio 4) and the restore, every buffer and length is as before."""
-    layer = build_attention(decoding_config("C"), kind="C").double().eval()
+    (C: it completes an entry, position 7, ratio 4; M: it writes its latent row) and the restore, every buffer
+    and length is as before."""
+    layer = build_attention(decoding_config(kind), kind=kind).double().eval()
     cache = LayerCache.for_layer(layer, 2, 12)
     hidden = torch.randn(8, 2, layer.config.hidden_size, dtype=torch.float64)
     layer(hidden[:7], inference_cache=cache)
 
     def state() -> list[torch.Tensor]:
-        return [t.clone() for t in (cache.seqlens, cache.window, cache.entries, cache.indexer_keys,
-                                    *[b for s in cache.compressors.values() for b in (s.kv, s.gate)])]
+        buffers = (cache.seqlens, cache.window, cache.entries, cache.indexer_keys, cache.latent,
+                   *[b for s in cache.compressors.values() for b in (s.kv, s.gate)])
+        return [t.clone() for t in buffers if t is not None]
 
     before, longest = state(), cache.longest
     writes = _StepWrites.save(cache)
@@ -96,15 +99,12 @@ def test_a_warm_up_step_is_undone_exactly():
         assert torch.equal(now, then)
 
 
-def test_a_decode_graph_needs_cuda_and_sparse_caches():
+def test_a_decode_graph_needs_cuda():
     layer = build_attention(decoding_config("M"), kind="M")
     cache = LayerCache.for_layer(layer, 1, 4)
     step = lambda x: layer(x, inference_cache=cache)[0]  # noqa: E731
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraph(step, torch.zeros(1, 1, layer.config.hidden_size), [cache])
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="cannot be captured"):
-            DecodeGraph(step, torch.zeros(1, 1, layer.config.hidden_size, device="cuda"), [cache])
 
 
 # ---------------------------------------------------------------- GPU
@@ -151,7 +151,7 @@ def test_bf16_triton_decode_matches_the_float64_reference_on_the_gpu(entries):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("kind", ["W", "C", "H"])
+@pytest.mark.parametrize("kind", ["W", "C", "H", "M"])
 @torch.no_grad()
 def test_a_captured_decode_step_replays_the_eager_steps(kind):
     """Prefill two identical caches; decode 12 tokens eagerly on one and by `DecodeGraph` replays on the other:

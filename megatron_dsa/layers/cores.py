@@ -186,6 +186,17 @@ class DenseMLACore:
         """Normalised latent rows `[N, kv_lora_rank]` → `(k_nope [N, G/tp, qk], v [N, G/tp, Dv])`."""
         return self.up_projection(layer).split(apply(layer.linear_kv_up_proj, latent))
 
+    @staticmethod
+    def plain_up_weight(layer: "HybridAttention") -> Optional[Tensor]:
+        """`linear_kv_up_proj`'s local weight `W [G/tp·(qk + Dv), kv_lora_rank]` when the up-projection is
+        `latent · Wᵀ` and nothing else: the package's own column-parallel linear, without hooks. Another class
+        may own its forward (FP8 casts) and its weight gradient (Megatron and Transformer Engine add it into
+        `main_grad` and fire hooks): then None, and the keys and values come from calling the module."""
+        projection = layer.linear_kv_up_proj
+        if type(projection) is not ColumnParallelLinear or has_call_hooks(projection):
+            return None
+        return projection.weight
+
 
 @dataclass(frozen=True)
 class LatentUpProjection:
@@ -245,14 +256,13 @@ class LatentKeyValues:
     def ring_keys(self) -> RingKeys:
         """The latent and RoPE key per token (`[N, R + P]`, the same on every TP rank: their gradient is
         summed over TP once, here), up-projected by the ring per visiting block with the weight of
-        `linear_kv_up_proj`. That needs the package's own column-parallel linear, without hooks: another
-        class owns its forward (FP8 casts) and its weight gradient (Megatron and Transformer Engine add it
-        into `main_grad` and fire hooks once per step), so for it the ring carries the expanded K/V."""
-        projection = self.layer.linear_kv_up_proj
-        if type(projection) is not ColumnParallelLinear or has_call_hooks(projection):
+        `linear_kv_up_proj`. That needs its plain weight (`DenseMLACore.plain_up_weight`); for another
+        up-projection the ring carries the expanded K/V."""
+        weight = DenseMLACore.plain_up_weight(self.layer)
+        if weight is None:
             return PackedKeyValues.ring_keys(*self.expand())
         rows = copy_to_tensor_parallel_region(torch.cat((self.latent, self.rope), dim=1), self.layer.tp_group)
-        return RingKeys(rows, self.up, projection.weight)
+        return RingKeys(rows, self.up, weight)
 
 
 SPARSE_MLA = SparseMLACore()

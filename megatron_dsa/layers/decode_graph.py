@@ -1,24 +1,25 @@
 """Decode steps replayed from a CUDA graph: `DecodeGraph`.
 
-A decode step of a W, C or H layer (`layers.decoding.decode_step`) has fixed shapes, reads nothing back to
-the host and writes its cache in place, so one step can be captured and replayed for every further
-token: the host then issues one graph launch per step instead of a few dozen kernels per layer.
+A decode step (`layers.decoding.decode_step`) has fixed shapes, reads nothing back to the host and writes
+its cache in place, so one step can be captured and replayed for every further token: the host then issues
+one graph launch per step instead of a few dozen kernels per layer.
 
     cache = LayerCache.for_layer(layer, batch, capacity)            # or model.new_inference_cache(...)
     layer(prompt, inference_cache=cache)                            # prefill (eager, any lengths)
     graph = DecodeGraph(lambda x: layer(x, inference_cache=cache)[0], next_rows, [cache])
     out = graph(next_rows)                                          # one token per sequence, replayed
 
-Capturing needs the step to run first (Triton compiles, backends are chosen): those warm-up runs write
-the cache, so what one step writes (lengths, window ring, compressor slots, the entry row it may complete)
-is saved before and restored after each. A replay advances the caches by one token, as the eager step
-does; `DecodeGraph` keeps their host-side length bound and refuses a step past their capacity.
+Capturing needs the step to run first (Triton compiles, backends are chosen): those warm-up runs write the
+cache, so what one step writes (lengths, window ring, compressor slots, the entry row of the new token's
+group, an M layer's latent row) is saved before and restored after each. A replay advances the caches by one
+token, as the eager step does; `DecodeGraph` keeps their host-side length bound and refuses a step past
+their capacity.
 
 What a replay assumes: the input has the captured shape, dtype and device (checked); the caches are the
-captured objects with their captured buffers (the reference path, which prefill runs, updates them in
-place, so prefill may continue between replays); the output is graph memory the next replay overwrites
-(clone what you keep). M layers decode through the reference path, which reads lengths back: a step with
-an M cache cannot be captured.
+captured objects with their captured buffers (the reference path, which prefill runs, updates them in place,
+so prefill may continue between replays); the output is graph memory the next replay overwrites (clone what
+you keep). An M layer whose up-projection is not a plain weight decodes through the reference path
+(`layers.decoding.takes_decode_step`), which reads lengths back: CUDA refuses to capture that step.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ class _StepWrites:
 
     @classmethod
     def save(cls, cache: LayerCache) -> "_StepWrites":
-        buffers = [cache.window] + [t for state in cache.compressors.values() for t in (state.kv, state.gate)]
+        buffers = [t for t in (cache.window,) if t is not None]
+        buffers += [t for state in cache.compressors.values() for t in (state.kv, state.gate)]
         entry_rows = []
-        for store, ratio in ((cache.entries, cache.ratio), (cache.indexer_keys, cache.ratio)):
+        # Row p // r of the compressed stores, row p of an M layer's latents.
+        for store, ratio in ((cache.entries, cache.ratio), (cache.indexer_keys, cache.ratio), (cache.latent, 1)):
             if store is not None and store.shape[1] > 0:
                 rows = torch.div(cache.seqlens, ratio, rounding_mode="floor").clamp(max=store.shape[1] - 1)
                 entry_rows.append((store, rows, store[torch.arange(cache.batch, device=rows.device), rows]))
@@ -80,10 +83,6 @@ class DecodeGraph:
         caches = list(caches)
         if not caches or not all(isinstance(cache, LayerCache) for cache in caches):
             raise TypeError("DecodeGraph needs the step's caches: a non-empty sequence of LayerCache")
-        dense = [cache.kind for cache in caches if cache.latent is not None]
-        if dense:
-            raise ValueError(f"a decode step with kind {dense[0]!r} (latent KV) caches cannot be captured: M layers "
-                             f"decode through the reference path, which reads the lengths back to the host")
         if warmup < 1:
             raise ValueError(f"DecodeGraph needs warmup >= 1 (the first run compiles and picks backends), got {warmup}")
         self.caches = caches

@@ -24,11 +24,16 @@ Two paths:
 - `attend_cached`, the readable reference: any number of new tokens per sequence (prefill chunks, packed
   prompts); it gathers the rows each query reads and up-projects M's cached latents each step (no weight
   absorption). It reads the new lengths back to the host once per call.
-- `decode_step`, one new token per sequence of a W, C or H layer (the layer takes it for every `[1, B, d]`
-  call): fixed shapes, no host sync, every cache write in place, so it can be captured in a CUDA graph
-  (`DecodeGraph`). The attention is the `decode_attention` op family (a split-K Triton kernel on CUDA);
+- `decode_step`, one new token per sequence (the layer takes it for every `[1, B, d]` call): fixed shapes, no
+  host sync, every cache write in place, so it can be captured in a CUDA graph (`DecodeGraph`). The attention
+  is the `decode_attention` op family (a split-K Triton kernel on CUDA). An M layer absorbs its up-projection
+  into the query and the output (MLA's weight absorption: scores `q_nope·W_k·latent + q_rope·k_rope`, values
+  `W_v · Σ p·latent`), so its cached `[latent | k_rope]` rows are the family's K = V rows (its ring: every cached
+  position), with no sink, and the first `kv_lora_rank` output columns are the latent to up-project; an M
+  layer whose `linear_kv_up_proj` is not a plain weight (`DenseMLACore.plain_up_weight`) keeps the reference.
   a C layer's indexer scores each sequence's cached compressed keys where they lie (`decode_indexer_scores`,
-  then `topk`), and the compressors pool the one entry the new token may complete.
+  then `topk`), and the compressors pool the one entry of the new token's group (written complete or not:
+  an unfinished entry is not visible yet), with every write one `index_copy_` into a flattened buffer.
 """
 
 from __future__ import annotations
@@ -70,25 +75,66 @@ class CompressorState:
 
 
 @dataclass(frozen=True, eq=False)
+class PendingGroups:
+    """Index tensors of a decode step's compressor writes that depend only on the cache's shapes (ratio r, K
+    pending slots and C entries per sequence; a state `[B, K, n]` and a store `[B, C, Dc]` are written
+    flattened, one row per sequence).
+
+    slot_base: `[B]` `b·K`, the first row of sequence b's slots. entry_base: `[B]` `b·C`, of its entries.
+    segments: the `TokenLayout` of B segments of K rows (each sequence's slots, oldest first, pooled as one
+    segment); numbering: `[B + 1]` `0 … B` (one entry per segment: its entries' offsets); all_valid: `[B]` True.
+    own_first: `[B]` `b·K + K − r`, the row of the first token of the new token's group among the slots
+    oldest first. oldest_first: ratio 4 only (`K = 2r`, two groups held), `[2, B, K]` the rows of sequence b's
+    slots oldest first when the new token's entry `j` has parity `j % 2` (for K = r the slots are in order)."""
+
+    ratio: int
+    slots: int
+    slot_base: Tensor
+    entry_base: Tensor
+    segments: TokenLayout
+    numbering: Tensor
+    all_valid: Tensor
+    own_first: Tensor
+    oldest_first: Optional[Tensor]
+
+    @classmethod
+    def build(cls, batch: int, ratio: int, entries: int, device: torch.device) -> "PendingGroups":
+        slots = _pending_slots(ratio)
+        arange = lambda *args: torch.arange(*args, device=device)  # noqa: E731
+        slot_base = arange(0, batch * slots, slots)
+        oldest_first = None
+        if slots == 2 * ratio:  # slot of position q: q % 2r; entry j's previous group, then its own
+            halves = arange(slots).view(2, ratio)
+            in_order = torch.stack((halves.flip(0).flatten(), halves.flatten()))  # [parity, K]
+            oldest_first = slot_base.view(1, batch, 1) + in_order.unsqueeze(1)
+        return cls(ratio, slots, slot_base, arange(0, batch * entries, entries),
+                   TokenLayout(arange(0, (batch + 1) * slots, slots), batch * slots, slots), arange(batch + 1),
+                   torch.ones(batch, dtype=torch.bool, device=device), slot_base + (slots - ratio), oldest_first)
+
+
+@dataclass(frozen=True, eq=False)
 class DecodeIndex:
     """Index tensors a decode step reads that depend only on the cache's shapes, built once with the cache (a
     captured step would otherwise replay the kernels that build them, every token).
 
-    sequences: `[B]` `0 … B−1`. entry_columns: `[C]` `0 … C−1` (C = capacity // r; empty without compressors).
-    pending: per count `K` of a compressor's pending slots, `slots [K]` `0 … K−1`, `segments` the `TokenLayout` of
-    B segments of K rows (the pooled slots of each sequence) and `one_entry_each [B + 1]` `0 … B` (its entries'
-    offsets: every segment pools one entry)."""
+    sequences: `[B]` `0 … B−1`. entry_columns: `[C]` `0 … C−1` (C: the cache's entries per sequence; empty
+    without compressors). groups: the compressors' `PendingGroups` (None without compressors). no_sink: M only,
+    `[H/tp]` float32 −inf, the decode attention's sink for a softmax without one."""
 
     sequences: Tensor
     entry_columns: Tensor
-    pending: dict[int, tuple[Tensor, TokenLayout, Tensor]]
+    groups: Optional[PendingGroups]
+    no_sink: Optional[Tensor] = None
 
     @classmethod
-    def build(cls, batch: int, entries: int, slot_counts: set[int], device: torch.device) -> "DecodeIndex":
-        arange = lambda *args: torch.arange(*args, device=device)  # noqa: E731
-        pending = {k: (arange(k), TokenLayout(arange(0, (batch + 1) * k, k), batch * k, k), arange(batch + 1))
-                   for k in slot_counts}
-        return cls(arange(batch), arange(entries), pending)
+    def build(cls, batch: int, ratio: int, entries: int, device: torch.device) -> "DecodeIndex":
+        groups = PendingGroups.build(batch, ratio, entries, device) if ratio else None
+        return cls(torch.arange(batch, device=device), torch.arange(entries, device=device), groups)
+
+    @classmethod
+    def latent(cls, batch: int, heads: int, device: torch.device) -> "DecodeIndex":
+        return cls(torch.arange(batch, device=device), torch.arange(0, device=device), None,
+                   torch.full((heads,), float("-inf"), device=device))
 
 
 @dataclass
@@ -98,9 +144,11 @@ class LayerCache:
     seqlens: `[B]` int64 tokens cached per sequence (updated in place: a captured decode step reads it where it
     is); `longest` a host-side upper bound of its largest value (checked against `capacity` without a sync). W/C/H: `window [B, max(W−1, 1), D]` K = V rows at
     slot `position % (W−1)`; `compressors` the `CompressorState` of the attention's (`"attention"`) and
-    the indexer's (`"indexer"`) compressor; `entries [B, capacity // r, D]` compressed entries and
-    `indexer_keys [B, capacity // r, DI]`; `index` the step's static index tensors (`DecodeIndex`). M: `latent
-    [B, capacity, kv_lora_rank]`, `k_rope [B, capacity, P]`.
+    the indexer's (`"indexer"`) compressor; `entries [B, ⌈capacity / r⌉, D]` compressed entries and
+    `indexer_keys [B, ⌈capacity / r⌉, DI]` (entry `j` is valid once its group is complete, `j < seqlens // r`;
+    a decode step writes the new token's unfinished group there too, never seen before it is rewritten
+    complete); `index` the step's static index tensors (`DecodeIndex`). M: `latent [B, capacity, kv_lora_rank + P]`,
+    each position's normalised KV latent then its RoPE key.
     """
 
     kind: str
@@ -111,7 +159,6 @@ class LayerCache:
     entries: Optional[Tensor] = None
     indexer_keys: Optional[Tensor] = None
     latent: Optional[Tensor] = None
-    k_rope: Optional[Tensor] = None
     longest: int = 0
     ratio: int = 0  # the compressors' ratio r (0: none)
     index: Optional[DecodeIndex] = None  # W/C/H: what `decode_step` indexes with (built by `for_layer`)
@@ -128,8 +175,8 @@ class LayerCache:
         c = layer.config
         cache = cls(layer.kind_spec.symbol, capacity, torch.zeros(batch, dtype=torch.long, device=device))
         if isinstance(layer.core, DenseMLACore):
-            cache.latent = empty(batch, capacity, c.mla_kv_lora_rank)
-            cache.k_rope = empty(batch, capacity, c.qk_pos_emb_head_dim)
+            cache.latent = empty(batch, capacity, c.mla_kv_lora_rank + c.qk_pos_emb_head_dim)
+            cache.index = DecodeIndex.latent(batch, layer.local_heads, device)
             return cache
         cache.window = empty(batch, max(c.csa_window_size - 1, 1), c.v_head_dim)
         attention = layer.core_attention
@@ -140,11 +187,11 @@ class LayerCache:
                 cache.compressors[name] = CompressorState(empty(batch, slots, width), empty(batch, slots, width))
         if attention.compressor is not None:
             cache.ratio = attention.ratio
-            cache.entries = empty(batch, capacity // attention.ratio, c.v_head_dim)
+            cache.entries = empty(batch, -(-capacity // attention.ratio), c.v_head_dim)
         if attention.indexer is not None:
-            cache.indexer_keys = empty(batch, capacity // attention.ratio, c.dsa_indexer_head_dim)
-        cache.index = DecodeIndex.build(batch, 0 if cache.entries is None else cache.entries.shape[1],
-                                        {state.slots for state in cache.compressors.values()}, device)
+            cache.indexer_keys = empty(batch, cache.entries.shape[1], c.dsa_indexer_head_dim)
+        cache.index = DecodeIndex.build(batch, cache.ratio, 0 if cache.entries is None else cache.entries.shape[1],
+                                        device)
         return cache
 
     @property
@@ -153,7 +200,7 @@ class LayerCache:
 
     def nbytes(self) -> int:
         """Bytes the cache's buffers hold."""
-        buffers = [self.window, self.entries, self.indexer_keys, self.latent, self.k_rope]
+        buffers = [self.window, self.entries, self.indexer_keys, self.latent]
         buffers += [t for state in self.compressors.values() for t in (state.kv, state.gate)]
         return sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
@@ -309,8 +356,10 @@ def _write_slots(buffer: Tensor, rows: Tensor, new: TokenLayout, before: Tensor)
 # ---------------------------------------------------------------- one new token per sequence (W / C / H)
 def takes_decode_step(layer: "HybridAttention", seqlen: int, packed: bool) -> bool:
     """Whether a cached call of `seqlen` tokens per sequence runs `decode_step`: one unpacked token per
-    sequence of a W, C or H layer (M keeps the reference path)."""
-    return seqlen == 1 and not packed and not isinstance(layer.core, DenseMLACore)
+    sequence (of an M layer, one whose up-projection can be absorbed: `DenseMLACore.plain_up_weight`)."""
+    if seqlen != 1 or packed:
+        return False
+    return not isinstance(layer.core, DenseMLACore) or DenseMLACore.plain_up_weight(layer) is not None
 
 
 def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
@@ -323,6 +372,13 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
     if cache.longest + 1 > cache.capacity:
         raise ValueError(f"a sequence would reach {cache.longest + 1} tokens, more than the inference cache's "
                          f"capacity {cache.capacity}")
+    out = (_latent_decode if isinstance(layer.core, DenseMLACore) else _sparse_decode)(layer, x, cache)
+    cache.seqlens += 1  # last: the steps read it as the new token's positions
+    cache.longest += 1
+    return out
+
+
+def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
     c, attention, index = layer.config, layer.core_attention, cache.index
     positions = cache.seqlens  # the new token's position in each sequence
     inv_freq = layer.angle_freq(x.dtype)
@@ -330,8 +386,7 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
     entries, picks = None, None
     if attention.compressor is not None:
         # The attention's and the indexer's compressors share the ratio: one set of slot arithmetic serves both.
-        group = _NewTokenGroup.of(positions, attention.ratio, cache.compressors["attention"].slots,
-                                  cache.entries.shape[1], index)
+        group = _NewTokenGroup.of(positions, index)
         _pool_new_entry(attention.compressor, cache.compressors["attention"], projected, group, cache.entries,
                         inv_freq)
         entries = cache.entries
@@ -349,63 +404,73 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
     cache.window[index.sequences, positions % cache.window.shape[1]] = kv_new
     # The reference path's selection names rows of a kv_all this step never builds: only the picks are kept.
     attention.last_selection, attention.last_decode_picks = None, picks
-    out = layer.core.finish(layer, out, positions)
-    cache.seqlens += 1  # last: `positions` is this tensor
-    cache.longest += 1
-    return out
+    return layer.core.finish(layer, out, positions)
+
+
+def _latent_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
+    """An M layer's decode step with its up-projection `W = [W_k; W_v]` per group absorbed (module docstring):
+    the query `[W_kᵀ·q_nope | q_rope]` attends the cached `[latent | k_rope]` rows of every earlier position
+    and the new one (decode attention: ring = the whole cache, window `capacity + 1`, no sink), and `W_v` maps
+    the output's latent columns to each head's value. `x [B, d]` → `[B, H/tp · Dv]`."""
+    c, core, positions = layer.config, layer.core, cache.seqlens
+    q, latent, k_rope = core.project(layer, x, positions)  # [B, H, qk + P], [B, R], [B, P]
+    groups, rank = layer.local_groups, latent.shape[-1]
+    w_k, w_v = DenseMLACore.plain_up_weight(layer).unflatten(0, (groups, -1)).split(
+        (c.mla_qk_head_dim, c.v_head_dim), dim=1)  # [G, qk, R], [G, Dv, R]
+    q_nope, q_rope = q.unflatten(1, (groups, -1)).split((c.mla_qk_head_dim, c.qk_pos_emb_head_dim), dim=-1)
+    query = torch.cat((torch.einsum("bghd,gdr->bghr", q_nope, w_k.to(q.dtype)), q_rope), dim=-1).flatten(1, 2)
+    rows_new = torch.cat((latent, k_rope), dim=-1).to(cache.latent.dtype)
+    attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=query.shape[1],
+                      head_dim=query.shape[2], selected=False)
+    out = attend(query, rows_new, cache.latent, positions, cache.capacity + 1, None, None, 1, cache.index.no_sink,
+                 core.softmax_scale(c))  # [B, H, R + P]
+    cache.latent[cache.index.sequences, positions] = rows_new
+    values = torch.einsum("bghr,gvr->bghv", out[..., :rank].unflatten(1, (groups, -1)), w_v.to(out.dtype))
+    return values.flatten(1)
 
 
 class _NewTokenGroup(NamedTuple):
-    """Where the new token at position p sits in its compressor's group, for `_pool_new_entry` (ratio r, K pending
-    slots, C entries), per sequence (`sequences [B]`): its slot `p % K`; its group's entry `j = p // r` and the
-    slot that entry is kept at (`min(j, C − 1)`; a group past the capacity is never complete); whether p
-    completes the group; and the layout of the K positions ending with p's group, oldest first (`order [B, K]`:
-    their slots)."""
+    """Where the new token at position p sits in its compressors' pending slots, for `_pool_new_entry`, per
+    sequence (flattened rows, `PendingGroups`): its slot's row (slot `p % K`); the store row of its group's entry
+    `j = p // r`; the rows of the K slots ending with p's group, oldest first (ratio 4 only; else the slots in
+    order); and the layout that pools them, one segment and one entry per sequence."""
 
-    sequences: Tensor
-    slot: Tensor
-    entry: Tensor
-    store_slot: Tensor
-    complete: Tensor
-    order: Tensor
+    slot_rows: Tensor
+    entry_rows: Tensor
+    oldest_first: Optional[Tensor]
     layout: CompressedLayout
 
     @classmethod
-    def of(cls, positions: Tensor, ratio: int, slots: int, entries: int, index: DecodeIndex) -> "_NewTokenGroup":
-        steps, segments, one_entry_each = index.pending[slots]
+    def of(cls, positions: Tensor, index: DecodeIndex) -> "_NewTokenGroup":
+        groups, ratio = index.groups, index.groups.ratio
         entry = torch.div(positions, ratio, rounding_mode="floor")
-        # The K positions ending with p's group (p itself where the group is complete; before the sequence for
-        # ratio 4's first entry, whose previous group the pooling masks): every pooled row is in the segment.
-        start = (entry + 1) * ratio - slots
-        tokens = dataclasses.replace(segments, position_offsets=start)
-        layout = CompressedLayout(tokens=tokens, ratio=ratio, cu_compressed=one_entry_each,
-                                  capacity=positions.shape[0], max_entries=0, first_entry=entry)
-        return cls(index.sequences, positions % slots, entry, entry.clamp(max=max(entries - 1, 0)),
-                   (positions + 1) % ratio == 0, torch.remainder(start.unsqueeze(1) + steps, slots), layout)
+        # The K positions ending with p's group start at (j + 1)·r − K (before the sequence for ratio 4's first
+        # entry, whose previous group the pooling masks): every pooled row is in the segment.
+        start = entry * ratio if groups.slots == ratio else entry * ratio - (groups.slots - ratio)
+        tokens = dataclasses.replace(groups.segments, position_offsets=start)
+        layout = CompressedLayout.one_entry_per_segment(tokens, ratio, entry, groups.own_first, groups.numbering,
+                                                        groups.all_valid)
+        oldest_first = (None if groups.oldest_first is None
+                        else groups.oldest_first[entry % 2, index.sequences].flatten())
+        return cls(groups.slot_base + positions % groups.slots, groups.entry_base + entry, oldest_first, layout)
 
 
 def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: dict, group: _NewTokenGroup,
                     store: Tensor, inv_freq: Tensor) -> None:
-    """Keep the new token's compressor projections and, where it completes a group (`(p + 1) % r == 0`), write
-    entry `j = p // r` into `store [B, C, Dc]`.
+    """Keep the new token's compressor projections and pool its group into entry `j = p // r` of `store [B, C,
+    Dc]`: complete where p completes the group (`(p + 1) % r == 0`); until then the entry is not visible
+    (`j >= (p + 1) // r`) and a later token rewrites it.
 
-    Every sequence pools the state's `K` slots (oldest first) as one segment of a `CompressedLayout` that owns
-    one entry per segment, whether or not its group is complete (fixed shapes, no branch on values); the write
-    keeps the old row where it is not."""
-    rows = group.sequences
+    Every sequence pools the state's `K` slots (oldest first) as one segment of a layout that owns one entry
+    per segment, whether or not its group is complete (fixed shapes, no branch on values)."""
     kv, gate = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
-    state.kv[rows, group.slot] = kv.to(state.kv.dtype)
-    state.gate[rows, group.slot] = gate.to(state.gate.dtype)
-    if store.shape[1] == 0:  # a capacity below one group: no entry ever
-        return
-
-    def oldest_first(buffer: Tensor) -> Tensor:
-        return buffer.gather(1, group.order.unsqueeze(-1).expand(-1, -1, buffer.shape[-1])).flatten(0, 1)
-
-    pooled = compressor({compressor.linear_wkv: oldest_first(state.kv),
-                         compressor.linear_wgate: oldest_first(state.gate)}, group.layout, inv_freq)
-    old = store[rows, group.store_slot]
-    store[rows, group.store_slot] = torch.where(group.complete.unsqueeze(1), pooled.to(store.dtype), old)
+    flat_kv, flat_gate = state.kv.flatten(0, 1), state.gate.flatten(0, 1)  # views: the writes land in the state
+    flat_kv.index_copy_(0, group.slot_rows, kv.to(state.kv.dtype))
+    flat_gate.index_copy_(0, group.slot_rows, gate.to(state.gate.dtype))
+    if group.oldest_first is not None:
+        flat_kv, flat_gate = flat_kv.index_select(0, group.oldest_first), flat_gate.index_select(0, group.oldest_first)
+    pooled = compressor({compressor.linear_wkv: flat_kv, compressor.linear_wgate: flat_gate}, group.layout, inv_freq)
+    store.flatten(0, 1).index_copy_(0, group.entry_rows, pooled.to(store.dtype))
 
 
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
@@ -429,12 +494,12 @@ def _latent_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
     core: DenseMLACore = layer.core
     q, latent, k_rope = core.project(layer, x, new.positions)
     seg, p, real = new.segment_ids, new.positions, new.row_valid
-    cache.latent[seg[real], p[real]] = latent[real].to(cache.latent.dtype)
-    cache.k_rope[seg[real], p[real]] = k_rope[real].to(cache.k_rope.dtype)
-    longest = int((cache.seqlens + new.real_seqlens).max())
-    k_nope, v = core.keys_values(layer, cache.latent[:, :longest].flatten(0, 1).to(x.dtype))
+    cache.latent[seg[real], p[real]] = torch.cat((latent, k_rope), dim=-1)[real].to(cache.latent.dtype)
+    longest, rank = int((cache.seqlens + new.real_seqlens).max()), latent.shape[-1]
+    cached = cache.latent[:, :longest].to(x.dtype)
+    k_nope, v = core.keys_values(layer, cached[..., :rank].flatten(0, 1))
     k_nope, v = k_nope.unflatten(0, (cache.batch, longest)), v.unflatten(0, (cache.batch, longest))
-    shared = cache.k_rope[:, :longest].to(x.dtype).unsqueeze(2).expand(-1, -1, layer.local_groups, -1)
+    shared = cached[..., rank:].unsqueeze(2).expand(-1, -1, layer.local_groups, -1)
     k = torch.cat((k_nope, shared), dim=-1)
     return _attend_prefix(q, k, v, seg, p, core.softmax_scale(layer.config)).flatten(1)
 
