@@ -213,9 +213,10 @@ class HybridAttentionConfig:
     # and the names are checked against the registered backends when a layer is built.
     attention_backend: str = "auto"  # "auto" or one backend name for every op family
     attention_backend_overrides: dict[str, str] = field(default_factory=dict)  # op family → backend
-    # The projections' GEMMs: "native" in the dtype of the rows and weights (bf16 in training), or "fp8":
-    # e4m3 operands with one scale per row, forward and backward (docs/user_guide.md, 'FP8 projections').
-    projection_precision: str = "native"  # "native" or "fp8" (the package's own linears; attention stays bf16)
+    # Projection GEMMs: "native" runs them in the dtype of the rows and weights (bf16 in training); "fp8"
+    # rounds both operands of every projection GEMM, forward and backward, to e4m3 with one scale per row
+    # (see 'FP8 projections' in section 4). Attention, norms and the indexer loss are never FP8.
+    projection_precision: str = "native"  # "native" or "fp8" (the package's own linears)
 
     # Parallelism (the process groups themselves come with `ParallelState`).
     sequence_parallel: bool = False  # hidden states between layers split along the sequence over TP
