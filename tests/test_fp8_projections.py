@@ -287,6 +287,21 @@ def test_fp8_with_a_host_linear_class_is_refused():
         HybridAttention(tiny("W", projection_precision="fp8"), kind="W", submodules=submodules)
 
 
+def test_the_main_job_takes_the_field_from_its_attention_section():
+    """`python -m megatron_dsa.train --config job.yaml` with `attention: {projection_precision: fp8}` builds
+    every layer of its model with FP8 products."""
+    from megatron_dsa.job.config import JobConfig
+    from megatron_dsa.job.steps import build_model
+
+    attention = HybridAttentionConfig.from_preset("tiny").to_dict()  # four layers, WCHC
+    job = JobConfig.from_dict({"attention": {**attention, "projection_precision": "fp8"}})
+    model = build_model(job, torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, HybridAttention)]
+    assert len(layers) == 4 and all(isinstance(layer.gemms, Fp8Gemms) for layer in layers)
+    with pytest.raises(ValueError, match="projection_precision must be one of"):
+        JobConfig.from_dict({"attention": {"projection_precision": "e4m3"}})
+
+
 # ------------------------------------------------------------------------------ tensor parallelism
 def tp_fp8_body(rank: int, world: int) -> None:
     """Column-parallel: the forward and the weight gradient round along unsplit contractions, so each rank's
