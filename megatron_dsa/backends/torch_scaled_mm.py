@@ -9,8 +9,8 @@ bf16 output on every GPU it runs on (fp32 output only through cuBLAS on SM90). S
 zero-padded to multiples of 16 here (zeros change neither a row's amax nor a sum; only unaligned
 shapes, as the tiny preset's, pay the copy), the product comes out in bf16 and is cast to the
 requested dtype (bf16 rounding, 2⁻⁹, is far below the operands' e4m3 rounding, 2⁻⁴). `use_fast_accum`
-stays off: Hopper's FP8 tensor cores keep only part of an fp32 mantissa in their accumulators, and the
-slow path promotes the partial sums to fp32 (the error DeepSeek-V3's report measured at K = 4096).
+stays off (torch's default, the more precise accumulation): on Hopper the FP8 tensor cores' own
+accumulation keeps fewer than fp32's bits, an error DeepSeek-V3's report measured at K = 4096.
 """
 
 from __future__ import annotations
