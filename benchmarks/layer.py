@@ -30,7 +30,7 @@ from megatron_dsa import (GraphedLayer, HybridAttention, HybridAttentionConfig, 
                           make_graphed_layers)
 from megatron_dsa.backends import (AUTO, Backend, OpFamily, call_counts, register_backend,  # noqa: E402
                                    reset_call_counts, resolve)
-from megatron_dsa.config import PRESETS  # noqa: E402
+from megatron_dsa.config import PRESETS, PROJECTION_PRECISIONS  # noqa: E402
 from megatron_dsa.ops.layout import TokenLayout  # noqa: E402
 
 from layer_flops import attention_flop, projection_flop  # noqa: E402  (this directory)
@@ -232,14 +232,17 @@ def essential_tflop(layer: HybridAttention, seq_len: int, batch: int) -> float:
 
 
 def build_layer(config: HybridAttentionConfig, kind: LayerKind, backend: str, device: torch.device,
-                dtype: torch.dtype) -> HybridAttention:
-    return HybridAttention(config.replace(attention_backend=backend), kind=kind).to(device, dtype).train()
+                dtype: torch.dtype, projection_precision: str = "native") -> HybridAttention:
+    config = config.replace(attention_backend=backend, projection_precision=projection_precision)
+    return HybridAttention(config, kind=kind).to(device, dtype).train()
 
 
 def benchmark_kind(config: HybridAttentionConfig, kind: LayerKind, args: argparse.Namespace) -> Row:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    layers = [build_layer(config, kind, args.backend, device, dtype) for _ in range(args.stack)]
-    baselines = [build_layer(config, kind, args.baseline, device, dtype) for _ in range(args.stack)]
+    layers = [build_layer(config, kind, args.backend, device, dtype, args.projection_precision)
+              for _ in range(args.stack)]
+    baselines = [build_layer(config, kind, args.baseline, device, dtype, args.projection_precision)
+                 for _ in range(args.stack)]
     for layer, baseline in zip(layers, baselines):
         baseline.load_state_dict(layer.state_dict())
     x = torch.randn(args.seq_len, args.batch, config.hidden_size, device=device, dtype=dtype,
@@ -287,7 +290,7 @@ def describe_run(args: argparse.Namespace) -> str:
     memory = ("peak MiB: allocated during a step above what was allocated before it" if device.type == "cuda"
               else "peak MiB: n/a on CPU (no allocator statistics)")
     return (f"HybridAttention forward + backward, preset {args.preset}, S={args.seq_len}, B={args.batch}, "
-            f"{args.dtype}, {name}, torch {torch.__version__}\n"
+            f"{args.dtype}, projections {args.projection_precision}, {name}, torch {torch.__version__}\n"
             f"median of {args.repeats} timings after {args.warmup} warm-up, each of {args.back_to_back} step(s) in a "
             f"row of {args.stack} chained layer(s) (ms per step and layer; peak MiB per step), layer first, then the "
             f"baseline"
@@ -316,6 +319,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones")
     parser.add_argument("--kinds", type=parse_kinds, default="WCHM", help="layer kinds, e.g. WC")
     parser.add_argument("--backend", default=AUTO, help="the measured layer's attention_backend")
+    parser.add_argument("--projection-precision", default="native", choices=PROJECTION_PRECISIONS,
+                        help="projection_precision of both layers: 'fp8' runs their projection GEMMs in FP8 "
+                             "(fp8_gemm; torch_scaled_mm on GPUs of compute capability >= 8.9)")
     parser.add_argument("--baseline", default=BASELINE_BACKEND,
                         help=f"the baseline layer's attention_backend ('{BASELINE_BACKEND}': dense-masked attention)")
     parser.add_argument("--cuda-graph", action="store_true",

@@ -27,6 +27,8 @@ from typing import Any, Optional, Protocol, TypeVar, Union
 import yaml
 
 CSA_COMPRESS_RATIO = 4
+# `HybridAttentionConfig.projection_precision`: the GEMMs of the layer's projections.
+PROJECTION_PRECISIONS = ("native", "fp8")
 
 
 class LayerKind(str, Enum):
@@ -211,6 +213,10 @@ class HybridAttentionConfig:
     # and the names are checked against the registered backends when a layer is built.
     attention_backend: str = "auto"  # "auto" or one backend name for every op family
     attention_backend_overrides: dict[str, str] = field(default_factory=dict)  # op family → backend
+    # Projection GEMMs: "native" runs them in the dtype of the rows and weights (bf16 in training); "fp8"
+    # rounds both operands of every projection GEMM, forward and backward, to e4m3 with one scale per row
+    # (see 'FP8 projections' in section 4). Attention, norms and the indexer loss are never FP8.
+    projection_precision: str = "native"  # "native" or "fp8" (the package's own linears)
 
     # Parallelism (the process groups themselves come with `ParallelState`).
     sequence_parallel: bool = False  # hidden states between layers split along the sequence over TP
@@ -279,6 +285,10 @@ class HybridAttentionConfig:
             raise ValueError(f"cp_partition must be 'zigzag' or 'contiguous', got {self.cp_partition!r}")
         if self.add_bias_linear:
             raise ValueError("add_bias_linear=True is not supported: the DSv4 layer has no biases")
+        if self.projection_precision not in PROJECTION_PRECISIONS:
+            raise ValueError(f"projection_precision must be one of {list(PROJECTION_PRECISIONS)} (the projections' "
+                             f"GEMMs in the rows' dtype, or in FP8 e4m3 with per-row scales), got "
+                             f"{self.projection_precision!r}")
         self._validate_backend_fields()
         self._validate_mla()
 

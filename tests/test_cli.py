@@ -188,6 +188,17 @@ def test_layer_benchmark_prints_every_kind_against_the_baseline() -> None:
         assert f"| {kind} |" in result.stdout
 
 
+def test_layer_benchmark_runs_fp8_projections_and_the_fp8_error_table() -> None:
+    result = run_python("benchmarks/layer.py", "--seq-len", "32", "--repeats", "1", "--warmup", "0", "--kinds", "W",
+                        "--projection-precision", "fp8")
+    assert result.returncode == 0, result.stderr
+    assert "projections fp8" in result.stdout and "fp8_gemm=unfused" in result.stdout
+    result = run_python("benchmarks/fp8_error.py", "--seq-len", "32", "--kinds", "W")
+    assert result.returncode == 0, result.stderr
+    assert "| W | output |" in result.stdout and "| W | grad linear_proj.weight |" in result.stdout
+    assert "W: fp8_gemm=unfused" in result.stdout
+
+
 def test_decode_benchmark_smoke_mode_prints_its_table() -> None:
     result = run_python("benchmarks/decode.py", "--smoke", "--kinds", "CW")
     assert result.returncode == 0, result.stderr

@@ -181,6 +181,8 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
                                  (r(3, 6, dim, grad=False), torch.tensor([[0, -1], [1, 0], [5, 2]], device=device)))],
         "decode_indexer_scores": [("unfused", r(3, 2, 8, grad=False), r(3, 6, 8, grad=False), r(3, 2, grad=False),
                                    torch.tensor([0, 4, 6], device=device), 0.3)],
+        "fp8_gemm": [("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.float32),
+                     ("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.bfloat16)],
     }
 
 
@@ -194,6 +196,7 @@ OPS = {
     "topk": library.topk_op, "selection_rows": library.selection_rows_op,
     "indexer_loss": library.indexer_loss_op, "indexer_kl_bwd": library.indexer_kl_bwd_op,
     "decode_attention": library.decode_attention_op, "decode_indexer_scores": library.decode_indexer_scores_op,
+    "fp8_gemm": library.fp8_gemm_op,
 }
 
 
@@ -295,10 +298,15 @@ def test_fullgraph_compile_fused_triton_matches_eager(kind):
     assert not _compiled_families("unfused"), call_counts()
 
 
+# Families without a Triton kernel, and the fused CUDA backend that ships with torch (FlashAttention and cuDNN
+# are optional packages).
+_TORCH_CUDA_BACKEND = {"dense_attention_block_fwd": "torch_sdpa", "dense_attention_block_bwd": "torch_sdpa",
+                       "fp8_gemm": "torch_scaled_mm"}
+
+
 def _fused_cuda_backend(name: str) -> str:
-    """The backend whose CUDA kernel `name`'s GPU opcheck drives: our Triton where the family has it, else
-    torch SDPA (the dense block families: FlashAttention and cuDNN are optional packages, SDPA is in torch)."""
-    return "triton" if "triton" in AUTO_ORDER[OpFamily(name)] else "torch_sdpa"
+    """The backend whose CUDA kernel `name`'s GPU opcheck drives: our Triton where the family has it."""
+    return "triton" if "triton" in AUTO_ORDER[OpFamily(name)] else _TORCH_CUDA_BACKEND[name]
 
 
 @pytest.mark.gpu

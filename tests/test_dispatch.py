@@ -112,6 +112,7 @@ PRIORITY_ORDER = {
     "dense_attention_block_bwd": ("flash_attn", "torch_sdpa", "unfused"),
     "decode_attention": ("triton", "unfused"),
     "decode_indexer_scores": ("triton", "unfused"),
+    "fp8_gemm": ("torch_scaled_mm", "unfused"),
 }
 
 

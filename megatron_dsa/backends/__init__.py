@@ -1,7 +1,8 @@
 """Kernel backends and the dispatcher. Importing this package registers every backend module."""
 
 # Importing a backend module registers it; vendor packages are imported only when probed.
-from megatron_dsa.backends import cudnn, flash_attn, flashmla, torch_sdpa, triton, unfused  # noqa: F401
+from megatron_dsa.backends import (cudnn, flash_attn, flashmla, torch_scaled_mm, torch_sdpa, triton,  # noqa: F401
+                                   unfused)
 # The op families as torch.library custom ops, which `dispatch` calls inside a torch.compile trace.
 from megatron_dsa.backends import library  # noqa: F401
 from megatron_dsa.backends.registry import (

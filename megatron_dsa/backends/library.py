@@ -24,7 +24,7 @@ Backward:
 - `indexer_scores`, `topk`, `selection_rows`, `indexer_loss`, `indexer_kl_bwd` take no gradient (the
   selection runs without autograd; the indexer loss's gradient is `indexer_kl_bwd`, which
   `backends.indexer_kl` calls from its backward); nor do `decode_attention` and `decode_indexer_scores`
-  (inference only).
+  (inference only), nor `fp8_gemm` (`ops.fp8_linear.Fp8Linear` calls it for its backward GEMMs too).
 """
 
 from __future__ import annotations
@@ -473,6 +473,18 @@ def _(backend, q, keys, weights, counts, scale):
     return q.new_empty(keys.shape[:2], dtype=compute_dtype(q.dtype))
 
 
+@_custom_op("fp8_gemm")
+def fp8_gemm_op(backend: str, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """`fp8_gemm` family: `a [M, K]·b [N, K]ᵀ` in `out_dtype`, the rows of both rounded to FP8 (no gradient:
+    `ops.fp8_linear.Fp8Linear` runs its backward GEMMs through this family too)."""
+    return _kernel(OpFamily.FP8_GEMM, backend)(a, b, out_dtype)
+
+
+@fp8_gemm_op.register_fake
+def _(backend, a, b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
 # ------------------------------------------------------------------------------ the families' contracts
 def _indexer_loss(backend: str):
     def run(student_scores: Tensor, query: Tensor, kv: Tensor, candidates: Tensor, full_lse: Tensor, scale: float,
@@ -526,6 +538,7 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
     OpFamily.DECODE_INDEXER_SCORES: lambda backend: (
         lambda q, keys, weights, counts, scale: decode_indexer_scores_op(backend, q, keys, weights, counts,
                                                                          float(scale))),
+    OpFamily.FP8_GEMM: lambda backend: (lambda a, b, out_dtype: fp8_gemm_op(backend, a, b, out_dtype)),
     OpFamily.INDEXER_LOSS: _indexer_loss,
     OpFamily.INDEXER_KL_BWD: lambda backend: (
         lambda q, k, weights, candidates, target, student_scores, grad_rows, scale:

@@ -75,6 +75,9 @@ class OpFamily(str, Enum):
     DECODE_ATTENTION = "decode_attention"
     # (q [B,HI,DI], keys [B,C,DI], weights [B,HI], counts [B], scale) -> scores [B, C], -inf past counts[b]
     DECODE_INDEXER_SCORES = "decode_indexer_scores"
+    # (a [M, K], b [N, K], out_dtype) -> a·bᵀ [M, N], each row of a and b rounded to FP8 e4m3 with its own
+    # scale (ops.fp8_linear): the projections' GEMMs under `projection_precision="fp8"`
+    FP8_GEMM = "fp8_gemm"
 
 
 # ---------------------------------------------------------------- the order `auto` tries, per family
@@ -106,6 +109,8 @@ AUTO_ORDER: dict[OpFamily, tuple[str, ...]] = {
     OpFamily.DENSE_ATTENTION_BLOCK_BWD: ("flash_attn", "torch_sdpa", "unfused"),
     OpFamily.DECODE_ATTENTION: ("triton", "unfused"),
     OpFamily.DECODE_INDEXER_SCORES: ("triton", "unfused"),
+    # The reference rounds to FP8 and multiplies in float32: the same numbers, without FP8 tensor cores.
+    OpFamily.FP8_GEMM: ("torch_scaled_mm", "unfused"),
 }
 
 
@@ -169,6 +174,7 @@ FAMILY_KEYS: dict[OpFamily, frozenset[str]] = {family: frozenset(keys) for famil
     OpFamily.DENSE_ATTENTION_BLOCK_BWD: _DENSE,
     OpFamily.DECODE_ATTENTION: (*_DEVICE, "heads", "head_dim", "selected"),
     OpFamily.DECODE_INDEXER_SCORES: (*_DEVICE, "heads", "head_dim"),
+    OpFamily.FP8_GEMM: _DEVICE,
 }.items()}
 
 

@@ -9,7 +9,10 @@ import torch
 from torch import Tensor, nn
 
 from megatron_dsa.backends import OpFamily, Requested, dispatch
-from megatron_dsa.ops.stacked_projection import stacked_projection
+from megatron_dsa.layers.projection_gemms import NATIVE, ProjectionGemms, has_call_hooks
+
+__all__ = ["HighPrecisionModule", "RMSNorm", "bits", "has_call_hooks", "linear", "make_norm", "output_init_std",
+           "project_rows"]
 
 
 def bits(dtype: torch.dtype) -> int:
@@ -53,37 +56,21 @@ class RMSNorm(nn.Module):
         return norm(x, self.weight, self.eps)
 
 
-def has_call_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` would run forward or backward hooks (its own or global ones), which a
-    fused op that reads the module's parameters instead of calling it would skip."""
-    from torch.nn.modules import module as hooks
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
-
-
-def project_rows(x: Tensor, attached: Sequence[nn.Linear],
-                 detached: Sequence[nn.Linear] = ()) -> dict[nn.Linear, Tensor]:
+def project_rows(x: Tensor, attached: Sequence[nn.Linear], detached: Sequence[nn.Linear] = (),
+                 gemms: ProjectionGemms = NATIVE) -> dict[nn.Linear, Tensor]:
     """`{linear: x @ linear.weight^T}` for linears that read the token rows `x [T, d]`; the `detached`
     ones read `x.detach()` (their outputs pass no gradient to x).
 
-    One stacked GEMM (`ops.stacked_projection`; the outputs are column slices of its result) when
-    every linear is a plain bias-free `nn.Linear` without hooks, in x's dtype and device, outside
-    autocast; otherwise each module is called, so its hooks (or its own forward) run."""
+    One stacked GEMM (`gemms.stacked`; the outputs are column slices of its result) when
+    `gemms.stacks` them: natively, every linear a plain bias-free `nn.Linear` without hooks, in x's
+    dtype and device, outside autocast; in FP8, plain linears on x's device. Otherwise each module is
+    called, so its hooks (or its own forward, in its own precision) run."""
     linears = [*attached, *detached]
-    if _stackable(x, linears):
-        outputs = stacked_projection(x, [linear.weight for linear in linears], len(attached))
+    if gemms.stacks(x, linears):
+        outputs = gemms.stacked(x, [linear.weight for linear in linears], len(attached))
     else:
         outputs = [linear(x) for linear in attached] + [linear(x.detach()) for linear in detached]
     return dict(zip(linears, outputs))
-
-
-def _stackable(x: Tensor, linears: Sequence[nn.Module]) -> bool:
-    return (len(linears) > 1 and not torch.is_autocast_enabled(x.device.type)
-            and all(type(linear) is nn.Linear and linear.bias is None and not has_call_hooks(linear)
-                    and linear.weight.dtype == x.dtype and linear.weight.device == x.device
-                    for linear in linears))
 
 
 def make_norm(dim: int, eps: float, enabled: bool, backend: Requested) -> nn.Module:

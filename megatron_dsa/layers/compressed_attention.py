@@ -20,6 +20,7 @@ from megatron_dsa.backends.indexer_kl import indexer_kl_loss
 from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
+from megatron_dsa.layers.projection_gemms import plain_linear, projection_gemms
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indexer_loss import reduce_indexer_loss
 from megatron_dsa.ops.indices import (SelectionRows, UniformVisibleRows, VisibleEntries, offset_valid,
@@ -72,6 +73,7 @@ class LightningIndexer(nn.Module):
     def __init__(self, config: HybridAttentionConfig, ratio: int):
         super().__init__()
         c = self.config = config
+        self.gemms = projection_gemms(c)
         self.heads, self.head_dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
         self.scale = self.head_dim ** -0.5  # applied once, inside the scores (docs/math.md §6.2)
         self.linear_wq_b = linear(c.q_lora_rank, self.heads * self.head_dim, c.init_method_std)
@@ -99,7 +101,9 @@ class LightningIndexer(nn.Module):
         """Indexer queries `[T, HI, DI]` (RoPE at `positions [T]`, Hadamard) and head weights `[T, HI]` of
         the detached query latent `qr [T, Rq]` and the rows through `linear_weights_proj` (`projected`)."""
         rope = dispatch(OpFamily.ROPE, self.config, device=qr.device, dtype=qr.dtype)
-        q = self.linear_wq_b(qr).view(-1, self.heads, self.head_dim)
+        wq_b = self.linear_wq_b
+        q = self.gemms.linear(qr, wq_b.weight) if plain_linear(wq_b) else wq_b(qr)
+        q = q.view(-1, self.heads, self.head_dim)
         q = hadamard_transform(rope(q, positions, inv_freq))
         return q, projected[self.linear_weights_proj] * self.heads ** -0.5
 

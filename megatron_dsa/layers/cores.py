@@ -28,7 +28,6 @@ from megatron_dsa.layers.common import RMSNorm, has_call_hooks, linear
 from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
 from megatron_dsa.layers.context_parallel import PackedKeyValues, RingKeys
 from megatron_dsa.layers.submodules import apply
-from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.parallel.linear import ColumnParallelLinear, divide
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region
 from megatron_dsa.parallel.sharding import tensor_parallel_parameter
@@ -105,7 +104,7 @@ class SparseMLACore:
         """Attention output `o [N, H/tp, D]` → this rank's `linear_proj` input: inverse RoPE, grouped projection."""
         rope = dispatch(OpFamily.ROPE, layer.config, device=o.device, dtype=o.dtype)
         o = rope(o, positions, layer.angle_freq(o.dtype), inverse=True)  # relative positions in V; new storage
-        return grouped_output_projection(o.flatten(1), layer.linear_o_group_proj, layer.local_groups)
+        return layer.gemms.grouped(o.flatten(1), layer.linear_o_group_proj, layer.local_groups)
 
 
 def _kv_rows(norm: nn.Module, latent: Tensor, positions: Tensor, inv_freq: Tensor, rope: Callable[..., Tensor],
@@ -140,7 +139,8 @@ class DenseMLACore:
         layer.linear_kv_down_proj = linear(c.hidden_size, rank + rope_dim, c.init_method_std)
         layer.kv_layernorm = layer.build_norm(rank)
         layer.linear_kv_up_proj = layer.submodules.build_column(
-            rank, c.mla_num_query_groups * (c.mla_qk_head_dim + c.v_head_dim), layer.tp_group, c.init_method_std)
+            rank, c.mla_num_query_groups * (c.mla_qk_head_dim + c.v_head_dim), layer.tp_group, c.init_method_std,
+            layer.gemms)
 
     @staticmethod
     def rope_amplitude(config: HybridAttentionConfig) -> float:
@@ -191,9 +191,11 @@ class DenseMLACore:
         """`linear_kv_up_proj`'s local weight `W [G/tp·(qk + Dv), kv_lora_rank]` when the up-projection is
         `latent · Wᵀ` and nothing else: the package's own column-parallel linear, without hooks. Another class
         may own its forward (FP8 casts) and its weight gradient (Megatron and Transformer Engine add it into
-        `main_grad` and fire hooks): then None, and the keys and values come from calling the module."""
+        `main_grad` and fire hooks), and our FP8 product (`projection_precision: fp8`) is not a plain product:
+        then None, and the keys and values come from calling the module."""
         projection = layer.linear_kv_up_proj
-        if type(projection) is not ColumnParallelLinear or has_call_hooks(projection):
+        if (type(projection) is not ColumnParallelLinear or has_call_hooks(projection)
+                or projection.matmul is not F.linear):
             return None
         return projection.weight
 

@@ -19,6 +19,7 @@ from megatron_dsa.backends import check_backend_choice
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std, project_rows
 from megatron_dsa.layers.kinds import KindSpec, resolve_kind
+from megatron_dsa.layers.projection_gemms import projection_gemms
 from megatron_dsa.layers.decoding import LayerCache, attend_cached, decode_step, new_rows_layout, takes_decode_step
 from megatron_dsa.layers.rows import LocalRows, TokenRows, token_rows
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules, apply
@@ -62,14 +63,16 @@ class HybridAttention(HighPrecisionModule):
         tp = self.parallel_state.tp_size
         self.local_heads = divide(c.num_attention_heads, tp, "num_attention_heads")
         self.q_head_dim = self.core.q_head_dim(c)
+        self.gemms = projection_gemms(c)  # native or FP8 products (`layers.projection_gemms`)
         std = c.init_method_std
         self.linear_q_down_proj = linear(c.hidden_size, c.q_lora_rank, std)
         self.q_layernorm = self.build_norm(c.q_lora_rank)
         self.linear_q_up_proj = self.submodules.build_column(
-            c.q_lora_rank, c.num_attention_heads * self.q_head_dim, self.tp_group, std)
+            c.q_lora_rank, c.num_attention_heads * self.q_head_dim, self.tp_group, std, self.gemms)
         self.core.build(self)
         self.linear_proj = self.submodules.build_row(self.core.output_width(c), c.hidden_size, self.tp_group,
-                                                     output_init_std(std, c.num_layers), c.sequence_parallel)
+                                                     output_init_std(std, c.num_layers), c.sequence_parallel,
+                                                     self.gemms)
         self.register_buffer("rotary_inv_freq", self.kind_spec.rope_table(c), persistent=False)
 
     def build_norm(self, dim: int) -> nn.Module:
@@ -149,7 +152,7 @@ class HybridAttention(HighPrecisionModule):
         """The query path every kind shares, with the core's other projections of `x [N, d]` in the same
         GEMM (`project_rows`): `(projected, qr [N, Rq], q [N, H/tp, q_head_dim])`, where `projected`
         maps each linear to its output and `qr` is the normalised query latent (the indexer's input)."""
-        projected = project_rows(x, [self.linear_q_down_proj, *attached], detached)
+        projected = project_rows(x, [self.linear_q_down_proj, *attached], detached, self.gemms)
         qr = self.q_layernorm(projected[self.linear_q_down_proj])
         q = apply(self.linear_q_up_proj, qr).view(-1, self.local_heads, self.q_head_dim)
         return projected, qr, q

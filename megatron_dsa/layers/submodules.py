@@ -14,6 +14,10 @@ recipes) apply to these projections:
 A module may return its output or Megatron's `(output, bias)` pair (bias None). Its weight is named
 `weight`, so checkpoints keep their keys. The replicated input projections (q and kv latents, the
 compressors' and indexer's) stay the package's: they run as one stacked GEMM.
+
+`projection_precision="fp8"` (`layers.projection_gemms`) makes the package's own parallel linears multiply in
+FP8; a host's class brings its own precision (Transformer Engine's FP8 recipes), so the two are not mixed:
+a builder given together with `fp8` is a ValueError.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Callable, Optional
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from megatron_dsa.layers.projection_gemms import NATIVE, ProjectionGemms
 from megatron_dsa.parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 ColumnBuilder = Callable[[int, int, Optional[ProcessGroup], float], nn.Module]
@@ -40,16 +45,26 @@ class HybridAttentionSubmodules:
     norm: Optional[NormBuilder] = None
 
     def build_column(self, in_features: int, out_features: int, tp_group: Optional[ProcessGroup],
-                     std: float) -> nn.Module:
+                     std: float, gemms: ProjectionGemms = NATIVE) -> nn.Module:
         if self.column_parallel_linear is None:
-            return ColumnParallelLinear(in_features, out_features, tp_group, std)
+            return ColumnParallelLinear(in_features, out_features, tp_group, std, matmul=gemms.linear)
+        _check_host_precision("column_parallel_linear", gemms)
         return self.column_parallel_linear(in_features, out_features, tp_group, std)
 
     def build_row(self, in_features: int, out_features: int, tp_group: Optional[ProcessGroup], std: float,
-                  sequence_parallel: bool) -> nn.Module:
+                  sequence_parallel: bool, gemms: ProjectionGemms = NATIVE) -> nn.Module:
         if self.row_parallel_linear is None:
-            return RowParallelLinear(in_features, out_features, tp_group, std, sequence_parallel)
+            return RowParallelLinear(in_features, out_features, tp_group, std, sequence_parallel,
+                                     matmul=gemms.linear)
+        _check_host_precision("row_parallel_linear", gemms)
         return self.row_parallel_linear(in_features, out_features, tp_group, std, sequence_parallel)
+
+
+def _check_host_precision(builder: str, gemms: ProjectionGemms) -> None:
+    if gemms is not NATIVE:
+        raise ValueError(f"projection_precision='fp8' multiplies in the package's own linears, but the submodules "
+                         f"give {builder}, whose class sets its own precision (e.g. Transformer Engine's FP8 "
+                         f"recipe): leave projection_precision 'native' or drop the {builder} builder")
 
 
 def apply(module: nn.Module, x: Tensor) -> Tensor:

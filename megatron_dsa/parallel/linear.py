@@ -2,12 +2,14 @@
 
 Weights keep Megatron's names (`weight`) and local shapes: a column-parallel layer holds rows
 `[out/tp, in]`, a row-parallel layer columns `[out, in/tp]`; `sharding.py` maps them to TP = 1.
-Each rank's block is the slice of the TP = 1 weight drawn with the same seed.
+Each rank's block is the slice of the TP = 1 weight drawn with the same seed. `matmul(x, weight)` computes
+the local product `x @ weight^T` (default `F.linear`; the layer passes its FP8 product under
+`projection_precision="fp8"`, `layers.projection_gemms`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -20,7 +22,9 @@ from megatron_dsa.parallel.mappings import (
 )
 from megatron_dsa.parallel.sharding import divide, tensor_parallel_parameter
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "divide"]
+__all__ = ["ColumnParallelLinear", "Matmul", "RowParallelLinear", "divide"]
+
+Matmul = Callable[[Tensor, Tensor], Tensor]  # (x [..., in], weight [out, in]) -> x @ weight^T
 
 
 class ColumnParallelLinear(nn.Module):
@@ -31,14 +35,14 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: Optional[ProcessGroup],
-                 std: float, what: str = "output features"):
+                 std: float, what: str = "output features", matmul: Matmul = F.linear):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.matmul = tp_group, matmul
         self.weight = tensor_parallel_parameter((out_features, in_features), 0, tp_group,
                                                 lambda w: w.normal_(std=std), what=what)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(copy_to_tensor_parallel_region(x, self.tp_group), self.weight)
+        return self.matmul(copy_to_tensor_parallel_region(x, self.tp_group), self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -48,14 +52,14 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: Optional[ProcessGroup],
-                 std: float, sequence_parallel: bool = False, what: str = "input features"):
+                 std: float, sequence_parallel: bool = False, what: str = "input features", matmul: Matmul = F.linear):
         super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.tp_group, self.sequence_parallel, self.matmul = tp_group, sequence_parallel, matmul
         self.weight = tensor_parallel_parameter((out_features, in_features), 1, tp_group,
                                                 lambda w: w.normal_(std=std), what=what)
 
     def forward(self, x: Tensor) -> Tensor:
-        partial = F.linear(x, self.weight)
+        partial = self.matmul(x, self.weight)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         return reduce_from_tensor_parallel_region(partial, self.tp_group)

@@ -1,0 +1,83 @@
+"""The `torch_scaled_mm` backend: the `fp8_gemm` family on torch's rowwise-scaled FP8 GEMM
+(`torch._scaled_mm`, cuBLASLt / CUTLASS), on GPUs with FP8 tensor cores (compute capability 8.9: Ada,
+9.0: Hopper, and later).
+
+What `_scaled_mm` takes (torch's `_check_scaled_mm_sizes` and `ScaledBlas.cpp`): the first operand
+row-major `[M, K]`, the second column-major `[K, N]` (here `qb.t()` of a row-major `[N, K]`), both FP8; K and
+N multiples of 16 (M free); rowwise scales float32 `[M, 1]` and `[1, N]`, contiguous (torch >= 2.5); a
+bf16 output on every GPU it runs on (fp32 output only through cuBLAS on SM90). So K and N are
+zero-padded to multiples of 16 here (zeros change neither a row's amax nor a sum; only unaligned
+shapes, as the tiny preset's, pay the copy), the product comes out in bf16 and is cast to the
+requested dtype (bf16 rounding, 2⁻⁹, is far below the operands' e4m3 rounding, 2⁻⁴). `use_fast_accum`
+stays off (torch's default, the more precise accumulation): on Hopper the FP8 tensor cores' own
+accumulation keeps fewer than fp32's bits, an error DeepSeek-V3's report measured at K = 4096.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_dsa.backends import probes
+from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
+from megatron_dsa.ops.fp8_linear import quantize_rows
+
+ALIGNMENT = 16  # K and N of `_scaled_mm`
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores
+MIN_TORCH = (2, 5)  # rowwise (per-row) scales
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _padded(t: Tensor, rows: int, columns: int) -> Tensor:
+    return t if t.shape == (rows, columns) else F.pad(t, (0, columns - t.shape[1], 0, rows - t.shape[0]))
+
+
+def fp8_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The `fp8_gemm` contract (`ops.fp8_linear.Fp8Gemm`) on `torch._scaled_mm` with per-row scales."""
+    k, n = a.shape[1], b.shape[0]
+    width, outputs = probes.round_up(k, ALIGNMENT), probes.round_up(n, ALIGNMENT)
+    qa, scale_a = quantize_rows(_padded(a, a.shape[0], width))
+    qb, scale_b = quantize_rows(_padded(b, outputs, width))
+    out = torch._scaled_mm(qa, qb.t(), scale_a=scale_a.float(), scale_b=scale_b.float().view(1, -1),
+                           out_dtype=torch.bfloat16)
+    if outputs != n:
+        out = out[:, :n].contiguous()
+    return out.to(out_dtype)
+
+
+def torch_problem() -> Optional[str]:
+    """None when this torch has the rowwise-scaled `_scaled_mm`, else what is missing."""
+    if not hasattr(torch, "_scaled_mm") or probes.version_tuple(torch.__version__)[:2] < MIN_TORCH:
+        return (f"torch {torch.__version__} has no rowwise-scaled _scaled_mm (needs torch >= "
+                f"{'.'.join(map(str, MIN_TORCH))})")
+    return None
+
+
+def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
+    device = call.get("device")
+    return probes.first_problem(torch_problem(), _fp8_gpu_problem(device), probes.dtype_problem(call, DTYPES))
+
+
+def _fp8_gpu_problem(device: Optional[torch.device]) -> Optional[str]:
+    if device is not None and torch.device(device).type != "cuda":
+        return f"FP8 GEMMs need a CUDA GPU (tensors on {torch.device(device).type})"
+    capability = probes.cuda_capability(device)
+    if capability is None:
+        return "FP8 GEMMs need a CUDA GPU (none available)"
+    if capability < MIN_CAPABILITY:
+        return (f"FP8 GEMMs need compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (FP8 tensor "
+                f"cores: Ada, Hopper or later), this GPU is {capability[0]}.{capability[1]}")
+    return None
+
+
+TORCH_SCALED_MM = Backend(
+    name="torch_scaled_mm",
+    ops={OpFamily.FP8_GEMM: fp8_gemm},
+    probe=probe,
+    version=lambda: f"torch {torch.__version__}",
+)
+
+register_backend(TORCH_SCALED_MM)

@@ -1,0 +1,134 @@
+"""Projections with FP8 GEMMs: `x @ Wᵀ`, forward and backward, with both operands of every product rounded to
+FP8 e4m3 with one scale per row of the contraction (docs/user_guide.md, 'FP8 projections').
+
+One FP8 GEMM `a·bᵀ` (`a [M, K]`, `b [N, K]`) rounds each row of `a` and of `b` (K values) to e4m3 after
+dividing it by its own scale `amax(|row|) / 448`, so that the row's largest value lands on e4m3's largest
+(448), and multiplies the rounded values back by the scales: `(a·bᵀ)[m, n] = s_a[m]·s_b[n]·Σ_k qa[m, k]·qb[n, k]`.
+The scales are along the rows that are *not* summed over, which is what torch's rowwise-scaled
+`_scaled_mm` takes (`scale_a [M, 1]`, `scale_b [1, N]`), so each of a linear's three GEMMs quantizes its
+operands along its own contraction:
+
+| GEMM | a | b | each scale covers |
+|---|---|---|---|
+| forward `y = x·Wᵀ` | x `[T, K]` | W `[N, K]` | a token's row; an output feature's row of W |
+| input grad `dx = dy·W` | dy `[T, N]` | Wᵀ `[K, N]` | a token's gradient row; an input feature's column of W |
+| weight grad `dW = dyᵀ·x` | dyᵀ `[N, T]` | xᵀ `[K, T]` | an output feature's gradient over the tokens; an input feature over the tokens |
+
+Gradients are e4m3 too, not e5m2: with a scale per row, a row's largest value sets its range, so e5m2's
+wider exponent range would only keep values below `amax·2⁻¹⁷` (a negligible share of a dot product), while
+its 2 mantissa bits double the rounding of every value (2⁻³ against e4m3's 2⁻⁴ relative); DeepSeek-V3 trains
+with e4m3 gradients under fine-grained scales for the same reason.
+
+`fp8_gemm_reference` is the readable definition (rounded, then multiplied in float32, or float64 for
+float64 rows); a fused backend (`backends.torch_scaled_mm`) must agree with it up to the order of its
+fp32 accumulation. `Fp8Linear` takes the GEMM as an argument (`ops` never imports `backends`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from megatron_dsa.ops.precision import compute_dtype
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+class Fp8Gemm(Protocol):
+    """`(a [M, K], b [N, K], out_dtype)` → `a·bᵀ [M, N]` in `out_dtype`, each row of a and of b rounded to
+    FP8 with its own scale (the `fp8_gemm` op family)."""
+
+    def __call__(self, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor: ...
+
+
+def quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:
+    """`t [R, K]` (any strides) → `(q [R, K]` e4m3 (row-major), `scale [R, 1]` in t's compute dtype): `q =
+    t / scale` rounded to nearest, `scale = amax(|row|) / 448` (a zero row keeps zeros). Non-finite values
+    give a non-finite scale, so they reach the product instead of being clipped away."""
+    compute = compute_dtype(t.dtype)
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=1, keepdim=True, dtype=compute)  # one pass, no |t| copy
+    scale = amax.clamp_min(torch.finfo(compute).tiny) / FP8_MAX
+    # The clamp only catches a last-ulp overshoot of the division (e4m3fn has no inf: beyond 448 is NaN).
+    q = (t / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8, memory_format=torch.contiguous_format)
+    return q, scale
+
+
+def dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
+    """The values `q·scale` that `quantize_rows` stands for, in the scale's dtype."""
+    return q.to(scale.dtype) * scale
+
+
+def fp8_gemm_reference(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The `fp8_gemm` contract, readably: a's and b's rows rounded to FP8 (`quantize_rows`), multiplied back
+    by their scales and `a·bᵀ` computed in float32 (float64 for float64 rows); `[M, N]` in `out_dtype`."""
+    rounded_a, rounded_b = dequantize_rows(*quantize_rows(a)), dequantize_rows(*quantize_rows(b))
+    compute = torch.promote_types(rounded_a.dtype, rounded_b.dtype)
+    return (rounded_a.to(compute) @ rounded_b.to(compute).t()).to(out_dtype)
+
+
+def _groups(t: Tensor, groups: int) -> tuple[Tensor, ...]:
+    """`[T, G·w]` → G views `[T, w]` (no copy)."""
+    return t.chunk(groups, dim=1) if groups > 1 else (t,)
+
+
+def _side_by_side(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+class Fp8Linear(torch.autograd.Function):
+    """`x [T, G·K]`, `weight [G, N, K]` → `[T, G·N]` in `out_dtype`: group g's columns are `x_g·W_gᵀ` (one
+    group: a plain linear), every GEMM of forward and backward through `gemm` (see the module docstring).
+
+    Only the first `grad_rows` rows of each `W_g` pass a gradient to x (the outputs of the others read x as
+    if detached: `ops.stacked_projection`'s `attached`). x and weight are saved as they are (no FP8 copy:
+    the weight gradient needs x rounded along the tokens, not along its rows); x's gradient comes in x's
+    dtype, the weight's in the weight's. Autocast is off inside: `gemm` owns the precision of its product.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, grad_rows: int, gemm: Fp8Gemm, out_dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.grad_rows, ctx.gemm = grad_rows, gemm
+        with torch.autocast(x.device.type, enabled=False):
+            return _side_by_side([gemm(rows, w, out_dtype) for rows, w in zip(_groups(x, weight.shape[0]), weight)])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        gemm, rows = ctx.gemm, ctx.grad_rows
+        grads, inputs = _groups(grad, weight.shape[0]), _groups(x, weight.shape[0])
+        grad_x = grad_weight = None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs_input_grad[0] and rows > 0:
+                grad_x = _side_by_side([gemm(g[:, :rows], w[:rows].t(), x.dtype) for g, w in zip(grads, weight)])
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.stack([gemm(g.t(), rows_in.t(), weight.dtype)
+                                           for g, rows_in in zip(grads, inputs)])
+        return grad_x, grad_weight, None, None, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, gemm: Fp8Gemm, grad_rows: Optional[int] = None,
+               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """`x [..., K] @ weight [N, K]ᵀ` → `[..., N]` in `out_dtype` (default x's), every GEMM of forward and
+    backward in FP8 through `gemm` (an `fp8_gemm` implementation). The outputs of weight rows `grad_rows`
+    onwards pass no gradient to x (default: all do)."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., K] "
+                         f"and [N, K]")
+    rows = weight.shape[0] if grad_rows is None else grad_rows
+    if not 0 <= rows <= weight.shape[0]:
+        raise ValueError(f"fp8_linear grad_rows must be in [0, {weight.shape[0]}], got {grad_rows}")
+    out = Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight.unsqueeze(0), rows, gemm, out_dtype or x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_grouped_linear(x: Tensor, weight: Tensor, gemm: Fp8Gemm, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """`x [T, G·K]`, `weight [G, N, K]` → `[T, G·N]` (group g: `x_g·W_gᵀ`) in `out_dtype` (default x's), as
+    `fp8_linear` per group."""
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[0] * weight.shape[2]:
+        raise ValueError(f"fp8_grouped_linear: x {tuple(x.shape)} must be [T, G·K] for weight [G, N, K] = "
+                         f"{tuple(weight.shape)}")
+    return Fp8Linear.apply(x, weight, weight.shape[1], gemm, out_dtype or x.dtype)
