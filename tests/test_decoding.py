@@ -277,9 +277,8 @@ def test_bf16_decoding_on_the_gpu_is_as_close_to_float64_as_the_full_forward(kin
     # the single-token steps' errors (the latter run every GEMM on B = 2 rows) and the backends of each path.
     # The 163 single-token steps are decode steps, through the Triton decode kernel (M's with its weights absorbed).
     assert call_counts().get(("triton", "decode_attention"), 0) == 163, call_counts()
-    if kind == "C":  # a C layer's top-k through Triton's; its decode scores stay on the reference under `auto`
-        # until Triton's have run on a GPU (backends.registry.AUTO_ORDER; their own GPU test calls them)
-        assert call_counts().get(("unfused", "decode_indexer_scores"), 0) == 163, call_counts()
+    if kind == "C":  # a C layer's decode scores and top-k through Triton's kernels
+        assert call_counts().get(("triton", "decode_indexer_scores"), 0) == 163, call_counts()
         assert call_counts().get(("triton", "topk"), 0) >= 163, call_counts()
     error, full_error = max_error(decoded, reference), max_error(full, reference)
     assert error <= 2 * full_error + 1e-2 * scale, (

@@ -401,6 +401,12 @@ def test_fp8_layer_on_scaled_mm_matches_its_emulation(kind):
     assert ("torch_scaled_mm", "fp8_gemm") not in call_counts()
     pairs = [("output", out, expected_out), ("input grad", grad_x, expected_grad_x)]
     pairs += [(name, grads[name], g) for name, g in expected_grads.items() if g.norm() > 0]
-    for what, actual, expected in pairs:
-        assert cosine(actual, expected) > (0.99 if "indexer" in what else 0.999), f"{kind} {what}"
-        assert relative_error(actual, expected) < (0.15 if "indexer" in what else 0.03), f"{kind} {what}"
+    # Not equal up to accumulation order: the paths round differently to bf16 (scaled_mm writes bf16, the
+    # emulation float32 then casts), and every later quantization turns some of those half-ulp differences
+    # into whole e4m3 steps (2⁻⁴ relative). Measured on an H200: weight gradients 0.031-0.033 apart. The bound is
+    # one e4m3 step (the indexer's, whose scores feed a softmax over few keys, four).
+    failures = [f"{what}: cosine {cosine(actual, expected):.4f}, relative error {relative_error(actual, expected):.4f}"
+                for what, actual, expected in pairs
+                if cosine(actual, expected) <= (0.99 if "indexer" in what else 0.998)
+                or relative_error(actual, expected) >= (0.25 if "indexer" in what else 0.0625)]
+    assert not failures, f"{kind}:\n" + "\n".join(failures)
