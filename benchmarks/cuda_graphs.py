@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig, make_graphed_layers  # noqa: E402
 from megatron_dsa.config import PRESETS  # noqa: E402
+from megatron_dsa.layers.cuda_graphs import capture_graph  # noqa: E402
 from layer import train_step  # noqa: E402
-from timing import DTYPES, captured, cuda_available, kernel_parser  # noqa: E402
+from timing import DTYPES, cuda_available, kernel_parser  # noqa: E402
 
 Step = Callable[[], None]
 
@@ -39,7 +40,8 @@ def one_graph_step(layer: HybridAttention, x: Tensor, grad_out: Tensor) -> Step:
         out, _ = layer(x)
         torch.autograd.grad(out, [x, *params], grad_out, allow_unused=True)
 
-    return captured(step, warmups=3)
+    graph, _ = capture_graph(step, warmup=3)
+    return graph.replay
 
 
 def wall_ms(step: Step, steps: int) -> float:

@@ -37,10 +37,11 @@ from megatron_dsa import HybridAttentionConfig  # noqa: E402
 from megatron_dsa.backends import AUTO, OpFamily, call_counts, dispatch, reset_call_counts  # noqa: E402
 from megatron_dsa.config import PRESETS  # noqa: E402
 from megatron_dsa.layers import DecodeGraph  # noqa: E402
+from megatron_dsa.layers.cuda_graphs import capture_graph  # noqa: E402
 from megatron_dsa.layers.decoding import LayerCache  # noqa: E402
 from megatron_dsa.layers.kinds import build_attention  # noqa: E402
 
-from timing import DTYPES, captured, median_ms  # noqa: E402  (this directory)
+from timing import DTYPES, median_ms  # noqa: E402  (this directory)
 
 GOAL_US = 150.0  # issue 29: a C-layer decode step at B = 32, 128k context, as a CUDA graph
 PROFILED_STEPS = 10  # eager steps under the profiler (--profile)
@@ -151,7 +152,7 @@ def measure(config: HybridAttentionConfig, kind: str, batch: int, context: int, 
     if device.type == "cuda":
         graph = DecodeGraph(lambda rows: layer(rows, inference_cache=cache)[0], x, [cache])
         graph_us = median_us(lambda: graph(x), device, args.repeats, args.warmup)
-        dense = captured(dense)
+        dense = capture_graph(dense, warmup=1)[0].replay
     dense_us = median_us(dense, device, args.repeats, args.warmup)
     del cache
     return Row(kind, batch, context, eager, graph_us, dense_us, recompute_ms(layer, batch, context, args, generator),

@@ -56,18 +56,3 @@ def forward_backward_ms(forward: Callable[[], object], forward_backward: Callabl
     """(forward ms, backward ms) medians; backward alone = forward + backward − forward."""
     fwd = median_ms(forward, repeats, warmup)
     return fwd, max(median_ms(forward_backward, repeats, warmup) - fwd, 0.0)
-
-
-def captured(step: Callable[[], object], warmups: int = 1) -> Callable[[], None]:
-    """`step` captured as one CUDA graph after `warmups` calls on a side stream → its replay. The step must
-    be pure (it writes nothing its next call reads), since the warm-up and capture calls run it too."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay

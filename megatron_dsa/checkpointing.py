@@ -29,6 +29,7 @@ any state is read.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import os
@@ -255,13 +256,15 @@ class CheckpointWriter:
 
     `save` returns once the copy to host memory is under way; the save commits itself in the
     background once every rank wrote it; `wait` waits for that (every rank calls both, in the same
-    order). `extra` must be JSON; its `config` entry, if any, is in the manifest with its fingerprint."""
+    order). `extra` must be JSON; its `config` entry, if any, is in the manifest with its fingerprint.
+    `timeout`: how long the writer's collectives wait for a stalled rank (the job's `--dist-timeout`)."""
 
-    def __init__(self, out_dir: Path, state: Optional[ParallelState]):
+    def __init__(self, out_dir: Path, state: Optional[ParallelState],
+                 timeout: Optional[datetime.timedelta] = None):
         self.root = Path(out_dir) / CHECKPOINTS_DIR
         self.state = state
         # The background writer's collectives run on their own gloo group (every rank takes part).
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = _checkpoint_group(timeout)
         self.staging = _HostStaging()
         self.hooked: set[int] = set()  # optimizers whose updates wait for the staging copy
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
@@ -429,13 +432,13 @@ def _file_problem(path: Path, expected: dict[str, Any]) -> Optional[str]:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: Optional[ParallelState]) -> dict[str, Any]:
+                    state: Optional[ParallelState], timeout: Optional[datetime.timedelta] = None) -> dict[str, Any]:
     """Verify the checkpoint directory `path` (see `verify_checkpoint`), load it into `model` and
     `optimizer` at this run's TP / CP layout and return the `extra` it was saved with (JSON: dict
     keys come back as strings). The RNG state is restored when this rank saved one and the world
-    size is the same."""
+    size is the same. `timeout`: how long the load's collectives wait for a stalled rank."""
     path = Path(path)
-    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    group = _checkpoint_group(timeout)
     manifest = verify_checkpoint(path, group)
     device_type = next(model.parameters()).device.type
     loaded = dict(_Sharding(model, state, device_type).wrap(_local_state(model, optimizer)), extra="")
@@ -452,6 +455,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if rng.is_file() and manifest["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
         _set_rng_state(torch.load(rng, weights_only=True))
     return extra
+
+
+def _checkpoint_group(timeout: Optional[datetime.timedelta]) -> Optional[dist.ProcessGroup]:
+    """A gloo group of every rank for a save's or a load's collectives (None without
+    torch.distributed); `timeout` None is torch's default for new groups, not the default group's."""
+    return dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
 
 
 @contextlib.contextmanager

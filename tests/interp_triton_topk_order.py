@@ -72,6 +72,19 @@ def test_topk_matches_topk_columns_exactly(rows, cols, k, dtype):
     assert torch.equal(got, topk_columns(scores, valid, k))
 
 
+@pytest.mark.parametrize("cols", [40, 70])  # sorted whole, and selected first (`AUTO_MAX_COLUMNS` lowered below)
+def test_topk_ranks_valid_columns_scoring_minus_inf_before_invalid_ones(cols, monkeypatch):
+    """Valid columns scoring −inf, the invalid columns not a prefix: they are picked before any −1, as the
+    reference ranks them (which a −inf fill of the invalid columns alone would not)."""
+    from megatron_dsa.backends.triton_kernels import topk_order
+
+    monkeypatch.setattr(topk_order, "AUTO_MAX_COLUMNS", 48)
+    scores, valid = _scores(6, cols, seed=cols)
+    scores[torch.rand(6, cols, generator=torch.Generator().manual_seed(cols)) < 0.4] = float("-inf")
+    for k in (5, 33):
+        assert torch.equal(topk(scores, valid, k), topk_columns(scores, valid, k)), k
+
+
 def test_topk_of_strided_scores():
     """Scores as a column slice of a wider buffer (the layer's row chunks are contiguous, callers may not be)."""
     scores, valid = _scores(5, 48, seed=3)

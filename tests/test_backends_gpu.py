@@ -21,6 +21,7 @@ from megatron_dsa.backends import (BackendUnavailableError, OpFamily, call_count
                                    reset_call_counts, resolve)
 from megatron_dsa.backends.flash_attn import FLASH_ATTENTION_3, ShapeClass
 from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
+from megatron_dsa.layers.cuda_graphs import capture_graph
 from megatron_dsa.ops.dense_attention import causal_attention
 from megatron_dsa.ops.indexer import indexer_scores as reference_indexer_scores
 from megatron_dsa.ops.indexer_loss import indexer_kl as reference_indexer_kl
@@ -29,7 +30,6 @@ from megatron_dsa.ops.indices import topk_columns, visible_compressed_entries
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
 from megatron_dsa.ops.sparse_attention import full_normaliser
-from cuda_graphs import capture
 from distributed import cosine, relative_error
 from saved_tensors import SavedTensorGuard
 
@@ -383,7 +383,7 @@ def test_fused_layer_cuda_graph_replay_matches_eager(kind) -> None:
         out, _ = layer(static_x)
         return (out, *torch.autograd.grad(out, [static_x, *params], static_grad, allow_unused=True))
 
-    graph, captured = capture(step, before_capture=reset_call_counts)
+    graph, captured = capture_graph(step, before_capture=reset_call_counts)
     assert any(backend != "unfused" for backend, _ in call_counts()), call_counts()
 
     with torch.no_grad():

@@ -6,6 +6,7 @@ moments, exactly); atomicity by a process that dies while its save is in flight.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -199,6 +200,33 @@ def test_ranks_resuming_from_different_checkpoints_are_refused(tmp_path) -> None
     for rank in range(2):
         saved_run(tmp_path / f"rank{rank}")
     run_distributed(different_checkpoints_body, 2, str(tmp_path))
+
+
+STALL_TIMEOUT = datetime.timedelta(seconds=2)
+
+
+def stalled_rank_body(rank: int, world: int, root: str) -> None:
+    """Rank 1 joins the creation of the save's and the load's groups (collective) and then stalls:
+    rank 0 gives up after their `timeout`, not after torch's 30 minutes for new groups."""
+    model, optimizer = trained(None, seed=3)
+    writer = CheckpointWriter(Path(root) / "stalled", None, STALL_TIMEOUT)
+    if rank == 0:
+        began = time.perf_counter()
+        with pytest.raises(RuntimeError, match="(?i)timed out"):
+            writer.save(1, model, optimizer, {"step": 1})
+        assert time.perf_counter() - began < 30
+        began = time.perf_counter()
+        with pytest.raises(RuntimeError, match="(?i)timed out"):
+            load_checkpoint(Path(root) / "saved" / "checkpoints" / "step-000001", model, optimizer, None, STALL_TIMEOUT)
+        assert time.perf_counter() - began < 30
+    else:
+        dist.new_group(backend="gloo")  # the load's group; its collectives never come
+    dist.barrier()  # the default group: rank 1 waits here for rank 0's two timeouts
+
+
+def test_checkpoint_groups_give_up_on_a_stalled_rank_after_their_timeout(tmp_path) -> None:
+    saved_run(tmp_path / "saved")
+    run_distributed(stalled_rank_body, 2, str(tmp_path), timeout_s=90)
 
 
 @pytest.mark.gpu

@@ -20,6 +20,9 @@ from distributed import assert_bf16_parity, run_distributed
 from live_memory import LiveBytes
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.backends import call_counts, reset_call_counts
+from megatron_dsa.device_cache import DeviceCache
+from megatron_dsa.layers import context_parallel
+from megatron_dsa.layers.rows import token_rows
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import ColumnParallelLinear, initialize_parallel_state
@@ -152,6 +155,62 @@ def test_context_parallel_with_a_window_shorter_than_two_compression_groups():
 def test_tensor_and_context_parallel_grid():
     """TP 2 × CP 2 (4 ranks): heads split over TP, sequence pieces over CP, ragged packed input."""
     run_distributed(cp_parity_body, 4, "zigzag", "p2p", True, "WCHM", 2, timeout_s=300)
+
+
+def packed_batch(config: HybridAttentionConfig, real: list[int], padded: list[int]) -> Batch:
+    cu = torch.tensor([0] + real).cumsum(0).to(torch.int32)
+    cu_padded = torch.tensor([0] + padded).cumsum(0).to(torch.int32)
+    hidden = torch.randn(int(cu_padded[-1]), 1, config.hidden_size, dtype=torch.float64)
+    params = PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_q_padded=cu_padded, max_seqlen_q=max(padded))
+    return Batch(hidden, torch.randn_like(hidden), params, cu_padded.tolist())
+
+
+def shared_rows_body(rank: int, world: int) -> None:
+    """The CP row context is shared while the packing is the same and rebuilt when it changes: packings
+    of one total row count (documents reordered; the same padding holding other real lengths) each
+    match the single-process run after another one was cached, and a repeated packing reuses the rows."""
+    state = initialize_parallel_state(cp_size=world)
+    config = cp_config("C", "zigzag", "p2p")
+    padded = [-(-length // (2 * world)) * (2 * world) + 2 * world for length in RAGGED]
+    torch.manual_seed(5)
+    packings = {"ragged": packed_batch(config, RAGGED, padded),
+                "reordered": packed_batch(config, RAGGED[::-1], padded[::-1]),
+                "other real lengths": packed_batch(config, [length - 1 for length in RAGGED], padded)}
+    layer = HybridAttention(config, kind="C", parallel_state=state).double()
+    halo = layer.kind_spec.context_halo(config)
+    outputs = {}
+    for name in ("ragged", "reordered", "other real lengths", "ragged"):
+        batch = packings[name]
+        torch.manual_seed(17)  # the same weights for every packing
+        ref, x, ref_out = reference(config, "C", batch)
+        load_full_state_dict(layer, ref.state_dict(), state)
+        mine = lambda t: shard_packed(t, batch.cu_padded, world, rank, "zigzag")  # noqa: E731
+        x_local = mine(batch.hidden).clone().requires_grad_()
+        out, _ = layer(x_local, packed_seq_params=batch.packed)
+        (out * mine(batch.upstream)).sum().backward()
+        close(out, mine(ref_out), f"{name} output rank={rank}")
+        close(x_local.grad, mine(x.grad), f"{name} input grad rank={rank}")
+        outputs.setdefault(name, []).append(out.detach())
+    assert torch.equal(*outputs["ragged"]), "the repeated packing gave another output"
+
+    rows = {name: token_rows(mine(batch.hidden), None, batch.packed, state, config, halo)
+            for name, batch in packings.items()}
+    assert len({id(r) for r in rows.values()}) == 3, "two packings share one row context"
+    batch = packings["reordered"]
+    mine = lambda t: shard_packed(t, batch.cu_padded, world, rank, "zigzag")  # noqa: E731
+    assert token_rows(mine(batch.hidden), None, batch.packed, state, config, halo) is rows["reordered"]
+    assert token_rows(mine(batch.hidden), None, batch.packed, state, config, halo + 1) is not rows["reordered"]
+    cached, _ = layer(mine(batch.hidden), packed_seq_params=batch.packed)
+    shared, context_parallel._SHARED_ROWS = context_parallel._SHARED_ROWS, DeviceCache()  # the uncached path
+    try:
+        rebuilt, _ = layer(mine(batch.hidden), packed_seq_params=batch.packed)
+    finally:
+        context_parallel._SHARED_ROWS = shared
+    assert torch.equal(cached, rebuilt)
+
+
+def test_cp_row_context_is_shared_until_the_packing_changes():
+    run_distributed(shared_rows_body, 2, timeout_s=300)
 
 
 def m_block_ops_body(rank: int, world: int, comm: str, block_backend: str) -> None:

@@ -336,6 +336,21 @@ def test_csa_layer_computes_the_indexer_loss_only_in_training(clean_registry: No
     assert {op for _, op in counts} == EXPECTED_OPS["C"] - {"indexer_loss"}
 
 
+@pytest.mark.parametrize("sparse_loss,forward_calls", [(True, 12), (False, 13)])
+def test_a_csa_training_step_makes_the_dispatched_calls_the_architecture_doc_counts(
+        clean_registry: None, sparse_loss: bool, forward_calls: int) -> None:
+    """docs/architecture.md (5.3) prices the remembered choices by these counts: forward 12 dispatched calls (13
+    with the dense indexer loss, whose target scores every visible entry), backward 2 more (the selection is
+    scored in one chunk here)."""
+    layer = HybridAttention(tiny_config(attention_backend="unfused", dsa_indexer_use_sparse_loss=sparse_loss), kind="C")
+    hidden = torch.randn(40, 2, layer.config.hidden_size, requires_grad=True)
+    reset_call_counts()
+    out, _ = layer(hidden)
+    assert sum(call_counts().values()) == forward_calls, call_counts()
+    out.square().mean().backward()
+    assert sum(call_counts().values()) == forward_calls + 2, call_counts()
+
+
 def test_unknown_config_backend_fails_at_construction(clean_registry: None) -> None:
     with pytest.raises(ValueError, match=r"unknown backend\(s\) \['nope'\].*'unfused'"):
         HybridAttention(tiny_config(attention_backend="nope"), kind="W")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_dsa.ops import indices
-from megatron_dsa.ops.indices import (offset_valid, row_range, topk_columns, visible_compressed_entries,
-                                      visible_compressed_indices, window_indices)
+from megatron_dsa.ops.indices import (UniformVisibleRows, offset_valid, row_range, topk_columns,
+                                      visible_compressed_entries, visible_compressed_indices, window_indices)
 from megatron_dsa.ops.layout import TokenLayout
 from oracles import (INVALID, compressed_counts_oracle, segment_starts, topk_oracle, visible_compressed_oracle,
                      window_rows_oracle)
@@ -182,6 +182,35 @@ def test_topk_k_at_or_above_candidate_count(k):
     assert got.shape == (7, min(k, 5))
     assert got.tolist() == _brute_topk(scores, valid, k)
     assert (got >= 0).sum(1).tolist() == [min(k, int(v)) for v in valid.sum(1)]
+
+
+def test_topk_ranks_a_valid_column_scoring_minus_inf_before_every_invalid_one():
+    """A valid −inf score ties with the masked columns in the score sort; it is still a valid column, picked
+    before any −1 (as the Triton and cuDNN orders rank it), wherever the invalid columns sit."""
+    inf = float("inf")
+    scores = torch.tensor([[0.0, -inf, 1.0], [-inf, 5.0, -inf]])
+    valid = torch.tensor([[False, True, True], [True, False, True]])
+    assert topk_columns(scores, valid, 2).tolist() == [[2, 1], [0, 2]]
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.randint(-2, 3, (40, 12), generator=gen).float()
+    scores[torch.rand(40, 12, generator=gen) < 0.3] = -inf
+    valid = torch.rand(40, 12, generator=gen) < 0.6
+    for k in (1, 4, 12):
+        assert topk_columns(scores, valid, k).tolist() == _brute_topk(scores, valid, k), k
+
+
+def test_topk_of_prefix_masks_is_the_same_with_the_uniform_rows_hint():
+    """The hint (valid is a prefix of each row) skips the validity sort: the result must not change."""
+    gen = torch.Generator().manual_seed(12)
+    scores = torch.randint(-2, 3, (16, 10), generator=gen).float()
+    scores[torch.rand(16, 10, generator=gen) < 0.3] = float("-inf")
+    counts = torch.randint(0, 11, (16, 1), generator=gen)
+    valid = torch.arange(10) < counts
+    hint = UniformVisibleRows(seqlen=40, entries=10, ratio=4, start=0, stop=16)
+    for k in (3, 10):
+        expected = _brute_topk(scores, valid, k)
+        assert topk_columns(scores, valid, k).tolist() == expected
+        assert topk_columns(scores, valid, k, hint).tolist() == expected
 
 
 def test_topk_with_zero_candidates():

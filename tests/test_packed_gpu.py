@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from cuda_graphs import capture
+from megatron_dsa.layers.cuda_graphs import capture_graph
 from test_packed_support import (
     Packed, assert_filler_rows_zero, make_layer, pack, random_segments, run_layer,
 )
@@ -145,7 +145,7 @@ def test_cuda_graph_replay_with_changed_boundaries_matches_eager(variant, no_tf3
                  zip(grads, [static_hidden, *params])]
         return out.detach().clone(), grads, None if loss is None else loss.clone()
 
-    graph, static_result = capture(step)
+    graph, static_result = capture_graph(step)
 
     for key in ("second", "first", "second"):
         packed, grad_out = layouts[key]

@@ -132,6 +132,21 @@ def test_gpu_topk_matches_topk_columns_at_dsv4_shapes(cols):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cols", [1024, MAX_WIDTH])  # sorted whole; selected, then sorted
+def test_gpu_topk_ranks_valid_minus_inf_columns_like_topk_columns(cols):
+    """Valid columns scoring −inf among scattered invalid ones (not a prefix): Triton picks them before any −1,
+    exactly as the reference does."""
+    pytest.importorskip("triton")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows = 512
+    scores = torch.randn(rows, cols, device="cuda", generator=gen).round(decimals=1)
+    scores = scores.masked_fill(torch.rand(rows, cols, device="cuda", generator=gen) < 0.5, float("-inf"))
+    valid = torch.rand(rows, cols, device="cuda", generator=gen) < 0.6
+    got = topk(scores, valid, 512)
+    assert torch.equal(got, topk_columns(scores, valid, 512))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("scores_kind", ["ties", "distinct"])
 def test_gpu_decode_topk_matches_topk_columns_exactly(scores_kind):
     """A C layer's decode top-k at 128k tokens: 32 rows of 32768 columns (ratio 4), top-512, valid a prefix of

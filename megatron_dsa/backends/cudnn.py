@@ -345,7 +345,9 @@ def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisible
     scores `[T, C]`, valid `[T, C]` → `[T, min(k, C)]` int64 columns, highest score first, ties to the
     lower column, −1 where fewer than k are valid. The kernel scans columns `[0, seq_len)` of each row,
     so seq_len is the last valid column + 1 and invalid columns inside it are −inf; its picks are
-    then re-checked against `valid` and put in our order (the kernel does not promise an order).
+    then re-checked against `valid` and put in our order (the kernel does not promise an order). A
+    valid column scoring −inf ties there with the invalid ones before it, so with gaps in `valid` it may
+    lose its place to one and come back −1 (the layer's masks are prefixes: no gaps).
     With `visible` (uniform-batch rows) the valid columns are a prefix of known length, kept per
     layout, and the scores go in as they are: five small ops fewer per call.
     """

@@ -82,9 +82,10 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
     if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     state = setup_parallel(tp, cp, device, dp, dist_timeout_s)
+    dist_timeout = datetime.timedelta(seconds=dist_timeout_s)  # for every group the job creates
     checks = None  # a gloo group for the checks that name ranks
     if state is not None:  # every rank is here and runs the same job, or the error names who is not
-        checks = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=dist_timeout_s))
+        checks = dist.new_group(backend="gloo", timeout=dist_timeout)
         wait_for_all_ranks(checks, dist_timeout_s, "job start")
         check_same_on_all_ranks("the job's configuration", job.to_dict(), checks)
     dp_size = 1 if state is None else state.dp_size
@@ -113,7 +114,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
     optimizer = build_optimizer(model, train)
     start, history = 0, History()
     if resume is not None:
-        start, history, saved_train = resume_from(resume, model, optimizer, job, state)
+        start, history, saved_train = resume_from(resume, model, optimizer, job, state, dist_timeout)
         if start >= train.steps:
             raise JobStopped(f"the checkpoint {resume} is at step {start}: --steps {train.steps} leaves nothing "
                              f"to train (give --steps > {start})")
@@ -135,7 +136,7 @@ def run(job: JobConfig, resume: Optional[Path] = None, tp: int = 1, cp: int = 1,
         history.evals.append(evaluate(model, job, validation_text, device, start))
         say(format_eval(history.evals[-1]))
 
-    checkpoints = CheckpointWriter(out_dir, state)
+    checkpoints = CheckpointWriter(out_dir, state, dist_timeout)
     reset_call_counts()
     began = time.perf_counter()
     progress = tqdm(range(start, train.steps), initial=start, total=train.steps, desc="train",

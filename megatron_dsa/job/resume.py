@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,10 +33,11 @@ def job_extra(next_step: int, job: JobConfig, history: History) -> dict[str, Any
 
 
 def resume_from(path: Path, model: HybridLM, optimizer: torch.optim.Optimizer, job: JobConfig,
-                state: Optional[ParallelState]) -> tuple[int, History, dict[str, Any]]:
+                state: Optional[ParallelState], timeout: Optional[datetime.timedelta] = None
+                ) -> tuple[int, History, dict[str, Any]]:
     """Restore model, optimizer (and, at the same world size, RNG) states from the checkpoint
     directory `path`, resharded to this run's layout; returns `(next_step, history, the saved
-    train: section)`."""
+    train: section)`; `timeout`: how long the load's collectives wait for a stalled rank."""
     saved_config = read_manifest(path)["config"]  # compared before any tensor is read
     for section in ("attention", "model"):
         saved, wanted = dict(saved_config[section]), job.to_dict()[section]
@@ -45,7 +47,7 @@ def resume_from(path: Path, model: HybridLM, optimizer: torch.optim.Optimizer, j
             changed = sorted(key for key in wanted if saved.get(key) != wanted[key])
             raise CheckpointError(f"checkpoint {path} was trained with a different `{section}:` section "
                                   f"(fields {changed}); resume it with its own config ({path.parent.parent}/config.yaml)")
-    extra = load_checkpoint(path, model, optimizer, state)
+    extra = load_checkpoint(path, model, optimizer, state, timeout)
     return extra["step"], History.from_dict(extra["history"]), extra["config"]["train"]
 
 

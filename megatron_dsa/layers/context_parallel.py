@@ -29,6 +29,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_dsa.backends import AUTO, OpFamily, Requested, dispatch
 from megatron_dsa.config import HybridAttentionConfig
+from megatron_dsa.device_cache import DeviceCache, KeepsDeviceValues, device_cached_property
 from megatron_dsa.ops.dense_attention import merge_attention
 from megatron_dsa.ops.indices import INVALID, VisibleEntries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
@@ -47,12 +48,20 @@ def block_relation(query: Piece, key: Piece) -> str:
     return "causal" if key.chunk == query.chunk else "full"
 
 
+MAX_SHARED_ROWS = 16  # row contexts kept (a step of a stack uses one per distinct halo)
+
+
 @dataclass(frozen=True, eq=False)
-class ContextParallelRows:
+class ContextParallelRows(KeepsDeviceValues):
     """One rank's view of a CP forward: its pieces, extended by their halos, as a `TokenLayout`.
 
     The row context (`layers.rows.TokenRows`) of a layer call under context parallelism. `batch`: B
-    of an SBHD input `[S/cp, B, d]` (the rank's chunks along S), None for packed `[T/cp, 1, d]`."""
+    of an SBHD input `[S/cp, B, d]` (the rank's chunks along S), None for packed `[T/cp, 1, d]`.
+
+    Everything it holds is a function of its fields, built on the host and copied to the device once:
+    `for_input` shares one object per plan input (the sequence lengths, padded and real), rank, group,
+    halo, device, comm type and B, so the layers of a step (those of one halo) and later steps of the
+    same shapes or packing reuse it instead of rebuilding the plan and its index tensors every call."""
 
     plan: ContextParallelPlan
     rank: int
@@ -69,10 +78,9 @@ class ContextParallelRows:
         packed `[T/cp, 1, d]` its chunks of every sequence (`packed` describes the global pack, on the
         host; see `parallel.context`)."""
         state = parallel_state
-        batch = None
         if packed is None:
             local, batch, _ = hidden.shape
-            plan = ContextParallelPlan.build([local * state.cp_size] * batch, state.cp_size, config.cp_partition)
+            lengths, real = (local * state.cp_size,) * batch, None
         else:
             check_packed_hidden_states(hidden)
             cu = packed.cu_seqlens_q
@@ -80,13 +88,19 @@ class ContextParallelRows:
                 raise ValueError("context parallelism with packed input needs packed_seq_params.cu_seqlens_q "
                                  "(and cu_seqlens_q_padded) on the host: the partition plan is host metadata")
             padded = cu if packed.cu_seqlens_q_padded is None else packed.cu_seqlens_q_padded
-            lengths = (padded[1:] - padded[:-1]).tolist()
-            real = (cu[1:] - cu[:-1]).tolist()
+            lengths, real, batch = tuple((padded[1:] - padded[:-1]).tolist()), tuple((cu[1:] - cu[:-1]).tolist()), None
+
+        def build() -> "ContextParallelRows":
             plan = ContextParallelPlan.build(lengths, state.cp_size, config.cp_partition, real)
-            if hidden.shape[0] != plan.local_rows(state.cp_rank):
-                raise ValueError(f"packed hidden_states has {hidden.shape[0]} rows but this CP rank holds "
-                                 f"{plan.local_rows(state.cp_rank)} (its chunks of every padded sequence)")
-        return cls(plan, state.cp_rank, state.cp_group, halo, hidden.device, config.cp_comm_type, batch)
+            return cls(plan, state.cp_rank, state.cp_group, halo, hidden.device, config.cp_comm_type, batch)
+
+        key = (lengths, real, state.cp_size, config.cp_partition, state.cp_rank, state.cp_group, halo, hidden.device,
+               config.cp_comm_type, batch)
+        rows = _SHARED_ROWS.get(key, hidden.device, build)
+        if packed is not None and hidden.shape[0] != rows.plan.local_rows(rows.rank):
+            raise ValueError(f"packed hidden_states has {hidden.shape[0]} rows but this CP rank holds "
+                             f"{rows.plan.local_rows(rows.rank)} (its chunks of every padded sequence)")
+        return rows
 
     # ---------------------------------------------------------------- the layer's rows
     def enter(self, hidden: Tensor) -> Tensor:
@@ -122,7 +136,7 @@ class ContextParallelRows:
         return starts
 
     # ---------------------------------------------------------------- extended rows
-    @cached_property
+    @device_cached_property
     def layout(self) -> TokenLayout:
         """Extended segments `[halo ; piece]`, positions global within each sequence."""
         lengths = [h + p.length for h, p in zip(self.halo_lengths, self.pieces)]
@@ -156,7 +170,7 @@ class ContextParallelRows:
         return tuple(tuple(sorted({(rank, slot) for rank, slot, _ in _halo_owners(self.plan, dst, self.halo).values()}))
                      for dst in range(self.plan.cp_size))
 
-    @cached_property
+    @device_cached_property
     def _tail_index(self) -> Tensor:
         """Each piece's last `halo` rows, right-aligned; short pieces padded with a zero row."""
         index, zero_row = [], self.plan.local_rows(self.rank)
@@ -166,7 +180,7 @@ class ContextParallelRows:
             index += list(range(start + piece.length - take, start + piece.length))
         return torch.tensor(index, dtype=torch.long, device=self.device)
 
-    @cached_property
+    @device_cached_property
     def _extend_index(self) -> Tensor:
         """Rows of `cat(local rows, gathered tails)` that form the extended segments."""
         local_rows = self.plan.local_rows(self.rank)
@@ -190,7 +204,7 @@ class ContextParallelRows:
         """Extended rows → this rank's piece rows (halo rows dropped)."""
         return extended.index_select(0, self._piece_rows) if self.halo else extended
 
-    @cached_property
+    @device_cached_property
     def _piece_rows(self) -> Tensor:
         rows, cursor = [], 0
         for halo, piece in zip(self.halo_lengths, self.pieces):
@@ -207,6 +221,9 @@ class ContextParallelRows:
         return first, max(first, stop)
 
     def compressed_layout(self, ratio: int) -> CompressedLayout:
+        return self.kept(self._per_ratio, ("compressed_layout", ratio), lambda: self._compressed_layout(ratio))
+
+    def _compressed_layout(self, ratio: int) -> CompressedLayout:
         spans = [self.owned_entries(p, ratio) for p in self.pieces]
         as_tensor = lambda values: torch.tensor(values, device=self.device, dtype=torch.long)  # noqa: E731
         counts = [stop - first for first, stop in spans]
@@ -227,7 +244,7 @@ class ContextParallelRows:
     def _slot_rows(self, ratio: int) -> Tensor:
         """Rows of `[entries ; zero row]` that fill this rank's fixed slots (built once per ratio, so
         no host-to-device copy per step)."""
-        if ratio not in self._slot_rows_cache:
+        def build() -> Tensor:
             slots, parts, cursor = self.slots_per_piece(ratio), [], 0
             counts = [len(range(*self.owned_entries(piece, ratio))) for piece in self.pieces]
             empty = sum(counts)
@@ -235,11 +252,13 @@ class ContextParallelRows:
                 parts += [torch.arange(cursor, cursor + count), torch.full((slots - count,), empty)]
                 cursor += count
             index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
-            self._slot_rows_cache[ratio] = index.to(self.device)
-        return self._slot_rows_cache[ratio]
+            return index.to(self.device)
+
+        return self.kept(self._per_ratio, ("slot_rows", ratio), build)
 
     @cached_property
-    def _slot_rows_cache(self) -> dict[int, Tensor]:
+    def _per_ratio(self) -> dict[tuple[str, int], object]:
+        """The values built once per compression ratio (`kept`: see `KeepsDeviceValues`)."""
         return {}
 
     def entry_table(self, ratio: int) -> Tensor:
@@ -258,6 +277,9 @@ class ContextParallelRows:
     def visible_entries(self, ratio: int) -> VisibleEntries:
         """Entries of the gathered buffer each extended row may see: column `j` is entry `j` of the
         row's sequence, visible when `j < floor((pos+1)/r)`."""
+        return self.kept(self._per_ratio, ("visible_entries", ratio), lambda: self._visible_entries(ratio))
+
+    def _visible_entries(self, ratio: int) -> VisibleEntries:
         sequences = torch.tensor([p.sequence for p in self.pieces], device=self.device)
         count = torch.div(self.layout.positions + 1, ratio, rounding_mode="floor")
         return VisibleEntries(self.entry_table(ratio), sequences[self.layout.segment_ids], count)
@@ -266,6 +288,9 @@ class ContextParallelRows:
     def real_query_count(self) -> int:
         """Real query rows of the whole (global) batch: the divisor of the mean indexer loss."""
         return sum(self.plan.real_lengths)
+
+
+_SHARED_ROWS: DeviceCache[ContextParallelRows] = DeviceCache(max_entries=MAX_SHARED_ROWS)
 
 
 def _halo_owners(plan: ContextParallelPlan, rank: int, halo: int) -> dict[tuple[int, int], tuple[int, int, Piece]]:

@@ -1,4 +1,5 @@
-"""Attention layers whose training steps replay CUDA graphs: `make_graphed_layers`.
+"""Attention layers whose training steps replay CUDA graphs: `make_graphed_layers`; and `capture_graph`, one
+call captured as one graph after a warm-up on a side stream (`warm_up_on_side_stream`).
 
 An eager step of a C layer at S = 4096 issues about 200 kernels through some 900 torch calls; on an
 H200 the host takes about as long to issue them as the GPU takes to run them, so eager steps are
@@ -26,13 +27,41 @@ What it cannot check:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from megatron_dsa.layers.hybrid_attention import HybridAttention
 from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
+
+Result = TypeVar("Result")
+
+
+def warm_up_on_side_stream(run: Callable[[], object], calls: int, device: Optional[torch.device] = None) -> None:
+    """Call `run` `calls` times on a side stream that the current stream then waits for: what precedes a
+    CUDA-graph capture (lazy initialisation, kernel compilation and autotuning, the backends' one-time
+    self-tests and vendor plans run there, outside the graph), as the PyTorch CUDA-graph docs do it."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(calls):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def capture_graph(step: Callable[[], Result], warmup: int = 3, before_capture: Callable[[], None] = lambda: None,
+                  pool: Optional[tuple] = None) -> tuple[torch.cuda.CUDAGraph, Result]:
+    """`step` warmed up `warmup` times on a side stream, then one call captured (in `pool` if given): returns
+    the graph and the captured call's result (static tensors each replay overwrites). `before_capture` runs
+    between the two (e.g. to reset call counters). `step` runs `warmup + 1` times here: it must not write
+    what its next call reads, or undo that itself."""
+    warm_up_on_side_stream(step, warmup)
+    before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        result = step()
+    return graph, result
 
 
 @dataclass(frozen=True)
@@ -236,14 +265,8 @@ def make_graphed_layers(layers: Sequence[HybridAttention], sample_inputs: Sequen
     bound = None if packed_seq_params is None else packed_seq_params.max_seqlen_q
     graphs = [LayerGraphs(_LayerStep(layer, bound).train(layer.training), capture.graph_inputs(x, packed_seq_params))
               for layer, capture, x in zip(layers, captured, sample_inputs)]
-    device = sample_inputs[0].device
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for layer_graphs in graphs:
-            for _ in range(num_warmup_iters):
-                layer_graphs.run_eagerly()
-    torch.cuda.current_stream(device).wait_stream(side)
+    for layer_graphs in graphs:
+        warm_up_on_side_stream(layer_graphs.run_eagerly, num_warmup_iters, sample_inputs[0].device)
     pool = torch.cuda.graph_pool_handle()
     for layer_graphs in graphs:
         layer_graphs.capture_forward(pool)

@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from megatron_dsa.layers.cuda_graphs import warm_up_on_side_stream
 from megatron_dsa.layers.decoding import LayerCache
 
 DEFAULT_WARMUP = 2
@@ -91,14 +92,14 @@ class DecodeGraph:
 
     def _capture(self, step: Callable[[Tensor], Tensor], warmup: int, pool: Optional[tuple]) -> None:
         saved = [_StepWrites.save(cache) for cache in self.caches]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(side):
-            for _ in range(warmup):
-                step(self.input)
-                for writes in saved:
-                    writes.restore()
-        torch.cuda.current_stream().wait_stream(side)
+
+        def undone_step() -> None:
+            step(self.input)
+            for writes in saved:
+                writes.restore()
+
+        with torch.no_grad():
+            warm_up_on_side_stream(undone_step, warmup)
         self.graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool):
             self.output = step(self.input)

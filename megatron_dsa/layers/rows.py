@@ -4,8 +4,9 @@ A layer's attention works on flat token rows (`ops.layout`). Which rows those ar
 and compressed entries their queries see, depends on how the sequence is held: whole on this process
 (`LocalRows`) or split over context-parallel ranks (`layers.context_parallel.ContextParallelRows`).
 (New rows appended to a decoding cache take their own step, `layers.decoding`: their keys come from
-the cache's buffers, not from rows of this call.) The layer builds one row context per call
-(`token_rows`) and its cores ask it, never the parallel setup, for what they need:
+the cache's buffers, not from rows of this call.) The layer gets the row context of each call from
+`token_rows` (shared by calls of the same input where it can be) and its cores ask it, never the
+parallel setup, for what they need:
 
 | call | gives |
 |---|---|

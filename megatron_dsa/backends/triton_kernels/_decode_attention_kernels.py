@@ -15,7 +15,7 @@ sink in the denominator. With one split the first kernel normalises and writes t
 import triton
 import triton.language as tl
 
-from megatron_dsa.backends.triton_kernels._sparse_attention_kernels import LOG2E, MAX_FLOOR, row_tile
+from megatron_dsa.backends.triton_kernels._sparse_attention_kernels import LOG2E, MAX_FLOOR, online_softmax_step, row_tile
 
 
 def decode_attention_split_kernel(
@@ -79,14 +79,10 @@ def decode_attention_split_kernel(
             kv_t = row_tile(rows[:, None], dt, valid, D, True, True).to(q.dtype)
             s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        weights = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(weights, 1)
+        m_i, l_i, weights, alpha = online_softmax_step(s, m_i, l_i)
         acc = tl.dot(weights.to(kv.dtype), kv, acc * alpha[:, None], input_precision=DOT_PRECISION)
         if BLOCK_DT > 0:
             acc_t = tl.dot(weights.to(kv.dtype), kv_t, acc_t * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
 
     out_mask = head_ok[:, None] & (dm < D)[None, :]
     if SPLITS == 1:

@@ -68,14 +68,10 @@ def sparse_attention_fwd_kernel(
             s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i, l_i, p, alpha = online_softmax_step(s, m_i, l_i)
         acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=DOT_PRECISION)
         if BLOCK_DT > 0:
             acc_t = tl.dot(p.to(kv.dtype), kv_t, acc_t * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
 
     inv_denominator = 1.0 / (l_i + tl.exp2(sink - m_i))
     tl.store(out_ptr + row_heads + dm[None, :], (acc * inv_denominator[:, None]).to(out_ptr.dtype.element_ty),
@@ -86,6 +82,19 @@ def sparse_attention_fwd_kernel(
                  mask=head_ok[:, None] & (dt < D)[None, :])
     lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(lse_ptr + row * H + heads, lse, mask=head_ok)
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One key block of the online softmax, base 2: the block's scores `s [BLOCK_H, BLOCK_K]` (−inf where
+    masked) against the running maximum `m_i` and sum `l_i` `[BLOCK_H]` → `(m_new, l_new, p, alpha)`: the
+    new maximum and sum, the block's weights `p = 2^(s − m_new)` and `alpha = 2^(m_i − m_new)`, the factor
+    that rescales the output accumulated so far (`acc·alpha + p @ v`). `m_i` starts at `MAX_FLOOR` or
+    above, so a fully masked block leaves everything as it was (`p = 0`, `alpha = 1`), never `-inf + inf`."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
 
 
 @triton.jit
