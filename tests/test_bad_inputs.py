@@ -9,10 +9,9 @@ converter CLI, distributed runs.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch

@@ -4,7 +4,6 @@ main-job checkpoint and scores the retrieval task by generation."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch

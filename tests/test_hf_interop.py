@@ -14,7 +14,6 @@ more than float32 rounding. The transformers tests skip without transformers (`p
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dsa import HybridAttentionConfig
 from megatron_dsa.backends import BackendUnavailableError, call_counts, reset_call_counts
 from megatron_dsa.layers import DecodeGraph
 from megatron_dsa.layers.decode_graph import _StepWrites

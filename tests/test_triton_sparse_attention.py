@@ -23,7 +23,7 @@ from torch import Tensor
 import megatron_dsa.backends.triton_kernels.sparse_attention as triton_sparse
 from megatron_dsa.backends import OpFamily, variant_counts
 from megatron_dsa.backends.triton_kernels.sparse_attention import sparse_attention_forward
-from cuda_graphs import capture
+from megatron_dsa.layers.cuda_graphs import capture_graph
 from interp_triton_sparse_attention import NAMES, make_inputs, reference, run_triton
 from triton_support import ptxas_report, run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
@@ -389,7 +389,7 @@ def test_gpu_hopper_kernels_replay_in_a_cuda_graph():
                                                                     grad_out, None))
 
     before = [kernel_runs(op) for op in PASSES]
-    graph, captured = capture(step, warmup=2)
+    graph, captured = capture_graph(step, warmup=2)
     for op, earlier in zip(PASSES, before):  # two warm-up calls and the captured one
         assert kernel_runs(op) - earlier == {HOPPER: 3}, kernel_runs(op) - earlier
     for tensor in (query, kv, sink, grad_out):

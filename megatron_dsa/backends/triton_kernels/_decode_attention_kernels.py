@@ -12,7 +12,6 @@ gathered rows) and leaves `(max, sum, acc)` in float32; `decode_combine_kernel` 
 sink in the denominator. With one split the first kernel normalises and writes the output itself.
 """
 
-import triton
 import triton.language as tl
 
 from megatron_dsa.backends.triton_kernels._sparse_attention_kernels import LOG2E, MAX_FLOOR, online_softmax_step, row_tile
