@@ -203,6 +203,47 @@ def test_fp8_layer_stays_within_the_fp8_error_of_the_native_layer(kind):
     assert relative_error(out, expected_out) > 0.005, "the FP8 products left no trace: did they run?"
 
 
+# The weights docs/user_guide.md ('FP8 projections') lists as FP8; nothing else (norm gains, the sink, the
+# compressors' `ape`, activations) may be an FP8 GEMM's weight operand.
+FP8_PROJECTIONS = {
+    "W": ["linear_q_down_proj", "linear_kv_proj", "linear_q_up_proj", "linear_o_group_proj", "linear_proj"],
+    "C": ["linear_q_down_proj", "linear_kv_proj", "core_attention.compressor.linear_wkv",
+          "core_attention.compressor.linear_wgate", "core_attention.indexer.compressor.linear_wkv",
+          "core_attention.indexer.compressor.linear_wgate", "core_attention.indexer.linear_weights_proj",
+          "linear_q_up_proj", "core_attention.indexer.linear_wq_b", "linear_o_group_proj", "linear_proj"],
+    "H": ["linear_q_down_proj", "linear_kv_proj", "core_attention.compressor.linear_wkv",
+          "core_attention.compressor.linear_wgate", "linear_q_up_proj", "linear_o_group_proj", "linear_proj"],
+    "M": ["linear_q_down_proj", "linear_kv_down_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_proj"],
+}
+
+
+@pytest.mark.parametrize("kind", "WCHM")
+def test_the_fp8_gemms_take_exactly_the_documented_projection_weights(kind, monkeypatch):
+    """Every weight row the forward's FP8 GEMMs multiply by is a row of a documented projection weight, and
+    every row of those weights is multiplied once (stacked, grouped or alone), each GEMM's other operand being
+    token rows: no parameter outside the list is rounded to FP8, and no projection is skipped or repeated."""
+    torch.manual_seed(0)
+    layer = HybridAttention(tiny(kind, projection_precision="fp8"), kind=kind)
+    weights = dict(layer.named_parameters())
+    owner = {}
+    for name in FP8_PROJECTIONS[kind]:
+        weight = weights[name if name == "linear_o_group_proj" else f"{name}.weight"]  # [G·Ro, H·D/G] grouped
+        owner.update({row.numpy().tobytes(): name for row in weight.detach()})
+    seen = []
+
+    def recording(a, b, out_dtype):
+        seen.extend(owner.get(row.detach().numpy().tobytes(), "unknown") for row in b)
+        assert a.shape[0] == 2 * 16, "the other operand is the token rows"
+        return fp8_gemm_reference(a, b, out_dtype)
+
+    monkeypatch.setattr(Fp8Gemms, "gemm", lambda self, x: recording)
+    with torch.no_grad():
+        layer(torch.randn(16, 2, 128))
+    counts = {name: seen.count(name) for name in set(seen)}
+    expected = {name: sum(1 for n in owner.values() if n == name) for name in FP8_PROJECTIONS[kind]}
+    assert counts == expected
+
+
 def test_default_is_native_and_never_calls_the_fp8_family():
     config = tiny("C")
     assert config.projection_precision == "native"

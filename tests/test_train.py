@@ -248,3 +248,26 @@ def test_compare_overlays_runs_and_names_a_directory_without_history(tmp_path, c
     with pytest.raises(SystemExit):
         compare.main([str(tmp_path), "--out", str(out)])
     assert "holds no history.json" in capsys.readouterr().err
+
+
+def test_compare_summarises_the_runs_that_share_a_label_as_one_arm(tmp_path, capsys):
+    """Seeds of one job labelled alike: each run's line, then the arm's mean and range; a single run is
+    not an arm. The train loss is the mean of the last 30 steps."""
+    def step(index: int, loss: float) -> train.StepStats:
+        return train.StepStats(step=index, loss=loss, lm_loss=loss, retrieval_loss=None, indexer_losses={},
+                               grad_norm=1.0, lr=1e-3, tokens_per_s=1.0)
+
+    runs = {"fp8-s1": (0.5, 1.5, 9.0), "fp8-s2": (1.0, 1.2, 1.0), "bf16-s1": (0.9, 1.4, 1.0)}
+    for name, (accuracy, val_loss, early_loss) in runs.items():
+        steps = [step(i, early_loss) for i in range(10)] + [step(10 + i, 1.0 + 0.01 * i) for i in range(30)]
+        history = train.History(steps=steps, evals=[train.EvalStats(step=40, val_lm_loss=val_loss,
+                                                                    retrieval_accuracy=accuracy)])
+        (tmp_path / name).mkdir()
+        train.write_history(history, tmp_path / name)
+    compare.main([str(tmp_path / name) for name in runs] + ["--labels", "fp8", "fp8", "bf16",
+                                                          "--out", str(tmp_path / "arms.png")])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].endswith("validation LM loss 1.500 | train loss 1.145 (last 30 steps)")
+    assert printed[3] == ("fp8 (2 runs, mean (min–max)): retrieval accuracy 0.750 (0.500–1.000) | validation LM "
+                          "loss 1.350 (1.200–1.500) | train loss (last 30 steps) 1.145 (1.145–1.145)")
+    assert printed[4].startswith("plot "), "bf16 has one run: no arm line"
