@@ -232,6 +232,16 @@ class HybridAttentionConfig:
     add_bias_linear: bool = False
 
     # ---------------------------------------------------------------- validation
+    def check_indexer_dims(self) -> None:
+        """ValueError unless the lightning indexer can run at these dims (its Walsh-Hadamard rotation and
+        its RoPE on the last `qk_pos_emb_head_dim` of its `dsa_indexer_head_dim`)."""
+        di = self.dsa_indexer_head_dim
+        if di & (di - 1):
+            raise ValueError(f"dsa_indexer_head_dim must be a power of two (Walsh-Hadamard), got {di}")
+        if self.qk_pos_emb_head_dim > di:
+            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must not exceed "
+                             f"dsa_indexer_head_dim ({di}): the indexer rotates its last P dims")
+
     def __post_init__(self) -> None:
         check_field_types(self)
         # Sizes first: num_layers = 0 is that mistake, not a layer_pattern of the wrong length.
@@ -254,12 +264,10 @@ class HybridAttentionConfig:
         if self.hca_compress_ratio < 8:
             raise ValueError(f"hca_compress_ratio must be >= 8 (ratio 4 is the overlapping CSA "
                              f"compressor), got {self.hca_compress_ratio}")
-        di = self.dsa_indexer_head_dim
-        if di & (di - 1):
-            raise ValueError(f"dsa_indexer_head_dim must be a power of two (Walsh-Hadamard), got {di}")
-        if self.qk_pos_emb_head_dim > di:
-            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must not exceed "
-                             f"dsa_indexer_head_dim ({di}): the indexer rotates its last P dims")
+        # Only a pattern with an indexer holds its dims to the indexer's rules (a dense-MLA stack need not
+        # mind the indexer defaults); a layer built with another kind than the pattern's checks them itself.
+        if any(lookup_kind(kind).has_indexer(self) for kind in set(self.layer_pattern)):
+            self.check_indexer_dims()
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.rope_type not in ("rope", "yarn"):

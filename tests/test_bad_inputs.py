@@ -86,6 +86,23 @@ def test_bad_attention_config(changes, error, words):
         HybridAttentionConfig.from_preset("tiny", **changes)
 
 
+def test_indexer_dims_bind_only_where_an_indexer_is_built():
+    """A pattern without an indexer (dense-MLA, or C in dense mode) need not mind the indexer's dims; a pattern
+    with one is refused at the config, and a C layer built by kind from an M pattern at its indexer."""
+    rope_wider_than_indexer = dict(num_layers=1, qk_head_dim=128, v_head_dim=128, qk_pos_emb_head_dim=64,
+                                   dsa_indexer_head_dim=16)
+    dense = HybridAttentionConfig.from_preset("tiny", layer_pattern="M", **rope_wider_than_indexer)
+    HybridAttention(dense, kind="M")
+    HybridAttention(dense.replace(layer_pattern="C", csa_dense_mode=True), kind="C")
+    words = r"qk_pos_emb_head_dim \(64\) must not exceed dsa_indexer_head_dim \(16\)"
+    with pytest.raises(ValueError, match=words):
+        HybridAttentionConfig.from_preset("tiny", layer_pattern="C", **rope_wider_than_indexer)
+    with pytest.raises(ValueError, match=words):
+        HybridAttention(dense, kind="C")
+    with pytest.raises(ValueError, match="dsa_indexer_head_dim must be a power of two"):
+        HybridAttention(dense.replace(dsa_indexer_head_dim=24), kind="C")
+
+
 BAD_CONFIG_CALLS = [
     case("unknown-preset", lambda: HybridAttentionConfig.from_preset("huge"), ValueError, "unknown preset 'huge'"),
     case("from_dict-list", lambda: HybridAttentionConfig.from_dict([1, 2]), TypeError, "needs a mapping"),

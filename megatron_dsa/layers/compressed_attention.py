@@ -72,6 +72,7 @@ class LightningIndexer(nn.Module):
 
     def __init__(self, config: HybridAttentionConfig, ratio: int):
         super().__init__()
+        config.check_indexer_dims()
         c = self.config = config
         self.gemms = projection_gemms(c)
         self.heads, self.head_dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
