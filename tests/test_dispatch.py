@@ -369,3 +369,17 @@ def test_auto_never_picks_the_triton_interpreter_on_cpu(monkeypatch: pytest.Monk
     registry.forget_choices()  # what runs here changed
     with pytest.raises(BackendUnavailableError, match="Triton needs CUDA"):
         resolve(OpFamily.ROPE, "triton", device=cpu, dtype=torch.float32)
+
+
+def test_the_architecture_doc_lists_auto_order_as_the_registry_has_it():
+    """docs/architecture.md's table of `auto`'s order per family (section 5.2) is what `AUTO_ORDER` says:
+    every family once, its backends in order."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("| family | `auto` tries |"):].split("\n\n")[0].splitlines()[2:]
+    listed = {}
+    for row in table:
+        families, order = (cell.strip() for cell in row.strip("|").split("|"))
+        for family in families.split(", "):
+            assert family.strip("`") not in listed, f"{family} listed twice"
+            listed[family.strip("`")] = tuple(name.split(" (")[0] for name in order.split(" > "))
+    assert listed == {op.value: names for op, names in registry.AUTO_ORDER.items()}
