@@ -1,10 +1,12 @@
 """Context-parallel scaling of one attention layer: step time and per-rank peak memory vs CP-1.
 
-    python benchmarks/context_parallel.py --cp 2 --seq-len 32768 --kind C --preset dsv4-flash
+    python benchmarks/context_parallel.py --cp 2 4 --seq-len 32768 131072 --kind C --preset dsv4-flash
+    python benchmarks/context_parallel.py --tp 2 --cp 2 --seq-len 32768 --kind C   # TP-2 × CP-2, 4 GPUs
 
-Runs the single-GPU layer (CP-1) and then CP-N on N GPUs (NCCL, one process per GPU) on the same
-global sequence, and prints a markdown table of median fwd+bwd step times and per-rank peak
-memory, with the CP-N / CP-1 ratios. An out-of-memory run is reported as such. GPU only.
+Runs the single-GPU layer (TP-1 × CP-1) and then each TP × CP-N layout on TP·N GPUs (NCCL, one process
+per GPU) on the same global sequence, and prints a markdown table of median fwd+bwd step times and
+per-rank peak memory, with their ratios to the single GPU. An out-of-memory run is reported as such.
+GPU only.
 """
 
 from __future__ import annotations
@@ -62,11 +64,12 @@ def run_single(args: argparse.Namespace) -> tuple[float, float]:
 def rank_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=args.cp)
-    state = initialize_parallel_state(cp_size=args.cp)
+    dist.init_process_group("nccl", rank=rank, world_size=args.tp * args.cp)
+    state = initialize_parallel_state(tp_size=args.tp, cp_size=args.cp)
     layer = build(args, state)
+    torch.manual_seed(1)  # the same full sequence on every rank; TP ranks of one CP rank share its shard
     full = torch.randn(args.seq_len, 1, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16)
-    x = shard_sequence(full, args.cp, rank, "zigzag").clone().requires_grad_()
+    x = shard_sequence(full, args.cp, state.cp_rank, "zigzag").clone().requires_grad_()
     del full
     try:
         results.put((rank, *measure(layer, x, args.warmup, args.repeats)))
@@ -81,20 +84,22 @@ def run_parallel(args: argparse.Namespace) -> tuple[float, float]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_main, args=(rank, args, port, results)) for rank in range(args.cp)]
+    world = args.tp * args.cp
+    procs = [ctx.Process(target=rank_main, args=(rank, args, port, results)) for rank in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
-    rows = [results.get() for _ in range(args.cp)] if not results.empty() else []
-    if len(rows) != args.cp:
+    rows = [results.get() for _ in range(world)] if not results.empty() else []
+    if len(rows) != world:
         return float("nan"), float("nan")
     return max(r[1] for r in rows), max(r[2] for r in rows)  # the slowest / fullest rank
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--cp", type=int, nargs="+", default=[2], help="CP sizes to measure, each against CP-1")
+    parser.add_argument("--tp", type=int, default=1, help="TP size of every parallel layout (no SP)")
     parser.add_argument("--seq-len", type=int, nargs="+", default=[32768])
     parser.add_argument("--kind", default="C", choices=list("WCHM"))
     parser.add_argument("--preset", default="dsv4-flash")
@@ -102,23 +107,28 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if torch.cuda.device_count() < args.cp:
-        sys.exit(f"needs {args.cp} CUDA GPUs, found {torch.cuda.device_count()}")
-    print(f"kind {args.kind}, preset {args.preset}, bf16, B=1, CP-{args.cp} {args.comm} zigzag; "
-          f"median of {args.repeats} fwd+bwd steps; peak = largest per-rank peak above the inputs")
-    print(f"\n| S | CP-1 ms | CP-{args.cp} ms | time ratio | CP-1 peak MiB | CP-{args.cp} peak MiB | memory ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for seq_len in args.seq_len:
+    cp_sizes, seq_lens = args.cp, args.seq_len
+    if torch.cuda.device_count() < args.tp * max(cp_sizes):
+        sys.exit(f"needs {args.tp * max(cp_sizes)} CUDA GPUs, found {torch.cuda.device_count()}")
+    print(f"kind {args.kind}, preset {args.preset}, bf16, B=1, {args.comm} zigzag; median of {args.repeats} "
+          f"fwd+bwd steps; peak = largest per-rank peak above the inputs; ratios against TP-1 × CP-1")
+    print("\n| S | layout | GPUs | ms | time ratio | peak MiB | memory ratio |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    ratio = lambda a, b: f"{a / b:.2f}" if b == b and a == a else "n/a"  # noqa: E731
+    for seq_len in seq_lens:
         args.seq_len = seq_len
         try:
             single = run_single(args)
         except torch.cuda.OutOfMemoryError:
             single = (float("nan"), float("nan"))
         torch.cuda.empty_cache()
-        parallel = run_parallel(args)
-        ratio = lambda a, b: f"{a / b:.2f}" if b == b and a == a else "n/a"  # noqa: E731
-        print(f"| {seq_len} | {single[0]:.0f} | {parallel[0]:.0f} | {ratio(parallel[0], single[0])} | "
-              f"{single[1]:.0f} | {parallel[1]:.0f} | {ratio(parallel[1], single[1])} |", flush=True)
+        print(f"| {seq_len} | TP-1 × CP-1 | 1 | {single[0]:.0f} | 1.00 | {single[1]:.0f} | 1.00 |", flush=True)
+        for cp in cp_sizes:
+            args.cp = cp
+            parallel = run_parallel(args)
+            print(f"| {seq_len} | TP-{args.tp} × CP-{cp} | {args.tp * cp} | {parallel[0]:.0f} | "
+                  f"{ratio(parallel[0], single[0])} | {parallel[1]:.0f} | {ratio(parallel[1], single[1])} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

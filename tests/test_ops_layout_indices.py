@@ -311,3 +311,17 @@ def test_row_range_agrees_with_slice_indices() -> None:
                 assert row_range(chunk, rows) == (first, max(first, last)), (chunk, rows)
     with pytest.raises(ValueError, match="step-1 slices, got step 2"):
         row_range(slice(0, 4, 2), 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_topk_of_32_bit_scores_through_packed_keys_is_the_stable_sort(dtype):
+    """Scores of at most 32 bits rank through one `topk` of (score, column) keys: exact ties (±0.0 among
+    them), valid −inf scores and masked columns must come out as the stable sort's order, at every k."""
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(20):
+        scores = (torch.randint(-3, 4, (12, 37), generator=gen) * 0.5).to(dtype)
+        scores[torch.rand(12, 37, generator=gen) < 0.2] = float("-inf")
+        scores[torch.rand(12, 37, generator=gen) < 0.1] = -0.0
+        valid = torch.rand(12, 37, generator=gen) < 0.7
+        for k in (1, 5, 37, 50):
+            assert topk_columns(scores, valid, k).tolist() == _brute_topk(scores.double(), valid, k), k
