@@ -171,24 +171,8 @@ def topk_columns(scores: Tensor, valid: Tensor, k: int, visible: Optional[Unifor
     # (−inf) column, whatever their columns (one elementwise op where a second sort by validity would cost 40%).
     lowest = torch.finfo(scores.dtype).min
     ranked = torch.where(valid, scores.detach().clamp_min(lowest), float("-inf"))
-    if ranked.dtype == torch.float64:  # the tie-breaking key below holds a score of at most 32 bits
-        order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :width]
-    else:
-        order = torch.topk(score_column_keys(ranked), width, dim=1).indices
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :width]
     return torch.where(torch.gather(valid, 1, order), order, INVALID)
-
-
-def score_column_keys(scores: Tensor) -> Tensor:
-    """int64 keys `[T, C]` of float32/16-bit scores `[T, C]` that order as (score, then lower column first):
-    a descending `topk` of the keys is the stable descending sort's prefix, and on a GPU a wide row's top-k
-    costs a fraction of its sort (a decode step: 32 rows of 32768 columns, top-512).
-
-    High 32 bits: the score's float32 bits made monotone (negative floats flip their magnitude bits; −0.0
-    becomes +0.0 first, as the sort counts them equal); low 32 bits: `C − 1 − column`."""
-    bits = (scores.float() + 0.0).view(torch.int32)
-    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
-    columns = torch.arange(scores.shape[1], device=scores.device)
-    return monotone * (1 << 32) + (scores.shape[1] - 1 - columns)
 
 
 class SelectionRows(NamedTuple):
