@@ -11,6 +11,10 @@ shapes, as the tiny preset's, pay the copy), the product comes out in bf16 and i
 requested dtype (bf16 rounding, 2⁻⁹, is far below the operands' e4m3 rounding, 2⁻⁴). `use_fast_accum`
 stays off (torch's default, the more precise accumulation): on Hopper the FP8 tensor cores' own
 accumulation keeps fewer than fp32's bits, an error DeepSeek-V3's report measured at K = 4096.
+
+The operands are quantized by one Triton kernel where Triton runs (`triton_kernels.fp8_quantize`: the
+padding built in, transposed operands read in place; variant `triton_quantize`), else by the torch ops of
+`ops.fp8_linear.quantize_rows` (variant `torch_quantize`): the same numbers either way.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_dsa.backends import probes
-from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
+from megatron_dsa.backends.registry import Backend, OpFamily, count_variant, register_backend
+from megatron_dsa.backends.triton_kernels import fp8_quantize
+from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.fp8_linear import quantize_rows
 
+NAME = "torch_scaled_mm"
 ALIGNMENT = 16  # K and N of `_scaled_mm`
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores
 MIN_TORCH = (2, 5)  # rowwise (per-row) scales
@@ -35,13 +42,24 @@ def _padded(t: Tensor, rows: int, columns: int) -> Tensor:
     return t if t.shape == (rows, columns) else F.pad(t, (0, columns - t.shape[1], 0, rows - t.shape[0]))
 
 
+def _quantize(t: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
+    """`t [R, K]` zero-padded to `[rows, width]` and quantized (`ops.fp8_linear.quantize_rows`): by the Triton
+    kernel where Triton runs (one pass, in place whatever t's strides), else by the torch ops."""
+    if triton_decline_reason(t.device) is None and t.device.type == "cuda":
+        count_variant(NAME, OpFamily.FP8_GEMM, "triton_quantize")
+        return fp8_quantize.quantize_rows(t, rows, width)
+    count_variant(NAME, OpFamily.FP8_GEMM, "torch_quantize")
+    q, scale = quantize_rows(_padded(t, rows, width))
+    return q, scale.float()
+
+
 def fp8_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """The `fp8_gemm` contract (`ops.fp8_linear.Fp8Gemm`) on `torch._scaled_mm` with per-row scales."""
     k, n = a.shape[1], b.shape[0]
     width, outputs = probes.round_up(k, ALIGNMENT), probes.round_up(n, ALIGNMENT)
-    qa, scale_a = quantize_rows(_padded(a, a.shape[0], width))
-    qb, scale_b = quantize_rows(_padded(b, outputs, width))
-    out = torch._scaled_mm(qa, qb.t(), scale_a=scale_a.float(), scale_b=scale_b.float().view(1, -1),
+    qa, scale_a = _quantize(a, a.shape[0], width)
+    qb, scale_b = _quantize(b, outputs, width)
+    out = torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b.view(1, -1),
                            out_dtype=torch.bfloat16)
     if outputs != n:
         out = out[:, :n].contiguous()
@@ -74,7 +92,7 @@ def _fp8_gpu_problem(device: Optional[torch.device]) -> Optional[str]:
 
 
 TORCH_SCALED_MM = Backend(
-    name="torch_scaled_mm",
+    name=NAME,
     ops={OpFamily.FP8_GEMM: fp8_gemm},
     probe=probe,
     version=lambda: f"torch {torch.__version__}",

@@ -1,0 +1,54 @@
+"""Triton FP8 row quantization (`backends.triton_kernels.fp8_quantize`) vs `ops.fp8_linear.quantize_rows`.
+
+CPU: the kernel runs in the Triton interpreter in a child process (`interp_triton_fp8_quantize.py`; see
+`triton_support.py` for why). GPU: the layer's operand shapes, row-major and transposed, bit for bit, and the
+`torch_scaled_mm` backend counting the variant that quantized.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_dsa.backends import reset_call_counts, variant_counts
+from megatron_dsa.backends import torch_scaled_mm
+from megatron_dsa.backends.triton_kernels import fp8_quantize
+from megatron_dsa.ops.fp8_linear import quantize_rows as reference_quantize_rows
+from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
+
+
+def test_interpreted_kernel():
+    run_interpreted("interp_triton_fp8_quantize.py")
+
+
+def test_cpu_without_interpreter_is_refused(without_interpreter):
+    with pytest.raises(ValueError, match="cannot run on t's device"):
+        fp8_quantize.quantize_rows(torch.randn(4, 16), 4, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,transposed", [((4096, 4096), False), ((4096, 32768), True), ((1024, 4096), True),
+                                              ((100, 72), False)])
+def test_layer_operands_on_gpu_match_the_reference_bit_for_bit(shape, transposed):
+    """bf16 operands of the dsv4-flash projections (a weight, an output gradient read as `dyᵀ`, an input read as
+    `xᵀ`, an unaligned one): both sides divide in float32 with correct rounding and round to nearest e4m3."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    t = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    t = t.t() if transposed else t
+    rows, width = -(-t.shape[0] // 16) * 16, -(-t.shape[1] // 16) * 16
+    q, scale = fp8_quantize.quantize_rows(t, rows, width)
+    q_want, scale_want = reference_quantize_rows(F.pad(t, (0, width - t.shape[1], 0, rows - t.shape[0])))
+    assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+    assert torch.equal(scale, scale_want.float())
+
+
+@pytest.mark.gpu
+def test_scaled_mm_backend_quantizes_with_the_kernel():
+    reason = torch_scaled_mm.probe(None, {"device": torch.device("cuda")}) if torch.cuda.is_available() else "no GPU"
+    if reason is not None:
+        pytest.skip(reason)
+    a = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    reset_call_counts()
+    torch_scaled_mm.fp8_gemm(a, b, torch.bfloat16)
+    assert variant_counts().get(("torch_scaled_mm", "fp8_gemm", "triton_quantize"), 0) == 1, variant_counts()
