@@ -52,3 +52,20 @@ def test_scaled_mm_backend_quantizes_with_the_kernel():
     reset_call_counts()
     torch_scaled_mm.fp8_gemm(a, b, torch.bfloat16)
     assert variant_counts().get(("torch_scaled_mm", "fp8_gemm", "triton_quantize"), 0) == 1, variant_counts()
+
+
+def test_kernel_compiles_for_hopper(tmp_path):
+    """The kernel as a bf16 launch specialises it compiles for sm_90a (triton bundles ptxas) without spills: the
+    interpreter runs kernels that the compiler refuses (a global that is not a constexpr, for one)."""
+    from megatron_dsa.backends.triton_kernels import _fp8_quantize_kernels as kernels
+    from triton_support import compile_for_sm90, ptxas_report
+
+    signature = dict(t_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", R="i32", K="i32", STRIDE_R="i32",
+                     STRIDE_K="i32", R_OUT="i32", K_OUT="i32", BLOCK_R="constexpr", BLOCK_K="constexpr",
+                     FP8_MAX="constexpr", TINY="constexpr")
+    constexprs = dict(BLOCK_R=fp8_quantize.BLOCK_R, BLOCK_K=fp8_quantize.BLOCK_K, FP8_MAX=448.0,
+                      TINY=torch.finfo(torch.float32).tiny)
+    compiled = compile_for_sm90(kernels, "quantize_rows_kernel", signature, constexprs, fp8_quantize.WARPS)
+    ptx = compiled.asm["ptx"]
+    assert "div.rn.f32" in ptx  # the correctly rounded division the reference's numbers need
+    assert "0 bytes spill stores" in ptxas_report(ptx, tmp_path)

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 
-E4M3_MIN_NORMAL = 0.015625  # 2⁻⁶; below it e4m3 steps by 2⁻⁹
-SUBNORMAL_ROUNDER = 24576.0  # 1.5·2¹⁴: float32 sums near it step by 2⁻⁹
+E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2⁻⁶; below it e4m3 steps by 2⁻⁹
+SUBNORMAL_ROUNDER = tl.constexpr(24576.0)  # 1.5·2¹⁴: float32 sums near it step by 2⁻⁹
 
 
 @triton.jit
