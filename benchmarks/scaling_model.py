@@ -501,7 +501,8 @@ PEAK_MIB = (
 
 @dataclass(frozen=True)
 class CpPoint:
-    """`benchmarks/context_parallel.py` on `tp·cp` H200s: TP × CP-N over TP-1 × CP-1 time and per-rank peak memory."""
+    """`benchmarks/context_parallel.py` on `tp·cp` H200s: TP × CP-N over TP-1 × CP-1, step time and per-rank
+    peak memory."""
 
     kind: str
     seq_len: int
