@@ -473,13 +473,18 @@ class StepPoint:
     fit: bool = False
 
 
-# One GPU, fwd + bwd of one layer (docs/performance.md): `--cuda-graph` replays at S = 4096, eager above.
+# One GPU, fwd + bwd of one layer (docs/performance.md): `--cuda-graph` replays at S = 4096, eager above. The
+# H200 steps were measured on 2026-11-26 at commit 0fb29bf (layer.py on one H200; context_parallel.py's
+# CP-1 on the 4×H200 box of CP_RATIOS), the H100 ones at an earlier commit.
 STEP_MS = (
-    StepPoint("H200", "W", 4096, 5.51, "layer.py, CUDA graph", fit=True),
-    StepPoint("H200", "C", 4096, 9.40, "layer.py, CUDA graph", fit=True),
-    StepPoint("H200", "H", 4096, 6.10, "layer.py, CUDA graph", fit=True),
-    StepPoint("H200", "C", 16384, 39.8, "layer.py, eager"),
-    StepPoint("H200", "C", 32768, 98.0, "context_parallel.py CP-1, eager"),
+    StepPoint("H200", "W", 4096, 5.46, "layer.py, CUDA graph", fit=True),
+    StepPoint("H200", "C", 4096, 9.41, "layer.py, CUDA graph", fit=True),
+    StepPoint("H200", "H", 4096, 6.08, "layer.py, CUDA graph", fit=True),
+    StepPoint("H200", "C", 16384, 39.34, "layer.py, eager"),
+    StepPoint("H200", "C", 32768, 85.0, "context_parallel.py CP-1, eager"),
+    StepPoint("H200", "C", 131072, 470.0, "context_parallel.py CP-1, eager"),
+    StepPoint("H200", "H", 32768, 52.0, "context_parallel.py CP-1, eager"),
+    StepPoint("H200", "H", 131072, 307.0, "context_parallel.py CP-1, eager"),
     StepPoint("H100", "W", 4096, 5.86, "layer.py, CUDA graph"),
     StepPoint("H100", "C", 4096, 10.21, "layer.py, CUDA graph"),
     StepPoint("H100", "H", 4096, 6.57, "layer.py, CUDA graph"),
@@ -496,28 +501,42 @@ PEAK_MIB = (
 
 @dataclass(frozen=True)
 class CpPoint:
-    """`benchmarks/context_parallel.py` on `cp` H200s: CP-N / CP-1 time and per-rank peak memory."""
+    """`benchmarks/context_parallel.py` on `tp·cp` H200s: TP × CP-N over TP-1 × CP-1, step time and per-rank
+    peak memory."""
 
     kind: str
     seq_len: int
     cp: int
     time_ratio: float
     memory_ratio: float
+    tp: int = 1
 
 
+# 4×H200, 2026-11-26, commit 0fb29bf: `context_parallel.py --kind C|H --cp 2 4 --seq-len 32768 131072 --repeats 3`
+# (p2p zigzag, fwd + bwd median of 3; ratios against CP-1 on the same box). They replace five earlier points
+# (C 32k/131k CP-2 and CP-4, H 131k CP-4) measured at older code.
 CP_RATIOS = (
-    CpPoint("C", 32768, 2, 0.61, 0.54),
+    CpPoint("C", 32768, 2, 0.58, 0.54),
+    CpPoint("C", 32768, 4, 0.34, 0.29),
     CpPoint("C", 131072, 2, 0.59, 0.53),
-    CpPoint("C", 32768, 4, 0.34, 0.28),
-    CpPoint("C", 131072, 4, 0.31, 0.27),
-    CpPoint("H", 131072, 4, 0.29, 0.27),
+    CpPoint("C", 131072, 4, 0.30, 0.27),
+    CpPoint("H", 32768, 2, 0.59, 0.54),
+    CpPoint("H", 32768, 4, 0.32, 0.28),
+    CpPoint("H", 131072, 2, 0.54, 0.53),
+    CpPoint("H", 131072, 4, 0.27, 0.27),
+)
+# Same call, `--kind C --tp 2 --cp 2` (TP-2 × CP-2 on 4 GPUs, no sequence parallelism): a check, not fitted.
+# The model prices TP with SP's collectives; without SP the same bytes move as all-reduces.
+TP_CP_CHECKS = (
+    CpPoint("C", 32768, 2, 0.55, 0.57, tp=2),
+    CpPoint("C", 131072, 2, 0.57, 0.57, tp=2),
 )
 
 
 def calibrate(dims: Dims, rates: Rates = Rates(), cp_points: Sequence[CpPoint] = CP_RATIOS) -> Fitted:
     """Fit the model's five free numbers: the per-token remainder of each kind from its S = 4096 H200 step
     (three numbers, three points: reproduced exactly), then the CP slowdown and host cost by least squares
-    on the CP time ratios `cp_points` (two numbers, five points). Everything else is a measured kernel rate
+    on the CP time ratios `cp_points` (two numbers, eight points). Everything else is a measured kernel rate
     or an assumption."""
     h200 = GPUS["H200"]
     zero = Fitted({kind: 0.0 for kind in KINDS}, 1.0, 0.0)
@@ -560,29 +579,33 @@ def calibration_table(dims: Dims, fitted: Fitted) -> str:
         predicted = single_gpu_peak_mib(predict(Setup(GPUS[point.gpu], point.kind, point.seq_len), dims, fitted))
         lines.append(f"| {point.gpu} | {point.kind} | {point.seq_len} | {point.value:.0f} MiB | {predicted:.0f} MiB | "
                      f"{relative_error(predicted, point.value)} | {point.source} | {role(point)} |")
-    lines += ["", "CP-N against CP-1 on the same H200 box (zigzag, p2p, eager):", "",
-              "| kind | S | CP | time ratio measured | predicted | error | error, point left out of the fit | "
+    lines += ["", "TP × CP-N against TP-1 × CP-1 on the same H200 box (zigzag, p2p, eager):", "",
+              "| kind | S | TP | CP | time ratio measured | predicted | error | error, point left out of the fit | "
               "memory ratio measured | predicted | error |",
-              "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for point in CP_RATIOS:
+              "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for point in CP_RATIOS + TP_CP_CHECKS:
         time_ratio, memory_ratio = cp_ratios(point, dims, fitted)
-        without = calibrate(dims, cp_points=[other for other in CP_RATIOS if other is not point])
-        left_out = cp_ratios(point, dims, without)[0]
-        lines.append(f"| {point.kind} | {point.seq_len} | {point.cp} | {point.time_ratio:.2f} | {time_ratio:.3f} | "
-                     f"{relative_error(time_ratio, point.time_ratio)} | {relative_error(left_out, point.time_ratio)} | "
+        if point in CP_RATIOS:
+            without = calibrate(dims, cp_points=[other for other in CP_RATIOS if other is not point])
+            left_out = relative_error(cp_ratios(point, dims, without)[0], point.time_ratio)
+        else:
+            left_out = "check, not fitted"
+        lines.append(f"| {point.kind} | {point.seq_len} | {point.tp} | {point.cp} | {point.time_ratio:.2f} | "
+                     f"{time_ratio:.3f} | {relative_error(time_ratio, point.time_ratio)} | {left_out} | "
                      f"{point.memory_ratio:.2f} | {memory_ratio:.3f} | "
                      f"{relative_error(memory_ratio, point.memory_ratio)} |")
     other = ", ".join(f"{kind} {us:.3f}" for kind, us in fitted.other_us_per_token.items())
     lines += ["", f"fitted: other µs per token (H200) {other}"
               + f" (S = 4096 steps); CP attention-side slowdown {fitted.cp_attention_slowdown:.2f}, CP host "
-              f"{fitted.cp_host_ms:.2f} ms per step (the five time ratios; the memory ratios are not fitted)"]
+              f"{fitted.cp_host_ms:.2f} ms per step (the {len(CP_RATIOS)} TP-1 time ratios; the memory ratios and the "
+              "TP × CP points are not fitted)"]
     return "\n".join(lines)
 
 
 def cp_ratios(point: CpPoint, dims: Dims, fitted: Fitted) -> tuple[float, float]:
     h200 = GPUS["H200"]
     one = predict(Setup(h200, point.kind, point.seq_len), dims, fitted)
-    many = predict(Setup(h200, point.kind, point.seq_len, point.cp), dims, fitted)
+    many = predict(Setup(h200, point.kind, point.seq_len, point.cp, point.tp), dims, fitted)
     peak = lambda p: single_gpu_peak_mib(p) + p.memory["gathered entries (+ gradient)"]  # noqa: E731
     return many.step_ms / one.step_ms, peak(many) / peak(one)
 

@@ -20,10 +20,13 @@ FITTED = model.calibrate(FLASH)
 H200, H100 = model.GPUS["H200"], model.GPUS["H100"]
 
 # The largest calibration errors docs/performance.md ("Scaling model") states, as fractions.
-ONE_GPU_TIME_ERROR = 0.11
+ONE_GPU_TIME_ERROR = 0.14
 ONE_GPU_PEAK_ERROR = 0.25
-CP_TIME_RATIO_ERROR = 0.05
+CP_TIME_RATIO_ERROR = 0.07
 CP_MEMORY_RATIO_ERROR = 0.06
+# The TP-2 × CP-2 checks (not fitted): the model expects far more from TP than was measured.
+TP_CP_TIME_RATIO_ERROR = 0.26
+TP_CP_MEMORY_RATIO_ERROR = 0.52
 
 
 def brute_force_rows(dims: model.Dims, kind: str, positions: range) -> model.Rows:
@@ -131,6 +134,10 @@ def test_calibration_points_within_the_documented_errors() -> None:
         time_ratio, memory_ratio = model.cp_ratios(point, FLASH, FITTED)
         assert time_ratio == pytest.approx(point.time_ratio, rel=CP_TIME_RATIO_ERROR)
         assert memory_ratio == pytest.approx(point.memory_ratio, rel=CP_MEMORY_RATIO_ERROR)
+    for point in model.TP_CP_CHECKS:
+        time_ratio, memory_ratio = model.cp_ratios(point, FLASH, FITTED)
+        assert time_ratio == pytest.approx(point.time_ratio, rel=TP_CP_TIME_RATIO_ERROR)
+        assert memory_ratio == pytest.approx(point.memory_ratio, rel=TP_CP_MEMORY_RATIO_ERROR)
 
 
 def test_command_line_prints_predictions_calibration_and_hiding(capsys: pytest.CaptureFixture) -> None:
@@ -139,7 +146,7 @@ def test_command_line_prints_predictions_calibration_and_hiding(capsys: pytest.C
     table = capsys.readouterr().out
     assert "H100, 4 layer(s) HCHC" in table and sum(line.startswith("| 65536 |") for line in table.splitlines()) == 4
     assert model.main(["--calibration"]) == 0
-    assert "| H200 | C | 16384 | 39.80 ms |" in capsys.readouterr().out
+    assert "| H200 | C | 16384 | 39.34 ms |" in capsys.readouterr().out
     assert model.main(["--hiding"]) == 0
     assert "never hidden" in capsys.readouterr().out
 
