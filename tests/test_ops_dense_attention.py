@@ -141,3 +141,37 @@ def test_attention_block_gradcheck(causal):
     k = torch.randn(4 if causal else 6, 2, 3, dtype=torch.float64, requires_grad=True)
     v = torch.randn(k.shape[0], 2, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q, k, v: attention_block(q, k, v, 0.6, causal), (q, k, v))
+
+
+class LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements any single op returned inside the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_grouped_heads_share_their_kv_rows_without_per_head_copies(groups):
+    """GQA/MQA: a KV group's heads read its K/V rows in place (one GEMM per group), forward and backward;
+    nothing `[keys, H, D]`-sized is made (per-head copies of K and V were most of an M layer's memory at long
+    sequences: 18 GB at 64k tokens). 8 query rows against 512 keys, 16 heads: a copy of K per head is 131072
+    elements, every legitimate tensor (q, its gradient, one chunk's logits, K/V and their gradients) at most
+    65536."""
+    torch.manual_seed(2)
+    q = torch.randn(8, 16, 16, requires_grad=True)
+    k = torch.randn(512, groups, 16, requires_grad=True)
+    v = torch.randn(512, groups, 16, requires_grad=True)
+    from megatron_dsa.ops.dense_attention import attention_block
+
+    with LargestOutput() as mode:
+        out, lse = attention_block(q, k, v, 0.25, causal=False)
+        (out.square().sum() + lse.sum()).backward()
+    assert mode.largest <= 8 * 16 * 512, mode.largest
