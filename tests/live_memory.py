@@ -13,12 +13,15 @@ from torch.utils._pytree import tree_flatten
 
 class LiveBytes(TorchDispatchMode):
     """`peak`: the most bytes of op-created storages alive at once inside the mode (inputs made before
-    it do not count); `saved`: bytes of the distinct storages autograd saved (`saved_tensors_hooks`)."""
+    it do not count); `saved`: bytes of the distinct storages autograd saved (`saved_tensors_hooks`).
 
-    def __init__(self) -> None:
+    An op's output that shares the storage of a tensor made before the mode (a view, a slice) counts as a
+    new storage of the whole size, unless that tensor is among `existing` (slicing inputs costs nothing)."""
+
+    def __init__(self, *existing: torch.Tensor) -> None:
         super().__init__()
         self.live = self.peak = 0
-        self._sizes: dict[int, int] = {}
+        self._sizes: dict[int, int] = {t.untyped_storage()._cdata: 0 for t in existing}
         self._saved: dict[int, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:

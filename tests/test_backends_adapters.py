@@ -20,6 +20,7 @@ import torch
 import megatron_dsa.backends.cudnn as cudnn_backend
 import megatron_dsa.backends.flash_attn as flash_attn_backend
 import megatron_dsa.backends.flashmla as flashmla_backend
+import megatron_dsa.backends.sparse_layout as sparse_layout
 import megatron_dsa.backends.triton_kernels.availability as triton_availability
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.backends import (
@@ -44,6 +45,7 @@ from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.sparse_attention import sparse_attention as reference_sparse_attention
 from megatron_dsa.ops.sparse_attention import sparse_attention_backward, sparse_attention_forward
 from distributed import cosine, relative_error
+from live_memory import LiveBytes
 from vendor_fakes import (FakeCudnnDSA, FakeFlashMLA, fake_cudnn, fake_flash_attn_2, fake_flash_attn_cute,
                           fake_flash_attn_cute_interface, fake_sparse_inputs, install)
 
@@ -208,6 +210,98 @@ def test_flashmla_forward_glue_matches_the_reference(vendors, lse_base2, heads, 
     seen = fake.calls[0]  # calls[1] is the one-off LSE-base calibration
     assert seen["q"].shape[1] == (64 if heads <= 64 else 128) and seen["ids"].shape[-1] % 128 == 0
     assert torch.isneginf(seen["sink"][heads:]).all() and seen["scale"] == 0.05
+
+
+# ---------------------------------------------------------------- padded heads in row chunks
+def rows_per_padded_chunk(monkeypatch: pytest.MonkeyPatch, rows: int, head_dim: int) -> None:
+    """Let the glue pad `rows` rows (of 64 padded heads) at a time."""
+    monkeypatch.setattr(sparse_layout, "PADDED_CHUNK_ELEMENTS", rows * 64 * head_dim)
+
+
+def test_padded_heads_run_in_row_chunks_with_the_reference_results(vendors) -> None:
+    """32 heads (a TP-2 rank's share of 64): FlashMLA's forward and cuDNN's backward pad 4 rows at a time
+    (chunks of 4, 4, 3 rows), and give the reference results; the dkv and sink gradients are summed over
+    the chunks."""
+    fake, dsa = FakeFlashMLA(), with_cudnn(vendors)
+    install(vendors, "flash_mla", fake)
+    clear_probe_caches()
+    on_gpu_generation(vendors, (9, 0))
+    rows_per_padded_chunk(vendors, 4, 512)
+    query, kv, indices, sink = fake_sparse_inputs(11, 32, 512, 9, 130, torch.float64, seed=5)
+    out, lse = flashmla_backend.sparse_attention_forward(query, kv, indices, sink, 0.05)
+    out_ref, lse_ref = sparse_attention_forward(query, kv, indices, sink, 0.05)
+    torch.testing.assert_close(out, out_ref, **EXACT)
+    torch.testing.assert_close(lse, lse_ref.float(), rtol=1e-6, atol=1e-6)
+    grad_out = torch.randn_like(out)
+    expected = sparse_attention_backward(query, kv, indices, sink, 0.05, out, lse.double(), grad_out, None)
+    got = cudnn_backend.sparse_attention_backward(query, kv, indices, sink, 0.05, out, lse, grad_out, None)
+    for a, b in zip(got[:2], expected[:2]):
+        torch.testing.assert_close(a, b, **EXACT)
+    torch.testing.assert_close(got[2], expected[2], rtol=1e-6, atol=1e-6)  # float32 sink: summed per chunk
+    forward_rows = [call["q"].shape[0] for call in fake.calls if call["q"].shape[0] != 1]  # not the calibration
+    assert forward_rows == [4, 4, 3] and all(call["q"].shape[1] == 64 for call in fake.calls)
+    assert [call[1]["q"].shape[:2] for call in dsa.calls] == [(4, 64), (4, 64), (3, 64)]
+
+
+def test_cudnn_sm100_forward_pads_heads_in_row_chunks(vendors) -> None:
+    """The SM100 forward glue (bf16, D = 512): chunks of 4 rows give the one-call result."""
+    dsa = with_cudnn(vendors)
+    query, kv, indices, sink = fake_sparse_inputs(10, 32, 512, 9, 70, torch.bfloat16, seed=6)
+    whole = cudnn_backend.sparse_attention_forward(query, kv, indices, sink, 0.09)
+    rows_per_padded_chunk(vendors, 4, 512)
+    chunked = cudnn_backend.sparse_attention_forward(query, kv, indices, sink, 0.09)
+    for a, b in zip(chunked, whole):
+        torch.testing.assert_close(a, b)
+    assert [call[1]["q"].shape[:2] for call in dsa.calls[1:]] == [(4, 64), (4, 64), (2, 64)]
+
+
+class ZeroSparseKernels(types.ModuleType):
+    """FlashMLA's sparse forward and cuDNN's sparse backward returning zeros of their outputs' shapes:
+    measuring the glue around them measures what the glue allocates."""
+
+    def __init__(self) -> None:
+        super().__init__("flash_mla")
+        self.DSA = self
+
+    def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        assert q.shape[1] % 64 == 0
+        stats = q.new_zeros(q.shape[:2], dtype=torch.float32)
+        return q.new_zeros((*q.shape[:2], d_v)), stats, stats
+
+    def sparse_attention_backward_wrapper(self, q, kv, out, dout, lse, attn_sink, topk_idxs, softmax_scale=None):
+        assert q.shape[1] % 64 == 0
+        return {"dq": torch.zeros_like(q), "dkv": torch.zeros_like(kv, dtype=torch.float32),
+                "d_sink": torch.zeros_like(attn_sink)}
+
+
+def padded_glue_memory(heads: int) -> tuple[int, int]:
+    """Peak bytes the FlashMLA forward glue and the cuDNN backward glue allocate for 256 bf16 rows of
+    `heads` heads (D = 128, 64 indices per row; the inputs and output gradient made before)."""
+    rows, head_dim = 256, 128
+    query, kv, indices, sink = fake_sparse_inputs(rows, heads, head_dim, 80, 64, torch.bfloat16, seed=heads)
+    out, lse = torch.zeros_like(query), torch.zeros(rows, heads)
+    grad_out = torch.randn_like(query)
+    with LiveBytes(query, kv, indices, sink) as forward:
+        flashmla_backend.sparse_attention_forward(query, kv, indices, sink, 0.1)
+    with LiveBytes(query, kv, indices, sink, out, lse, grad_out) as backward:
+        cudnn_backend.sparse_attention_backward(query, kv, indices, sink, 0.1, out, lse, grad_out, None)
+    return forward.peak, backward.peak
+
+
+def test_padded_heads_cost_no_full_size_copies(vendors) -> None:
+    """A TP-2 rank's 32 heads of 64: the forward and backward glue allocate at most 0.75 of what 64 heads
+    need (measured 0.58 / 0.66 with 8-row chunks; their own output is half, the chunk copies and the
+    ids add the rest). Padding every row at once made it 1.95 / 3.83 (padded copies of q, out and dO and a
+    padded dq twice the rank's own tensors): splitting the heads saved no memory on the GPU."""
+    kernels = ZeroSparseKernels()
+    install(vendors, "flash_mla", kernels)
+    install(vendors, "cudnn", kernels)
+    clear_probe_caches()
+    rows_per_padded_chunk(vendors, 8, 128)
+    full_forward, full_backward = padded_glue_memory(64)
+    split_forward, split_backward = padded_glue_memory(32)
+    assert split_forward <= 0.75 * full_forward, f"forward {split_forward / full_forward:.2f} of 64 heads'"
+    assert split_backward <= 0.75 * full_backward, f"backward {split_backward / full_backward:.2f} of 64 heads'"
 
 
 def test_cudnn_topk_matches_topk_columns_exactly(vendors) -> None:

@@ -47,6 +47,8 @@ from megatron_dsa.backends.sparse_layout import (
     kv_rows_problem,
     pad_heads,
     padded_heads,
+    padded_row_chunks,
+    rows_in_chunks,
 )
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.backends.triton_kernels.indexer_loss import kl_per_row as triton_kl_per_row
@@ -55,6 +57,7 @@ from megatron_dsa.backends.triton_kernels.topk_order import order_picks
 from megatron_dsa.device_cache import DeviceCache, device_scalar
 from megatron_dsa.ops.indexer_loss import KLFn, indexer_kl, kl_per_row
 from megatron_dsa.ops.indices import UniformVisibleRows
+from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.sparse_attention import sparse_attention_forward as reference_sparse_forward
 from megatron_dsa.parallel.state import group_size
 
@@ -127,26 +130,42 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
     Heads are padded to 64/128 with zero queries, zero output gradients and −inf sinks (a −inf sink
     has no mass, so the padding heads contribute nothing to dkv). Rows without keys get a finite
     stand-in LSE; their `out` is exactly 0 (the forward contract), so `<dO, O> = 0` gives them a zero
-    sink gradient, and with no indices they add nothing to dq or dkv, as in the reference. Neither
-    `out` nor `grad_out` is copied (one full `[N, H, D]` pass each, 0.35 ms at S=4096 on an H200).
+    sink gradient, and with no indices they add nothing to dq or dkv, as in the reference. With all
+    64/128 heads neither `out` nor `grad_out` is copied (one full `[N, H, D]` pass each, 0.35 ms at
+    S=4096 on an H200); fewer heads are padded a chunk of rows at a time (`padded_row_chunks`).
     """
     if grad_lse is not None:
         raise ValueError("the cuDNN sparse backward has no lse-gradient input (the probe declines it)")
-    rows, heads, _ = query.shape
+    rows, heads, head_dim = query.shape
     width = padded_heads(heads)
     empty = torch.isneginf(lse)  # [N, H]: rows without keys (our forward's contract)
-    result = _dsa().sparse_attention_backward_wrapper(
-        pad_heads(query, width),
-        kv.contiguous(),
-        pad_heads(out.to(query.dtype), width),
-        pad_heads(grad_out.to(query.dtype), width),
-        pad_heads(torch.where(empty, 0.0, lse.float()), width),
-        pad_heads(sink.float(), width, float("-inf")),
-        kernel_ids(indices, kv.shape[0], _index_alignment(query.device)),
-        softmax_scale=float(scale),
-    )
-    grad_query = result["dq"][:, :heads].to(query.dtype)
-    return grad_query, result["dkv"].to(kv.dtype), result["d_sink"][:heads].to(sink.dtype)
+    lse = torch.where(empty, 0.0, lse.float())
+    kv, padded_sink = kv.contiguous(), pad_heads(sink.float(), width, float("-inf"))
+    ids = kernel_ids(indices, kv.shape[0], _index_alignment(query.device))
+
+    def run(chunk: slice) -> tuple[Tensor, Tensor, Tensor]:
+        result = _dsa().sparse_attention_backward_wrapper(
+            pad_heads(query[chunk], width),
+            kv,
+            pad_heads(out[chunk].to(query.dtype), width),
+            pad_heads(grad_out[chunk].to(query.dtype), width),
+            pad_heads(lse[chunk], width),
+            padded_sink,
+            ids[chunk],
+            softmax_scale=float(scale),
+        )
+        return result["dq"][:, :heads], result["dkv"], result["d_sink"][:heads]
+
+    chunks = padded_row_chunks(rows, heads, head_dim)
+    if len(chunks) == 1:
+        grad_query, grad_kv, grad_sink = run(chunks[0])
+    else:  # padded heads, chunk by chunk: the key and sink gradients summed over the chunks in compute dtype
+        grad_query, grad_kv, grad_sink = query.new_empty(query.shape), 0, 0
+        for chunk in chunks:
+            grad_query[chunk], chunk_kv, chunk_sink = run(chunk)
+            grad_kv = chunk_kv.to(compute_dtype(chunk_kv.dtype)) + grad_kv
+            grad_sink = chunk_sink.to(compute_dtype(chunk_sink.dtype)) + grad_sink
+    return grad_query.to(query.dtype), grad_kv.to(kv.dtype), grad_sink.to(sink.dtype)
 
 
 def _sparse_problem(call: Mapping[str, Any]) -> Optional[str]:
@@ -187,23 +206,25 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
 
     query `[N, H, D]`, kv `[M, D]`, indices `[N, K]`, sink `[H]` → out `[N, H, D]` (query dtype), lse
     `[N, H]` float32. Heads are padded to 64/128 with zero queries and −inf sinks (the kernel adds the
-    sink to the output's normaliser only: a −inf sink changes nothing); ids become int32 with −1 at
+    sink to the output's normaliser only: a −inf sink changes nothing; a chunk of rows at a time,
+    `padded_row_chunks`); ids become int32 with −1 at
     every invalid slot, padded with −1 to the 64-slot tile; the scale goes in plain (the kernel applies
     log2(e) itself). The kernel's LSE is natural-log and sink-free, as ours; rows without a valid id
     come back with out 0 and lse +inf, which becomes −inf.
     """
-    heads = query.shape[1]
+    rows, heads, head_dim = query.shape
     width = padded_heads(heads)
-    result = _dsa().sparse_attention_forward_wrapper(
-        pad_heads(query, width),
-        kv,
-        kernel_ids(indices, kv.shape[0], FORWARD_TOPK_TILE),
-        attn_sink=pad_heads(sink.float(), width, float("-inf")),
-        softmax_scale=float(scale),
-    )
+    ids = kernel_ids(indices, kv.shape[0], FORWARD_TOPK_TILE)
+    padded_sink = pad_heads(sink.float(), width, float("-inf"))
+
+    def run(chunk: slice) -> tuple[Tensor, Tensor]:
+        result = _dsa().sparse_attention_forward_wrapper(pad_heads(query[chunk], width), kv, ids[chunk],
+                                                         attn_sink=padded_sink, softmax_scale=float(scale))
+        return result["out"][:, :heads], result["lse"][:, :heads]
+
+    out, lse = rows_in_chunks(run, padded_row_chunks(rows, heads, head_dim), rows)
     empty = empty_rows(indices, kv.shape[0]).unsqueeze(1)
-    lse = torch.where(empty, float("-inf"), result["lse"][:, :heads])
-    return result["out"][:, :heads].contiguous(), lse
+    return out.contiguous(), torch.where(empty, float("-inf"), lse)
 
 
 def _sparse_forward_problem(call: Mapping[str, Any]) -> Optional[str]:

@@ -4,9 +4,10 @@ FlashMLA is an optional dependency built from source (docs/kernels.md says how);
 so it serves `sparse_attention_fwd` only and pairs with the cuDNN (or reference) backward.
 
 Contract glue: q `[N, H, D]` with heads padded to 64/128 (zero queries, −inf sinks: a −inf sink has
-no effect on the output), kv `[M, 1, D]`, ids `[N, 1, K]` int32 with K padded to a multiple of 128
-(the SM90 kernel's tile) with −1. FlashMLA's `attn_sink` scales the output by
-`exp(lse)/(exp(lse)+exp(sink))` and leaves the LSE sink-free, which is our convention. Its LSE base
+no effect on the output; a chunk of rows at a time, `sparse_layout.padded_row_chunks`), kv `[M, 1, D]`,
+ids `[N, 1, K]` int32 with K padded to a multiple of 128 (the SM90 kernel's tile) with −1. FlashMLA's
+`attn_sink` scales the output by `exp(lse)/(exp(lse)+exp(sink))` and leaves the LSE sink-free, which is
+our convention. Its LSE base
 changed between FlashMLA versions (an older docstring says base 2; the current one returns natural
 log), so the base is measured once with a one-key row and converted to natural log if needed.
 Rows without a valid id come back with out 0 and lse +inf; we return lse −inf there.
@@ -31,6 +32,8 @@ from megatron_dsa.backends.sparse_layout import (
     kv_rows_problem,
     pad_heads,
     padded_heads,
+    padded_row_chunks,
+    rows_in_chunks,
 )
 
 PACKAGE = "flash_mla"
@@ -74,11 +77,16 @@ def _lse_is_base2(device: torch.device, dtype: torch.dtype) -> bool:
 def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: Tensor,
                              scale: float) -> tuple[Tensor, Tensor]:
     """The `sparse_attention_fwd` contract on `flash_mla.flash_mla_sparse_fwd` (see the module doc)."""
-    heads = query.shape[1]
+    rows, heads, head_dim = query.shape
     width = padded_heads(heads)
-    out, lse = _run(pad_heads(query, width), kv, kernel_ids(indices, kv.shape[0], TOPK_ALIGNMENT),
-                    pad_heads(sink.float(), width, float("-inf")), scale)
-    out, lse = out[:, :heads], lse[:, :heads].float()
+    ids = kernel_ids(indices, kv.shape[0], TOPK_ALIGNMENT)
+    padded_sink = pad_heads(sink.float(), width, float("-inf"))
+
+    def run(chunk: slice) -> tuple[Tensor, Tensor]:
+        out, lse = _run(pad_heads(query[chunk], width), kv, ids[chunk], padded_sink, scale)
+        return out[:, :heads], lse[:, :heads].float()
+
+    out, lse = rows_in_chunks(run, padded_row_chunks(rows, heads, head_dim), rows)
     if _lse_is_base2(query.device, query.dtype):
         lse = lse * math.log(2.0)
     # Rows without keys: FlashMLA writes out = 0 (its reference defines it so) and lse = +inf; ours is −inf.
