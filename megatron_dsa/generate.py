@@ -88,11 +88,15 @@ def generate(model: HybridLM, prompts: Sequence[Tensor], max_new_tokens: int, te
     return torch.stack(generated, dim=1)
 
 
-def check_cuda_graph(cuda_graph: bool, use_cache: bool, device: torch.device) -> None:
+def check_cuda_graph(cuda_graph: bool, use_cache: bool, device: torch.device, *, flags: bool = False) -> None:
+    """CUDA-graph decoding needs the cache and a CUDA device; `flags`: name the CLI's options, not the
+    arguments of `generate`."""
+    graph, no_cache, where = (("--cuda-graph", "--no-cache", "--device") if flags else
+                              ("cuda_graph", "use_cache=False", "the model on"))
     if cuda_graph and not use_cache:
-        raise ValueError("cuda_graph replays the cached one-token decode step: it needs use_cache=True")
+        raise ValueError(f"{graph} replays the cached one-token decode step: it cannot be combined with {no_cache}")
     if cuda_graph and device.type != "cuda":
-        raise ValueError(f"cuda_graph needs the model on a CUDA device (CUDA graphs), got {device}")
+        raise ValueError(f"{graph} needs a CUDA device (CUDA graphs), got {where} {device}")
 
 
 def _cached_steps(model: HybridLM, prompts: list[Tensor], capacity: int, cuda_graph: bool):
@@ -230,11 +234,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m megatron_dsa.g
             raise ValueError(f"--retrieval must be >= 0, got {args.retrieval}")
         from megatron_dsa.train import resolve_device
 
-        if args.cuda_graph and args.no_cache:
-            raise ValueError("--cuda-graph replays the cached decode step: it cannot be combined with --no-cache")
         device = resolve_device(args.device)
-        if args.cuda_graph and device.type != "cuda":
-            raise ValueError(f"--cuda-graph needs a CUDA device (CUDA graphs): got --device {args.device}")
+        check_cuda_graph(args.cuda_graph, not args.no_cache, device, flags=True)
         model = load_model(args.checkpoint, device, DTYPES[args.dtype])
         generator = torch.Generator(device=model.word_embeddings.weight.device).manual_seed(args.seed)
         if args.prompt:
