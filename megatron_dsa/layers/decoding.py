@@ -55,6 +55,7 @@ from megatron_dsa.ops.decode_attention import entry_counts
 from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
+from megatron_dsa.ops.stacked_projection import KeptStack
 
 if TYPE_CHECKING:
     from megatron_dsa.config import HybridAttentionConfig
@@ -162,6 +163,9 @@ class LayerCache:
     longest: int = 0
     ratio: int = 0  # the compressors' ratio r (0: none)
     index: Optional[DecodeIndex] = None  # W/C/H: what `decode_step` indexes with (built by `for_layer`)
+    # The layer's input projection weights stacked for its one GEMM, kept for the cache's life rather than
+    # stacked again every call (`ops.stacked_projection.KeptStack`: a copy of those weights).
+    stacked_weights: KeptStack = field(default_factory=KeptStack)
 
     @classmethod
     def for_layer(cls, layer: "HybridAttention", batch: int, capacity: int, dtype: Optional[torch.dtype] = None,
@@ -255,7 +259,7 @@ def check_cache_kind(layer: "HybridAttention", cache: LayerCache) -> None:
 def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: LayerCache) -> Tensor:
     c, attention = layer.config, layer.core_attention
     positions, inv_freq = new.positions, layer.angle_freq(x.dtype)
-    q, kv, projected, qr = layer.core.project(layer, x, positions)
+    q, kv, projected, qr = layer.core.project(layer, x, positions, cache.stacked_weights)
     before = cache.seqlens
     # kv_all = [new rows (N); window ring (B·R); compressed entries (B·C)]: the rows indices point into.
     ring = cache.window.shape[1]
@@ -382,7 +386,7 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     c, attention, index = layer.config, layer.core_attention, cache.index
     positions = cache.seqlens  # the new token's position in each sequence
     inv_freq = layer.angle_freq(x.dtype)
-    q, kv, projected, qr = layer.core.project(layer, x, positions)
+    q, kv, projected, qr = layer.core.project(layer, x, positions, cache.stacked_weights)
     entries, picks = None, None
     if attention.compressor is not None:
         # The attention's and the indexer's compressors share the ratio: one set of slot arithmetic serves both.
@@ -413,7 +417,8 @@ def _latent_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     and the new one (decode attention: ring = the whole cache, window `capacity + 1`, no sink), and `W_v` maps
     the output's latent columns to each head's value. `x [B, d]` → `[B, H/tp · Dv]`."""
     c, core, positions = layer.config, layer.core, cache.seqlens
-    q, latent, k_rope = core.project(layer, x, positions)  # [B, H, qk + P], [B, R], [B, P]
+    # [B, H, qk + P], [B, R], [B, P]
+    q, latent, k_rope = core.project(layer, x, positions, cache.stacked_weights)
     groups, rank = layer.local_groups, latent.shape[-1]
     w_k, w_v = DenseMLACore.plain_up_weight(layer).unflatten(0, (groups, -1)).split(
         (c.mla_qk_head_dim, c.v_head_dim), dim=1)  # [G, qk, R], [G, Dv, R]
@@ -492,7 +497,7 @@ def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positio
 # ---------------------------------------------------------------- M
 def _latent_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: LayerCache) -> Tensor:
     core: DenseMLACore = layer.core
-    q, latent, k_rope = core.project(layer, x, new.positions)
+    q, latent, k_rope = core.project(layer, x, new.positions, cache.stacked_weights)
     seg, p, real = new.segment_ids, new.positions, new.row_valid
     cache.latent[seg[real], p[real]] = torch.cat((latent, k_rope), dim=-1)[real].to(cache.latent.dtype)
     longest, rank = int((cache.seqlens + new.real_seqlens).max()), latent.shape[-1]

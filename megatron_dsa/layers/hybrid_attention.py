@@ -24,6 +24,7 @@ from megatron_dsa.layers.decoding import LayerCache, attend_cached, decode_step,
 from megatron_dsa.layers.rows import LocalRows, TokenRows, token_rows
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules, apply
 from megatron_dsa.ops.precision import compute_dtype
+from megatron_dsa.ops.stacked_projection import KeptStack
 from megatron_dsa.packed_seq import PackedSeqParams, check_packed_hidden_states, validate_packed_seq_params
 from megatron_dsa.parallel.linear import divide
 from megatron_dsa.parallel.mappings import gather_from_sequence_parallel_region
@@ -147,12 +148,13 @@ class HybridAttention(HighPrecisionModule):
         """Token rows `x [N, d]` → this rank's `linear_proj` input `[N, F/tp]` (the kind's core)."""
         return self.core.attend(self, x, rows)
 
-    def query_rows(self, x: Tensor, attached: Sequence[nn.Linear], detached: Sequence[nn.Linear] = ()
-                   ) -> tuple[dict[nn.Linear, Tensor], Tensor, Tensor]:
+    def query_rows(self, x: Tensor, attached: Sequence[nn.Linear], detached: Sequence[nn.Linear] = (),
+                   kept: Optional[KeptStack] = None) -> tuple[dict[nn.Linear, Tensor], Tensor, Tensor]:
         """The query path every kind shares, with the core's other projections of `x [N, d]` in the same
-        GEMM (`project_rows`): `(projected, qr [N, Rq], q [N, H/tp, q_head_dim])`, where `projected`
-        maps each linear to its output and `qr` is the normalised query latent (the indexer's input)."""
-        projected = project_rows(x, [self.linear_q_down_proj, *attached], detached, self.gemms)
+        GEMM (`project_rows`; `kept`: an inference cache's stack of their weights): `(projected, qr [N, Rq],
+        q [N, H/tp, q_head_dim])`, where `projected` maps each linear to its output and `qr` is the
+        normalised query latent (the indexer's input)."""
+        projected = project_rows(x, [self.linear_q_down_proj, *attached], detached, self.gemms, kept)
         qr = self.q_layernorm(projected[self.linear_q_down_proj])
         q = apply(self.linear_q_up_proj, qr).view(-1, self.local_heads, self.q_head_dim)
         return projected, qr, q
