@@ -90,17 +90,18 @@ class AtenOps(TorchDispatchMode):
 @pytest.mark.parametrize("kind, compressors, ratio", [("C", 2, 4), ("H", 1, 8)])
 @torch.no_grad()
 def test_a_decode_steps_compressor_writes_are_one_copy_each(kind: str, compressors: int, ratio: int) -> None:
-    """A decode step writes each compressor's new kv and gate slot and its group's entry with one `index_copy_`
-    each (flattened rows from index arithmetic shared by both compressors), orders the slots of the overlapping
-    ratio 4 with one `index_select` per state, and builds the pooling's layout without a search: the small ops
-    a captured step replays every token. The window ring is the step's one `index_put_`."""
+    """A decode step writes each compressor's new slot (kv and gate side by side, as the stacked GEMM leaves them)
+    and its group's entry with one `index_copy_` each (flattened rows from index arithmetic shared by both
+    compressors), orders the slots of the overlapping ratio 4 with one `index_select` per compressor, and builds
+    the pooling's layout without a search: the small ops a captured step replays every token. The window ring is
+    the step's one `index_put_`."""
     layer, hidden = layer_and_input(kind, 12, batch=3)
     cache = LayerCache.for_layer(layer, 3, 12)
     layer(hidden[:9], inference_cache=cache)
     with AtenOps() as ops:
         layer(hidden[9:10], inference_cache=cache)
-    assert ops.counts["index_copy_"] == 3 * compressors, ops.counts
-    assert ops.counts["index_select"] == (2 * compressors if ratio == 4 else 0), ops.counts
+    assert ops.counts["index_copy_"] == 2 * compressors, ops.counts
+    assert ops.counts["index_select"] == (compressors if ratio == 4 else 0), ops.counts
     assert ops.counts["index_put_"] == 1 and ops.counts["searchsorted"] == 0, ops.counts
 
 

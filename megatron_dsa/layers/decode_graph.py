@@ -49,7 +49,7 @@ class _StepWrites:
     @classmethod
     def save(cls, cache: LayerCache) -> "_StepWrites":
         buffers = [t for t in (cache.window,) if t is not None]
-        buffers += [t for state in cache.compressors.values() for t in (state.kv, state.gate)]
+        buffers += [state.rows for state in cache.compressors.values()]
         entry_rows = []
         # Row p // r of the compressed stores, row p of an M layer's latents.
         for store, ratio in ((cache.entries, cache.ratio), (cache.indexer_keys, cache.ratio), (cache.latent, 1)):

@@ -64,15 +64,35 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CompressorState:
-    """A compressor's unfinished tokens: `kv`, `gate` `[B, K, coff·Dc]`, the projections of the last
-    `K` positions at slot `position % K` (`K = 2r` for the overlapping ratio 4, else `r`)."""
+    """A compressor's unfinished tokens: `rows [B, K, 2·coff·Dc]`, the `kv` then the `gate` projections of the
+    last `K` positions at slot `position % K` (`K = 2r` for the overlapping ratio 4, else `r`). Side by side
+    in one buffer, as they come out of the stacked projection GEMM: a decode step writes and reorders both
+    with one op each."""
 
-    kv: Tensor
-    gate: Tensor
+    rows: Tensor
+
+    @classmethod
+    def empty(cls, batch: int, slots: int, width: int, dtype: torch.dtype, device: torch.device
+              ) -> "CompressorState":
+        return cls(torch.zeros(batch, slots, 2 * width, dtype=dtype, device=device))
+
+    @property
+    def kv(self) -> Tensor:
+        """`[B, K, coff·Dc]` (a view of `rows`)."""
+        return self.rows[..., :self.width]
+
+    @property
+    def gate(self) -> Tensor:
+        """`[B, K, coff·Dc]` (a view of `rows`)."""
+        return self.rows[..., self.width:]
+
+    @property
+    def width(self) -> int:
+        return self.rows.shape[-1] // 2
 
     @property
     def slots(self) -> int:
-        return self.kv.shape[1]
+        return self.rows.shape[1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,7 +208,7 @@ class LayerCache:
                                  ("indexer", attention.indexer.compressor if attention.indexer else None)):
             if compressor is not None:
                 width, slots = compressor.linear_wkv.out_features, _pending_slots(compressor.ratio)
-                cache.compressors[name] = CompressorState(empty(batch, slots, width), empty(batch, slots, width))
+                cache.compressors[name] = CompressorState.empty(batch, slots, width, dtype, device)
         if attention.compressor is not None:
             cache.ratio = attention.ratio
             cache.entries = empty(batch, -(-capacity // attention.ratio), c.v_head_dim)
@@ -205,7 +225,7 @@ class LayerCache:
     def nbytes(self) -> int:
         """Bytes the cache's buffers hold."""
         buffers = [self.window, self.entries, self.indexer_keys, self.latent]
-        buffers += [t for state in self.compressors.values() for t in (state.kv, state.gate)]
+        buffers += [state.rows for state in self.compressors.values()]
         return sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
 
@@ -334,18 +354,18 @@ def _append_entries(compressor: Compressor, state: CompressorState, projected: d
     source = torch.where(local < held[seg], new.num_rows + seg * slots + (start[seg] + local) % slots,
                          new.cu_seqlens[seg] + local - held[seg])
     source = torch.where(rows < cu[-1], source, 0)  # the tail past the last segment: any row
-    gather = lambda rows_new, pending: torch.cat((rows_new, pending.flatten(0, 1)))[source]  # noqa: E731
     tokens = TokenLayout(cu, num_rows, new.max_seqlen + slots, position_offsets=start)
     layout = CompressedLayout.owned(tokens, r, first_entry,
                                     torch.div(before + added, r, rounding_mode="floor") - first_entry,
                                     num_rows // r)
-    kv, gate = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
-    pooled = compressor({compressor.linear_wkv: gather(kv, state.kv),
-                         compressor.linear_wgate: gather(gate, state.gate)}, layout, inv_freq)
+    new_rows = _side_by_side(projected[compressor.linear_wkv], projected[compressor.linear_wgate])
+    pending = torch.cat((new_rows, state.rows.flatten(0, 1)))[source]
+    width = state.width
+    pooled = compressor({compressor.linear_wkv: pending[:, :width], compressor.linear_wgate: pending[:, width:]},
+                        layout, inv_freq)
     valid = layout.valid
     store[layout.segment_ids[valid], layout.entry_index[valid]] = pooled[valid].to(store.dtype)
-    _write_slots(state.kv, kv, new, before)
-    _write_slots(state.gate, gate, new, before)
+    _write_slots(state.rows, new_rows, new, before)
 
 
 def _write_slots(buffer: Tensor, rows: Tensor, new: TokenLayout, before: Tensor) -> None:
@@ -468,14 +488,25 @@ def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: d
 
     Every sequence pools the state's `K` slots (oldest first) as one segment of a layout that owns one entry
     per segment, whether or not its group is complete (fixed shapes, no branch on values)."""
-    kv, gate = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
-    flat_kv, flat_gate = state.kv.flatten(0, 1), state.gate.flatten(0, 1)  # views: the writes land in the state
-    flat_kv.index_copy_(0, group.slot_rows, kv.to(state.kv.dtype))
-    flat_gate.index_copy_(0, group.slot_rows, gate.to(state.gate.dtype))
+    new_rows = _side_by_side(projected[compressor.linear_wkv], projected[compressor.linear_wgate])
+    flat = state.rows.flatten(0, 1)  # a view: the write lands in the state
+    flat.index_copy_(0, group.slot_rows, new_rows.to(flat.dtype))
     if group.oldest_first is not None:
-        flat_kv, flat_gate = flat_kv.index_select(0, group.oldest_first), flat_gate.index_select(0, group.oldest_first)
-    pooled = compressor({compressor.linear_wkv: flat_kv, compressor.linear_wgate: flat_gate}, group.layout, inv_freq)
+        flat = flat.index_select(0, group.oldest_first)
+    width = state.width
+    pooled = compressor({compressor.linear_wkv: flat[:, :width], compressor.linear_wgate: flat[:, width:]},
+                        group.layout, inv_freq)
     store.flatten(0, 1).index_copy_(0, group.entry_rows, pooled.to(store.dtype))
+
+
+def _side_by_side(left: Tensor, right: Tensor) -> Tensor:
+    """`[left | right]` of two `[N, n]` tensors: a view where right's columns follow left's in the same rows
+    (column slices of one stacked GEMM output, the usual case), else a copy."""
+    if (left.stride() == right.stride() and left.stride(1) == 1 and left.dtype == right.dtype
+            and left.untyped_storage().data_ptr() == right.untyped_storage().data_ptr()
+            and right.data_ptr() == left.data_ptr() + left.shape[1] * left.element_size()):
+        return left.as_strided((left.shape[0], left.shape[1] + right.shape[1]), left.stride())
+    return torch.cat((left, right), dim=1)
 
 
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
