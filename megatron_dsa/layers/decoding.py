@@ -105,7 +105,7 @@ class PendingGroups:
     segments: the `TokenLayout` of B segments of K rows (each sequence's slots, oldest first, pooled as one
     segment); numbering: `[B + 1]` `0 … B` (one entry per segment: its entries' offsets); all_valid: `[B]` True.
     own_first: `[B]` `b·K + K − r`, the row of the first token of the new token's group among the slots
-    oldest first. oldest_first: ratio 4 only (`K = 2r`, two groups held), `[2, B, K]` the rows of sequence b's
+    oldest first; previous_first: `[B]` `own_first − r`, of the group before it. oldest_first: ratio 4 only (`K = 2r`, two groups held), `[2, B, K]` the rows of sequence b's
     slots oldest first when the new token's entry `j` has parity `j % 2` (for K = r the slots are in order)."""
 
     ratio: int
@@ -116,6 +116,7 @@ class PendingGroups:
     numbering: Tensor
     all_valid: Tensor
     own_first: Tensor
+    previous_first: Tensor
     oldest_first: Optional[Tensor]
 
     @classmethod
@@ -130,7 +131,8 @@ class PendingGroups:
             oldest_first = slot_base.view(1, batch, 1) + in_order.unsqueeze(1)
         return cls(ratio, slots, slot_base, arange(0, batch * entries, entries),
                    TokenLayout(arange(0, (batch + 1) * slots, slots), batch * slots, slots), arange(batch + 1),
-                   torch.ones(batch, dtype=torch.bool, device=device), slot_base + (slots - ratio), oldest_first)
+                   torch.ones(batch, dtype=torch.bool, device=device), slot_base + (slots - ratio),
+                   slot_base + (slots - 2 * ratio), oldest_first)
 
 
 @dataclass(frozen=True, eq=False)
@@ -469,12 +471,13 @@ class _NewTokenGroup(NamedTuple):
     def of(cls, positions: Tensor, index: DecodeIndex) -> "_NewTokenGroup":
         groups, ratio = index.groups, index.groups.ratio
         entry = torch.div(positions, ratio, rounding_mode="floor")
+        group_start = entry * ratio  # the entry's RoPE position
         # The K positions ending with p's group start at (j + 1)·r − K (before the sequence for ratio 4's first
         # entry, whose previous group the pooling masks): every pooled row is in the segment.
-        start = entry * ratio if groups.slots == ratio else entry * ratio - (groups.slots - ratio)
+        start = group_start if groups.slots == ratio else group_start - (groups.slots - ratio)
         tokens = dataclasses.replace(groups.segments, position_offsets=start)
         layout = CompressedLayout.one_entry_per_segment(tokens, ratio, entry, groups.own_first, groups.numbering,
-                                                        groups.all_valid)
+                                                        groups.all_valid, group_start, groups.previous_first)
         oldest_first = (None if groups.oldest_first is None
                         else groups.oldest_first[entry % 2, index.sequences].flatten())
         return cls(groups.slot_base + positions % groups.slots, groups.entry_base + entry, oldest_first, layout)
