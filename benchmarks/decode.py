@@ -84,7 +84,7 @@ def filled_cache(layer, batch: int, context: int, spare: int, generator: torch.G
     """A cache of `batch` sequences holding `context` tokens each, its rows random, with room for `spare` more."""
     cache = LayerCache.for_layer(layer, batch, context + spare)
     buffers = [cache.window, cache.entries, cache.indexer_keys, cache.latent]
-    buffers += [t for state in cache.compressors.values() for t in (state.kv, state.gate)]
+    buffers += [state.rows for state in cache.compressors.values()]
     for buffer in buffers:
         if buffer is not None:
             buffer.copy_(torch.randn(buffer.shape, generator=generator, device=buffer.device))

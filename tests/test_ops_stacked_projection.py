@@ -8,7 +8,8 @@ from torch import nn
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.layers.common import project_rows
 from megatron_dsa.ops import stacked_projection as stacked_module
-from megatron_dsa.ops.stacked_projection import stacked_projection
+from megatron_dsa.layers.projection_gemms import NATIVE
+from megatron_dsa.ops.stacked_projection import KeptStack, stacked_projection, stacked_weights
 
 F64 = torch.float64
 SIZES = (6, 3, 5, 2)
@@ -24,6 +25,27 @@ def _leaves(seed=0, rows=7, width=4):
 def _grads(outputs, upstream, leaves):
     used = [(out * up).sum() for out, up in zip(outputs, upstream) if up is not None]
     return torch.autograd.grad(sum(used), leaves, allow_unused=True)
+
+
+def test_a_kept_stack_is_stacked_again_only_when_a_weight_changes():
+    """An inference cache's kept stack: the same tensor while the weights are unchanged; an in-place update
+    (an optimizer step, `load_state_dict`) or another weight tensor stacks them again, so products never read
+    stale weights. Only products that need no gradient use it."""
+    _, weights = _leaves()
+    kept = KeptStack()
+    with torch.no_grad():
+        first = kept.of(weights)
+        assert torch.equal(first, torch.cat(weights)) and kept.of(weights) is first
+        weights[1].mul_(2.0)
+        second = kept.of(weights)
+        assert second is not first and torch.equal(second, torch.cat(weights))
+        swapped = [weights[0].clone(), *weights[1:]]
+        assert kept.of(swapped) is not second and torch.equal(kept.of(swapped), torch.cat(swapped))
+    assert stacked_weights(weights, kept) is None  # grad mode on and weights requiring grad: autograd stacks
+    with torch.no_grad():
+        x = torch.randn(3, weights[0].shape[1], dtype=F64)
+        for got, weight in zip(NATIVE.stacked(x, weights, 2, kept), weights):
+            assert torch.equal(got, x @ weight.t())
 
 
 @pytest.mark.parametrize("attached,used", [(0, "all"), (2, "all"), (4, "all"), (0, "first and last"),

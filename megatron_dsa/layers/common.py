@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from megatron_dsa.backends import OpFamily, Requested, dispatch
 from megatron_dsa.layers.projection_gemms import NATIVE, ProjectionGemms, has_call_hooks
+from megatron_dsa.ops.stacked_projection import KeptStack
 
 __all__ = ["HighPrecisionModule", "RMSNorm", "bits", "has_call_hooks", "linear", "make_norm", "output_init_std",
            "project_rows"]
@@ -57,17 +58,18 @@ class RMSNorm(nn.Module):
 
 
 def project_rows(x: Tensor, attached: Sequence[nn.Linear], detached: Sequence[nn.Linear] = (),
-                 gemms: ProjectionGemms = NATIVE) -> dict[nn.Linear, Tensor]:
+                 gemms: ProjectionGemms = NATIVE, kept: Optional[KeptStack] = None) -> dict[nn.Linear, Tensor]:
     """`{linear: x @ linear.weight^T}` for linears that read the token rows `x [T, d]`; the `detached`
     ones read `x.detach()` (their outputs pass no gradient to x).
 
     One stacked GEMM (`gemms.stacked`; the outputs are column slices of its result) when
     `gemms.stacks` them: natively, every linear a plain bias-free `nn.Linear` without hooks, in x's
     dtype and device, outside autocast; in FP8, plain linears on x's device. Otherwise each module is
-    called, so its hooks (or its own forward, in its own precision) run."""
+    called, so its hooks (or its own forward, in its own precision) run. `kept`: an inference cache's stack
+    of the weights (`ops.stacked_projection.KeptStack`), used where no gradient is needed."""
     linears = [*attached, *detached]
     if gemms.stacks(x, linears):
-        outputs = gemms.stacked(x, [linear.weight for linear in linears], len(attached))
+        outputs = gemms.stacked(x, [linear.weight for linear in linears], len(attached), kept)
     else:
         outputs = [linear(x) for linear in attached] + [linear(x.detach()) for linear in detached]
     return dict(zip(linears, outputs))

@@ -28,6 +28,7 @@ from megatron_dsa.layers.common import RMSNorm, has_call_hooks, linear
 from megatron_dsa.layers.compressed_attention import CompressedSparseAttention
 from megatron_dsa.layers.context_parallel import PackedKeyValues, RingKeys
 from megatron_dsa.layers.submodules import apply
+from megatron_dsa.ops.stacked_projection import KeptStack
 from megatron_dsa.parallel.linear import ColumnParallelLinear, divide
 from megatron_dsa.parallel.mappings import copy_to_tensor_parallel_region
 from megatron_dsa.parallel.sharding import tensor_parallel_parameter
@@ -83,18 +84,19 @@ class SparseMLACore:
         o = layer.core_attention(q, kv, projected, qr, rows, layer.angle_freq(x.dtype))
         return self.finish(layer, o, positions)
 
-    def project(self, layer: "HybridAttention", x: Tensor, positions: Tensor
+    def project(self, layer: "HybridAttention", x: Tensor, positions: Tensor, kept: Optional[KeptStack] = None
                 ) -> tuple[Tensor, Tensor, dict[nn.Linear, Tensor], Tensor]:
         """Token rows `x [N, d]` at `positions [N]` → `(q [N, H/tp, D], kv [N, D], projected, qr [N, Rq])`:
         the queries and K = V rows (normalised, RoPE applied), the rows through the compressors' and the
         indexer's linears, and the normalised query latent: all that attending the rows needs from them,
-        wherever their keys are later read from."""
+        wherever their keys are later read from. `kept`: an inference cache's stack of the input projections'
+        weights (`HybridAttention.query_rows`)."""
         c = layer.config
         inv_freq = layer.angle_freq(x.dtype)
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         norm_rope = dispatch(OpFamily.NORM_ROPE, c, device=x.device, dtype=x.dtype)
         core_attached, core_detached = layer.core_attention.projections()
-        projected, qr, q = layer.query_rows(x, [layer.linear_kv_proj, *core_attached], core_detached)
+        projected, qr, q = layer.query_rows(x, [layer.linear_kv_proj, *core_attached], core_detached, kept)
         q = norm_rope(q, positions, inv_freq, c.layernorm_epsilon)  # weightless per-head RMSNorm, then RoPE
         kv = _kv_rows(layer.kv_layernorm, projected[layer.linear_kv_proj], positions, inv_freq, rope,
                       norm_rope)  # K = V, [N, D]
@@ -169,14 +171,15 @@ class DenseMLACore:
         c = layer.config
         return LatentUpProjection(layer.local_groups, c.mla_qk_head_dim, c.v_head_dim)
 
-    def project(self, layer: "HybridAttention", x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, layer: "HybridAttention", x: Tensor, positions: Tensor, kept: Optional[KeptStack] = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
         """Token rows `x [N, d]` at `positions [N]` → `(q [N, H/tp, qk + P]` (RoPE applied), the normalised
         KV latent `[N, kv_lora_rank]`, the shared RoPE key `[N, P]`)`: the keys and values of the rows
-        follow from the latent and the RoPE key alone."""
+        follow from the latent and the RoPE key alone. `kept`: as `SparseCore.project`'s."""
         c = layer.config
         rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
         inv_freq, amplitude = layer.angle_freq(x.dtype), self.rope_amplitude(c)
-        projected, _, q = layer.query_rows(x, [layer.linear_kv_down_proj])
+        projected, _, q = layer.query_rows(x, [layer.linear_kv_down_proj], kept=kept)
         q = rope(q, positions, inv_freq, amplitude=amplitude)
         latent, k_rope = projected[layer.linear_kv_down_proj].split((c.mla_kv_lora_rank, c.qk_pos_emb_head_dim),
                                                                     dim=-1)

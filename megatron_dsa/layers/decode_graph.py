@@ -18,7 +18,9 @@ their capacity.
 What a replay assumes: the input has the captured shape, dtype and device (checked); the caches are the
 captured objects with their captured buffers (the reference path, which prefill runs, updates them in place,
 so prefill may continue between replays); the output is graph memory the next replay overwrites (clone what
-you keep). An M layer whose up-projection is not a plain weight decodes through the reference path
+you keep); the step's input projection reads the stack of their weights its cache kept
+(`ops.stacked_projection.KeptStack`), so weights changed in place after the capture take effect in a new
+capture, not in replays of this one. An M layer whose up-projection is not a plain weight decodes through the reference path
 (`layers.decoding.takes_decode_step`), which reads lengths back: CUDA refuses to capture that step.
 """
 
@@ -49,7 +51,7 @@ class _StepWrites:
     @classmethod
     def save(cls, cache: LayerCache) -> "_StepWrites":
         buffers = [t for t in (cache.window,) if t is not None]
-        buffers += [t for state in cache.compressors.values() for t in (state.kv, state.gate)]
+        buffers += [state.rows for state in cache.compressors.values()]
         entry_rows = []
         # Row p // r of the compressed stores, row p of an M layer's latents.
         for store, ratio in ((cache.entries, cache.ratio), (cache.indexer_keys, cache.ratio), (cache.latent, 1)):

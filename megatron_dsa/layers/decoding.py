@@ -55,6 +55,7 @@ from megatron_dsa.ops.decode_attention import entry_counts
 from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
+from megatron_dsa.ops.stacked_projection import KeptStack
 
 if TYPE_CHECKING:
     from megatron_dsa.config import HybridAttentionConfig
@@ -63,15 +64,35 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CompressorState:
-    """A compressor's unfinished tokens: `kv`, `gate` `[B, K, coff·Dc]`, the projections of the last
-    `K` positions at slot `position % K` (`K = 2r` for the overlapping ratio 4, else `r`)."""
+    """A compressor's unfinished tokens: `rows [B, K, 2·coff·Dc]`, the `kv` then the `gate` projections of the
+    last `K` positions at slot `position % K` (`K = 2r` for the overlapping ratio 4, else `r`). Side by side
+    in one buffer, as they come out of the stacked projection GEMM: a decode step writes and reorders both
+    with one op each."""
 
-    kv: Tensor
-    gate: Tensor
+    rows: Tensor
+
+    @classmethod
+    def empty(cls, batch: int, slots: int, width: int, dtype: torch.dtype, device: torch.device
+              ) -> "CompressorState":
+        return cls(torch.zeros(batch, slots, 2 * width, dtype=dtype, device=device))
+
+    @property
+    def kv(self) -> Tensor:
+        """`[B, K, coff·Dc]` (a view of `rows`)."""
+        return self.rows[..., :self.width]
+
+    @property
+    def gate(self) -> Tensor:
+        """`[B, K, coff·Dc]` (a view of `rows`)."""
+        return self.rows[..., self.width:]
+
+    @property
+    def width(self) -> int:
+        return self.rows.shape[-1] // 2
 
     @property
     def slots(self) -> int:
-        return self.kv.shape[1]
+        return self.rows.shape[1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +105,7 @@ class PendingGroups:
     segments: the `TokenLayout` of B segments of K rows (each sequence's slots, oldest first, pooled as one
     segment); numbering: `[B + 1]` `0 … B` (one entry per segment: its entries' offsets); all_valid: `[B]` True.
     own_first: `[B]` `b·K + K − r`, the row of the first token of the new token's group among the slots
-    oldest first. oldest_first: ratio 4 only (`K = 2r`, two groups held), `[2, B, K]` the rows of sequence b's
+    oldest first; previous_first: `[B]` `own_first − r`, of the group before it. oldest_first: ratio 4 only (`K = 2r`, two groups held), `[2, B, K]` the rows of sequence b's
     slots oldest first when the new token's entry `j` has parity `j % 2` (for K = r the slots are in order)."""
 
     ratio: int
@@ -95,6 +116,7 @@ class PendingGroups:
     numbering: Tensor
     all_valid: Tensor
     own_first: Tensor
+    previous_first: Tensor
     oldest_first: Optional[Tensor]
 
     @classmethod
@@ -109,7 +131,8 @@ class PendingGroups:
             oldest_first = slot_base.view(1, batch, 1) + in_order.unsqueeze(1)
         return cls(ratio, slots, slot_base, arange(0, batch * entries, entries),
                    TokenLayout(arange(0, (batch + 1) * slots, slots), batch * slots, slots), arange(batch + 1),
-                   torch.ones(batch, dtype=torch.bool, device=device), slot_base + (slots - ratio), oldest_first)
+                   torch.ones(batch, dtype=torch.bool, device=device), slot_base + (slots - ratio),
+                   slot_base + (slots - 2 * ratio), oldest_first)
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,6 +185,9 @@ class LayerCache:
     longest: int = 0
     ratio: int = 0  # the compressors' ratio r (0: none)
     index: Optional[DecodeIndex] = None  # W/C/H: what `decode_step` indexes with (built by `for_layer`)
+    # The layer's input projection weights stacked for its one GEMM, kept for the cache's life rather than
+    # stacked again every call (`ops.stacked_projection.KeptStack`: a copy of those weights).
+    stacked_weights: KeptStack = field(default_factory=KeptStack)
 
     @classmethod
     def for_layer(cls, layer: "HybridAttention", batch: int, capacity: int, dtype: Optional[torch.dtype] = None,
@@ -184,7 +210,7 @@ class LayerCache:
                                  ("indexer", attention.indexer.compressor if attention.indexer else None)):
             if compressor is not None:
                 width, slots = compressor.linear_wkv.out_features, _pending_slots(compressor.ratio)
-                cache.compressors[name] = CompressorState(empty(batch, slots, width), empty(batch, slots, width))
+                cache.compressors[name] = CompressorState.empty(batch, slots, width, dtype, device)
         if attention.compressor is not None:
             cache.ratio = attention.ratio
             cache.entries = empty(batch, -(-capacity // attention.ratio), c.v_head_dim)
@@ -201,7 +227,7 @@ class LayerCache:
     def nbytes(self) -> int:
         """Bytes the cache's buffers hold."""
         buffers = [self.window, self.entries, self.indexer_keys, self.latent]
-        buffers += [t for state in self.compressors.values() for t in (state.kv, state.gate)]
+        buffers += [state.rows for state in self.compressors.values()]
         return sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
 
@@ -255,7 +281,7 @@ def check_cache_kind(layer: "HybridAttention", cache: LayerCache) -> None:
 def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: LayerCache) -> Tensor:
     c, attention = layer.config, layer.core_attention
     positions, inv_freq = new.positions, layer.angle_freq(x.dtype)
-    q, kv, projected, qr = layer.core.project(layer, x, positions)
+    q, kv, projected, qr = layer.core.project(layer, x, positions, cache.stacked_weights)
     before = cache.seqlens
     # kv_all = [new rows (N); window ring (B·R); compressed entries (B·C)]: the rows indices point into.
     ring = cache.window.shape[1]
@@ -330,18 +356,18 @@ def _append_entries(compressor: Compressor, state: CompressorState, projected: d
     source = torch.where(local < held[seg], new.num_rows + seg * slots + (start[seg] + local) % slots,
                          new.cu_seqlens[seg] + local - held[seg])
     source = torch.where(rows < cu[-1], source, 0)  # the tail past the last segment: any row
-    gather = lambda rows_new, pending: torch.cat((rows_new, pending.flatten(0, 1)))[source]  # noqa: E731
     tokens = TokenLayout(cu, num_rows, new.max_seqlen + slots, position_offsets=start)
     layout = CompressedLayout.owned(tokens, r, first_entry,
                                     torch.div(before + added, r, rounding_mode="floor") - first_entry,
                                     num_rows // r)
-    kv, gate = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
-    pooled = compressor({compressor.linear_wkv: gather(kv, state.kv),
-                         compressor.linear_wgate: gather(gate, state.gate)}, layout, inv_freq)
+    new_rows = _side_by_side(projected[compressor.linear_wkv], projected[compressor.linear_wgate])
+    pending = torch.cat((new_rows, state.rows.flatten(0, 1)))[source]
+    width = state.width
+    pooled = compressor({compressor.linear_wkv: pending[:, :width], compressor.linear_wgate: pending[:, width:]},
+                        layout, inv_freq)
     valid = layout.valid
     store[layout.segment_ids[valid], layout.entry_index[valid]] = pooled[valid].to(store.dtype)
-    _write_slots(state.kv, kv, new, before)
-    _write_slots(state.gate, gate, new, before)
+    _write_slots(state.rows, new_rows, new, before)
 
 
 def _write_slots(buffer: Tensor, rows: Tensor, new: TokenLayout, before: Tensor) -> None:
@@ -382,7 +408,7 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     c, attention, index = layer.config, layer.core_attention, cache.index
     positions = cache.seqlens  # the new token's position in each sequence
     inv_freq = layer.angle_freq(x.dtype)
-    q, kv, projected, qr = layer.core.project(layer, x, positions)
+    q, kv, projected, qr = layer.core.project(layer, x, positions, cache.stacked_weights)
     entries, picks = None, None
     if attention.compressor is not None:
         # The attention's and the indexer's compressors share the ratio: one set of slot arithmetic serves both.
@@ -413,7 +439,8 @@ def _latent_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     and the new one (decode attention: ring = the whole cache, window `capacity + 1`, no sink), and `W_v` maps
     the output's latent columns to each head's value. `x [B, d]` → `[B, H/tp · Dv]`."""
     c, core, positions = layer.config, layer.core, cache.seqlens
-    q, latent, k_rope = core.project(layer, x, positions)  # [B, H, qk + P], [B, R], [B, P]
+    # [B, H, qk + P], [B, R], [B, P]
+    q, latent, k_rope = core.project(layer, x, positions, cache.stacked_weights)
     groups, rank = layer.local_groups, latent.shape[-1]
     w_k, w_v = DenseMLACore.plain_up_weight(layer).unflatten(0, (groups, -1)).split(
         (c.mla_qk_head_dim, c.v_head_dim), dim=1)  # [G, qk, R], [G, Dv, R]
@@ -444,12 +471,13 @@ class _NewTokenGroup(NamedTuple):
     def of(cls, positions: Tensor, index: DecodeIndex) -> "_NewTokenGroup":
         groups, ratio = index.groups, index.groups.ratio
         entry = torch.div(positions, ratio, rounding_mode="floor")
+        group_start = entry * ratio  # the entry's RoPE position
         # The K positions ending with p's group start at (j + 1)·r − K (before the sequence for ratio 4's first
         # entry, whose previous group the pooling masks): every pooled row is in the segment.
-        start = entry * ratio if groups.slots == ratio else entry * ratio - (groups.slots - ratio)
+        start = group_start if groups.slots == ratio else group_start - (groups.slots - ratio)
         tokens = dataclasses.replace(groups.segments, position_offsets=start)
         layout = CompressedLayout.one_entry_per_segment(tokens, ratio, entry, groups.own_first, groups.numbering,
-                                                        groups.all_valid)
+                                                        groups.all_valid, group_start, groups.previous_first)
         oldest_first = (None if groups.oldest_first is None
                         else groups.oldest_first[entry % 2, index.sequences].flatten())
         return cls(groups.slot_base + positions % groups.slots, groups.entry_base + entry, oldest_first, layout)
@@ -463,14 +491,25 @@ def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: d
 
     Every sequence pools the state's `K` slots (oldest first) as one segment of a layout that owns one entry
     per segment, whether or not its group is complete (fixed shapes, no branch on values)."""
-    kv, gate = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
-    flat_kv, flat_gate = state.kv.flatten(0, 1), state.gate.flatten(0, 1)  # views: the writes land in the state
-    flat_kv.index_copy_(0, group.slot_rows, kv.to(state.kv.dtype))
-    flat_gate.index_copy_(0, group.slot_rows, gate.to(state.gate.dtype))
+    new_rows = _side_by_side(projected[compressor.linear_wkv], projected[compressor.linear_wgate])
+    flat = state.rows.flatten(0, 1)  # a view: the write lands in the state
+    flat.index_copy_(0, group.slot_rows, new_rows.to(flat.dtype))
     if group.oldest_first is not None:
-        flat_kv, flat_gate = flat_kv.index_select(0, group.oldest_first), flat_gate.index_select(0, group.oldest_first)
-    pooled = compressor({compressor.linear_wkv: flat_kv, compressor.linear_wgate: flat_gate}, group.layout, inv_freq)
+        flat = flat.index_select(0, group.oldest_first)
+    width = state.width
+    pooled = compressor({compressor.linear_wkv: flat[:, :width], compressor.linear_wgate: flat[:, width:]},
+                        group.layout, inv_freq)
     store.flatten(0, 1).index_copy_(0, group.entry_rows, pooled.to(store.dtype))
+
+
+def _side_by_side(left: Tensor, right: Tensor) -> Tensor:
+    """`[left | right]` of two `[N, n]` tensors: a view where right's columns follow left's in the same rows
+    (column slices of one stacked GEMM output, the usual case), else a copy."""
+    if (left.stride() == right.stride() and left.stride(1) == 1 and left.dtype == right.dtype
+            and left.untyped_storage().data_ptr() == right.untyped_storage().data_ptr()
+            and right.data_ptr() == left.data_ptr() + left.shape[1] * left.element_size()):
+        return left.as_strided((left.shape[0], left.shape[1] + right.shape[1]), left.stride())
+    return torch.cat((left, right), dim=1)
 
 
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
@@ -492,7 +531,7 @@ def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positio
 # ---------------------------------------------------------------- M
 def _latent_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: LayerCache) -> Tensor:
     core: DenseMLACore = layer.core
-    q, latent, k_rope = core.project(layer, x, new.positions)
+    q, latent, k_rope = core.project(layer, x, new.positions, cache.stacked_weights)
     seg, p, real = new.segment_ids, new.positions, new.row_valid
     cache.latent[seg[real], p[real]] = torch.cat((latent, k_rope), dim=-1)[real].to(cache.latent.dtype)
     longest, rank = int((cache.seqlens + new.real_seqlens).max()), latent.shape[-1]

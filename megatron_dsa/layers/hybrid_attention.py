@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from megatron_dsa.backends import check_backend_choice
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
+from megatron_dsa.device_cache import building_graph_now
 from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std, project_rows
 from megatron_dsa.layers.kinds import KindSpec, resolve_kind
 from megatron_dsa.layers.projection_gemms import projection_gemms
@@ -24,6 +25,7 @@ from megatron_dsa.layers.decoding import LayerCache, attend_cached, decode_step,
 from megatron_dsa.layers.rows import LocalRows, TokenRows, token_rows
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules, apply
 from megatron_dsa.ops.precision import compute_dtype
+from megatron_dsa.ops.stacked_projection import KeptStack
 from megatron_dsa.packed_seq import PackedSeqParams, check_packed_hidden_states, validate_packed_seq_params
 from megatron_dsa.parallel.linear import divide
 from megatron_dsa.parallel.mappings import gather_from_sequence_parallel_region
@@ -74,6 +76,7 @@ class HybridAttention(HighPrecisionModule):
                                                      output_init_std(std, c.num_layers), c.sequence_parallel,
                                                      self.gemms)
         self.register_buffer("rotary_inv_freq", self.kind_spec.rope_table(c), persistent=False)
+        self._kept_angle_freq: dict[torch.dtype, tuple[tuple, Tensor]] = {}  # `angle_freq`'s conversions
 
     def build_norm(self, dim: int) -> nn.Module:
         """`q_layernorm` / `kv_layernorm`: the submodules' norm, or ours; Identity without `qk_layernorm`."""
@@ -147,20 +150,33 @@ class HybridAttention(HighPrecisionModule):
         """Token rows `x [N, d]` → this rank's `linear_proj` input `[N, F/tp]` (the kind's core)."""
         return self.core.attend(self, x, rows)
 
-    def query_rows(self, x: Tensor, attached: Sequence[nn.Linear], detached: Sequence[nn.Linear] = ()
-                   ) -> tuple[dict[nn.Linear, Tensor], Tensor, Tensor]:
+    def query_rows(self, x: Tensor, attached: Sequence[nn.Linear], detached: Sequence[nn.Linear] = (),
+                   kept: Optional[KeptStack] = None) -> tuple[dict[nn.Linear, Tensor], Tensor, Tensor]:
         """The query path every kind shares, with the core's other projections of `x [N, d]` in the same
-        GEMM (`project_rows`): `(projected, qr [N, Rq], q [N, H/tp, q_head_dim])`, where `projected`
-        maps each linear to its output and `qr` is the normalised query latent (the indexer's input)."""
-        projected = project_rows(x, [self.linear_q_down_proj, *attached], detached, self.gemms)
+        GEMM (`project_rows`; `kept`: an inference cache's stack of their weights): `(projected, qr [N, Rq],
+        q [N, H/tp, q_head_dim])`, where `projected` maps each linear to its output and `qr` is the
+        normalised query latent (the indexer's input)."""
+        projected = project_rows(x, [self.linear_q_down_proj, *attached], detached, self.gemms, kept)
         qr = self.q_layernorm(projected[self.linear_q_down_proj])
         q = apply(self.linear_q_up_proj, qr).view(-1, self.local_heads, self.q_head_dim)
         return projected, qr, q
 
     def angle_freq(self, dtype: torch.dtype) -> Tensor:
-        """The RoPE frequencies in the angle dtype of `dtype` rows, converted once per forward (each RoPE
-        op would otherwise convert the float64 table again: one kernel per call)."""
-        return self.rotary_inv_freq.to(compute_dtype(dtype))
+        """The RoPE frequencies in the angle dtype of `dtype` rows. The float64 table is converted once and the
+        conversion kept while the table is unchanged (each call would otherwise launch a conversion kernel: three
+        per forward or decode step); a conversion made while a CUDA graph is captured or `torch.compile`
+        traces is not kept (`device_cache` says why)."""
+        table, angle = self.rotary_inv_freq, compute_dtype(dtype)
+        if table.dtype == angle or torch.compiler.is_compiling():
+            return table.to(angle)
+        key = (angle, table.device, table.data_ptr(), table._version)
+        kept = self._kept_angle_freq.get(angle)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        converted = table.to(angle)
+        if not building_graph_now():
+            self._kept_angle_freq[angle] = (key, converted)
+        return converted
 
     def _check_input(self, hidden_states: Tensor) -> None:
         if not isinstance(hidden_states, Tensor):

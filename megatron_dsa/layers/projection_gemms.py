@@ -21,7 +21,7 @@ rounding there. Elsewhere the scales are those of TP = 1 (docs/user_guide.md, 'F
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from megatron_dsa.backends import OpFamily, Requested, dispatch
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.ops.fp8_linear import Fp8Gemm, fp8_grouped_linear, fp8_linear
 from megatron_dsa.ops.output_projection import grouped_output_projection
-from megatron_dsa.ops.stacked_projection import stacked_projection
+from megatron_dsa.ops.stacked_projection import KeptStack, stacked_projection, stacked_weights
 
 
 class ProjectionGemms(Protocol):
@@ -43,9 +43,11 @@ class ProjectionGemms(Protocol):
     def stacks(self, x: Tensor, linears: Sequence[nn.Module]) -> bool:
         """Whether `stacked` may stand in for calling each of `linears` on `x`."""
 
-    def stacked(self, x: Tensor, weights: Sequence[Tensor], attached: int) -> tuple[Tensor, ...]:
+    def stacked(self, x: Tensor, weights: Sequence[Tensor], attached: int, kept: Optional[KeptStack] = None
+                ) -> tuple[Tensor, ...]:
         """`x [T, d] @ W_iᵀ` for each weight; only the first `attached` pass a gradient to x
-        (`ops.stacked_projection`)."""
+        (`ops.stacked_projection`). `kept`: where no gradient is needed, the weights' stack is kept there
+        (inference) instead of stacked again."""
 
     def grouped(self, o: Tensor, weight: Tensor, groups: int) -> Tensor:
         """The grouped output projection `o [..., H·D]` → `[..., G·Ro]` (`ops.output_projection`)."""
@@ -78,8 +80,12 @@ class NativeGemms:
                 and all(plain_linear(linear) and linear.weight.dtype == x.dtype and linear.weight.device == x.device
                         for linear in linears))
 
-    def stacked(self, x: Tensor, weights: Sequence[Tensor], attached: int) -> tuple[Tensor, ...]:
-        return stacked_projection(x, weights, attached)
+    def stacked(self, x: Tensor, weights: Sequence[Tensor], attached: int, kept: Optional[KeptStack] = None
+                ) -> tuple[Tensor, ...]:
+        stacked = stacked_weights(weights, kept)
+        if stacked is None:
+            return stacked_projection(x, weights, attached)
+        return (x @ stacked.t()).split([weight.shape[0] for weight in weights], dim=1)
 
     def grouped(self, o: Tensor, weight: Tensor, groups: int) -> Tensor:
         return grouped_output_projection(o, weight, groups)
@@ -101,9 +107,12 @@ class Fp8Gemms:
     def stacks(self, x: Tensor, linears: Sequence[nn.Module]) -> bool:
         return all(plain_linear(linear) and linear.weight.device == x.device for linear in linears)
 
-    def stacked(self, x: Tensor, weights: Sequence[Tensor], attached: int) -> tuple[Tensor, ...]:
+    def stacked(self, x: Tensor, weights: Sequence[Tensor], attached: int, kept: Optional[KeptStack] = None
+                ) -> tuple[Tensor, ...]:
         sizes = [weight.shape[0] for weight in weights]
-        out = fp8_linear(x, torch.cat(weights), self.gemm(x), grad_rows=sum(sizes[:attached]),
+        stacked = stacked_weights(weights, kept)
+        out = fp8_linear(x, torch.cat(weights) if stacked is None else stacked, self.gemm(x),
+                         grad_rows=sum(sizes[:attached]),
                          out_dtype=_output_dtype(x))
         return out.split(sizes, dim=1)
 
