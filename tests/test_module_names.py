@@ -17,12 +17,12 @@ KERNEL_MODULES = sorted(p.stem for p in TRITON_KERNELS.glob("_*.py") if p.stem !
 
 
 def kernel_modules_named_in(stem: str) -> set[str]:
-    return set(re.findall(r"\b(_[a-z_]+_kernels)\b", (TRITON_KERNELS / f"{stem}.py").read_text())) & set(KERNEL_MODULES)
+    return set(re.findall(r"\b(_[a-z0-9_]+_kernels)\b", (TRITON_KERNELS / f"{stem}.py").read_text())) & set(KERNEL_MODULES)
 
 
 def owner(kernel_module: str) -> str:
     """The launcher a kernel module's name pairs it with: the longest `<op>` with `_<op>_..._kernels`."""
-    owners = [op for op in LAUNCHERS if re.fullmatch(rf"_{op}(_[a-z_]+)?_kernels", kernel_module)]
+    owners = [op for op in LAUNCHERS if re.fullmatch(rf"_{op}(_[a-z0-9_]+)?_kernels", kernel_module)]
     return max(owners, key=len, default="")
 
 
