@@ -2,7 +2,8 @@
 
 `DeviceCache` is a small per-process cache: such values are pure functions of their key (shape, dtype,
 device), so every layer and step can share one. `KeepsDeviceValues` and `device_cached_property` do the
-same per object, for layouts that every layer and step of a shape share. The one exception is a value
+same per object, for layouts that every layer and step of a shape share; `KeptWhileUnchanged` keeps a
+value derived from tensors that may change (weights) while they do not. The one exception is a value
 built while a CUDA graph is being captured: its storage belongs to the graph's private memory pool and
 holds its values only in that graph's replays, so it is returned but not kept by anything that outlives
 the capture. A value built while `torch.compile` traces is a value of the graph being built, not a tensor
@@ -12,7 +13,7 @@ to keep, and is treated the same way.
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any, Callable, Generic, Hashable, Optional, TypeVar
+from typing import Any, Callable, Generic, Hashable, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -92,6 +93,28 @@ class DeviceCache(Generic[Value]):
             if self._max_entries is not None and len(self._entries) >= self._max_entries:
                 self._entries.pop(next(iter(self._entries)))
             self._entries[key] = value
+        return value
+
+
+class KeptWhileUnchanged(Generic[Value]):
+    """A value derived from some tensors (a stack of weights, a table in another dtype), kept while each of
+    them is the same tensor with the same storage, shape, dtype and in-place version (an optimizer step or
+    `load_state_dict` bumps the version), else built again. Built while a CUDA graph is captured or
+    `torch.compile` traces: returned, not kept (and under a trace no identity is read: Dynamo cannot)."""
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self._value: Optional[Value] = None
+
+    def get(self, sources: Sequence[Tensor], build: Callable[[], Value]) -> Value:
+        if torch.compiler.is_compiling():
+            return build()
+        key = tuple((id(t), t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in sources)
+        if key == self._key:
+            return self._value
+        value = build()
+        if not capturing_now():
+            self._key, self._value = key, value
         return value
 
 

@@ -81,3 +81,27 @@ def test_a_compiled_trace_builds_without_asking_cuda_whether_it_captures(monkeyp
     finally:
         torch._dynamo.reset()
     assert cache.get("one", CPU, lambda: torch.zeros(2)).sum() == 0  # a value built in a trace is not kept
+
+
+def test_kept_while_unchanged_rebuilds_only_when_a_source_changes():
+    """Kept across calls on the same tensors; built again after an in-place write (its version), for another
+    tensor, and after a tensor's storage is swapped (`.data = ...`)."""
+    from megatron_dsa.device_cache import KeptWhileUnchanged
+
+    builds = []
+    kept = KeptWhileUnchanged()
+    table = torch.arange(4.0, dtype=torch.float64)
+
+    def convert(t):
+        builds.append(1)
+        return t.float()
+
+    first = kept.get([table], lambda: convert(table))
+    assert kept.get([table], lambda: convert(table)) is first and len(builds) == 1
+    table.mul_(2)
+    assert torch.equal(kept.get([table], lambda: convert(table)), torch.arange(4.0) * 2) and len(builds) == 2
+    other = table.clone()
+    kept.get([other], lambda: convert(other))
+    assert len(builds) == 3
+    other.data = torch.zeros(4, dtype=torch.float64)
+    assert torch.equal(kept.get([other], lambda: convert(other)), torch.zeros(4)) and len(builds) == 4

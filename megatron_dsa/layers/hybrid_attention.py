@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from megatron_dsa.backends import check_backend_choice
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
-from megatron_dsa.device_cache import building_graph_now
+from megatron_dsa.device_cache import KeptWhileUnchanged
 from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std, project_rows
 from megatron_dsa.layers.kinds import KindSpec, resolve_kind
 from megatron_dsa.layers.projection_gemms import projection_gemms
@@ -76,7 +76,7 @@ class HybridAttention(HighPrecisionModule):
                                                      output_init_std(std, c.num_layers), c.sequence_parallel,
                                                      self.gemms)
         self.register_buffer("rotary_inv_freq", self.kind_spec.rope_table(c), persistent=False)
-        self._kept_angle_freq: dict[torch.dtype, tuple[tuple, Tensor]] = {}  # `angle_freq`'s conversions
+        self._kept_angle_freq: dict[torch.dtype, KeptWhileUnchanged[Tensor]] = {}  # `angle_freq`'s conversions
 
     def build_norm(self, dim: int) -> nn.Module:
         """`q_layernorm` / `kv_layernorm`: the submodules' norm, or ours; Identity without `qk_layernorm`."""
@@ -164,19 +164,12 @@ class HybridAttention(HighPrecisionModule):
     def angle_freq(self, dtype: torch.dtype) -> Tensor:
         """The RoPE frequencies in the angle dtype of `dtype` rows. The float64 table is converted once and the
         conversion kept while the table is unchanged (each call would otherwise launch a conversion kernel: three
-        per forward or decode step); a conversion made while a CUDA graph is captured or `torch.compile`
-        traces is not kept (`device_cache` says why)."""
+        per forward or decode step; `device_cache.KeptWhileUnchanged`)."""
         table, angle = self.rotary_inv_freq, compute_dtype(dtype)
-        if table.dtype == angle or torch.compiler.is_compiling():
+        if table.dtype == angle or torch.compiler.is_compiling():  # a trace keeps nothing (no dict writes)
             return table.to(angle)
-        key = (angle, table.device, table.data_ptr(), table._version)
-        kept = self._kept_angle_freq.get(angle)
-        if kept is not None and kept[0] == key:
-            return kept[1]
-        converted = table.to(angle)
-        if not building_graph_now():
-            self._kept_angle_freq[angle] = (key, converted)
-        return converted
+        kept = self._kept_angle_freq.setdefault(angle, KeptWhileUnchanged())
+        return kept.get([table], lambda: table.to(angle))
 
     def _check_input(self, hidden_states: Tensor) -> None:
         if not isinstance(hidden_states, Tensor):

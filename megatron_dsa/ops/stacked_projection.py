@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from megatron_dsa.device_cache import building_graph_now
+from megatron_dsa.device_cache import KeptWhileUnchanged
 
 
 class StackedProjection(torch.autograd.Function):
@@ -76,26 +76,16 @@ def stacked_projection(x: Tensor, weights: Sequence[Tensor], attached: int) -> t
     return StackedProjection.apply(x, attached, *weights)
 
 
-class KeptStack:
-    """`torch.cat(weights)` kept between calls that need no gradient (inference): `of(weights)` returns the kept
-    stack while every weight is the same tensor with the same storage and in-place version (an optimizer step
-    or `load_state_dict` bumps the version), else stacks them again. A stack built while a CUDA graph is
-    captured or `torch.compile` traces is returned but not kept (`device_cache` says why). Holds one copy of
-    the stacked weights' memory."""
-
-    def __init__(self) -> None:
-        self._key: Optional[tuple] = None
-        self._stacked: Optional[Tensor] = None
+class KeptStack(KeptWhileUnchanged[Tensor]):
+    """`torch.cat(weights)` kept between calls that need no gradient (inference), stacked again when a weight
+    changes (`device_cache.KeptWhileUnchanged`). Holds one copy of the stacked weights' memory."""
 
     def of(self, weights: Sequence[Tensor]) -> Tensor:
-        key = tuple((id(w), w.data_ptr(), w._version, w.shape, w.dtype, w.device) for w in weights)
-        if key == self._key:
-            return self._stacked
-        with torch.no_grad():
-            stacked = torch.cat(list(weights))
-        if not building_graph_now():
-            self._key, self._stacked = key, stacked
-        return stacked
+        def stack() -> Tensor:
+            with torch.no_grad():
+                return torch.cat(list(weights))
+
+        return self.get(weights, stack)
 
 
 def stacked_weights(weights: Sequence[Tensor], kept: Optional[KeptStack]) -> Optional[Tensor]:
