@@ -13,6 +13,7 @@ from megatron_dsa.backends import reset_call_counts, variant_counts
 from megatron_dsa.backends import torch_scaled_mm
 from megatron_dsa.backends.triton_kernels import fp8_quantize
 from megatron_dsa.ops.fp8_linear import quantize_rows as reference_quantize_rows
+from test_fp8_projections import fp8_gpu_or_skip
 from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
 
 
@@ -31,9 +32,8 @@ def test_cpu_without_interpreter_is_refused(without_interpreter):
 def test_layer_operands_on_gpu_match_the_reference_bit_for_bit(shape, transposed):
     """bf16 operands of the dsv4-flash projections (a weight, an output gradient read as `dyᵀ`, an input read as
     `xᵀ`, an unaligned one): both sides divide in float32 with correct rounding and round to nearest e4m3."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    t = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    device = fp8_gpu_or_skip()  # e4m3 conversions need compute capability >= 8.9 in Triton too
+    t = torch.randn(shape, device=device, dtype=torch.bfloat16) * 3
     t = t.t() if transposed else t
     rows, width = -(-t.shape[0] // 16) * 16, -(-t.shape[1] // 16) * 16
     q, scale = fp8_quantize.quantize_rows(t, rows, width)
@@ -44,11 +44,9 @@ def test_layer_operands_on_gpu_match_the_reference_bit_for_bit(shape, transposed
 
 @pytest.mark.gpu
 def test_scaled_mm_backend_quantizes_with_the_kernel():
-    reason = torch_scaled_mm.probe(None, {"device": torch.device("cuda")}) if torch.cuda.is_available() else "no GPU"
-    if reason is not None:
-        pytest.skip(reason)
-    a = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    device = fp8_gpu_or_skip()
+    a = torch.randn(64, 256, device=device, dtype=torch.bfloat16)
+    b = torch.randn(128, 256, device=device, dtype=torch.bfloat16)
     reset_call_counts()
     torch_scaled_mm.fp8_gemm(a, b, torch.bfloat16)
     assert variant_counts().get(("torch_scaled_mm", "fp8_gemm", "triton_quantize"), 0) == 1, variant_counts()

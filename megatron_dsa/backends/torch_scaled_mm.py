@@ -45,7 +45,7 @@ def _padded(t: Tensor, rows: int, columns: int) -> Tensor:
 def _quantize(t: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
     """`t [R, K]` zero-padded to `[rows, width]` and quantized (`ops.fp8_linear.quantize_rows`): by the Triton
     kernel where Triton runs (one pass, in place whatever t's strides), else by the torch ops."""
-    if triton_decline_reason(t.device) is None and t.device.type == "cuda":
+    if triton_decline_reason(t.device) is None:  # a CUDA device (the CPU interpreter serves named requests only)
         count_variant(NAME, OpFamily.FP8_GEMM, "triton_quantize")
         return fp8_quantize.quantize_rows(t, rows, width)
     count_variant(NAME, OpFamily.FP8_GEMM, "torch_quantize")
