@@ -19,7 +19,7 @@ padding built in, transposed operands read in place; variant `triton_quantize`),
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,23 +42,29 @@ def _padded(t: Tensor, rows: int, columns: int) -> Tensor:
     return t if t.shape == (rows, columns) else F.pad(t, (0, columns - t.shape[1], 0, rows - t.shape[0]))
 
 
-def _quantize(t: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
-    """`t [R, K]` zero-padded to `[rows, width]` and quantized (`ops.fp8_linear.quantize_rows`): by the Triton
-    kernel where Triton runs (one pass, in place whatever t's strides), else by the torch ops."""
-    if triton_decline_reason(t.device) is None:  # a CUDA device (the CPU interpreter serves named requests only)
-        count_variant(NAME, OpFamily.FP8_GEMM, "triton_quantize")
-        return fp8_quantize.quantize_rows(t, rows, width)
-    count_variant(NAME, OpFamily.FP8_GEMM, "torch_quantize")
+def _torch_quantize(t: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
+    """`ops.fp8_linear.quantize_rows` of `t [R, K]` zero-padded to `[rows, width]`, float32 scales."""
     q, scale = quantize_rows(_padded(t, rows, width))
     return q, scale.float()
+
+
+def _quantizer(device: torch.device) -> Callable[[Tensor, int, int], tuple[Tensor, Tensor]]:
+    """The Triton kernel where Triton runs (one pass, in place whatever t's strides), else the torch ops: the
+    same numbers either way. Counted once per GEMM under the variant that quantized its operands."""
+    if triton_decline_reason(device) is None:  # a CUDA device (the CPU interpreter serves named requests only)
+        count_variant(NAME, OpFamily.FP8_GEMM, "triton_quantize")
+        return fp8_quantize.quantize_rows
+    count_variant(NAME, OpFamily.FP8_GEMM, "torch_quantize")
+    return _torch_quantize
 
 
 def fp8_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """The `fp8_gemm` contract (`ops.fp8_linear.Fp8Gemm`) on `torch._scaled_mm` with per-row scales."""
     k, n = a.shape[1], b.shape[0]
     width, outputs = probes.round_up(k, ALIGNMENT), probes.round_up(n, ALIGNMENT)
-    qa, scale_a = _quantize(a, a.shape[0], width)
-    qb, scale_b = _quantize(b, outputs, width)
+    quantize = _quantizer(a.device)
+    qa, scale_a = quantize(a, a.shape[0], width)
+    qb, scale_b = quantize(b, outputs, width)
     out = torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b.view(1, -1),
                            out_dtype=torch.bfloat16)
     if outputs != n:

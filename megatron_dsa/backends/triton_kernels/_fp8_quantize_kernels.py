@@ -46,13 +46,15 @@ def quantize_rows_kernel(t_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRIDE_K, R_OU
                     mask=row_in[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=1))
-    scale = tl.where(nan > 0, float("nan"), tl.maximum(amax, TINY)) / FP8_MAX
+    # Both divisions are `div_rn`: on the GPU Triton's float32 `/` is approximate, and Triton 3.6's `fdiv`
+    # ignores its `ieee_rounding` flag.
+    scale = tl.math.div_rn(tl.where(nan > 0, float("nan"), tl.maximum(amax, TINY)), FP8_MAX)
     tl.store(scale_ptr + rows, scale, mask=row_out)
     for start in range(0, K_OUT, BLOCK_K):
         k = start + columns
         x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K,
                     mask=row_in[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
-        y = tl.fdiv(x, scale[:, None], ieee_rounding=True)
+        y = tl.math.div_rn(x, scale[:, None])
         y = round_to_e4m3(tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)))  # the clamp keeps NaN
         tl.store(q_ptr + rows[:, None] * K_OUT + k[None, :], y.to(q_ptr.dtype.element_ty),
                  mask=row_out[:, None] & (k[None, :] < K_OUT))
