@@ -1,6 +1,7 @@
 """Where one layer step spends its GPU time: the top CUDA kernels of a forward + backward, by total time.
 
     python benchmarks/profile_layer.py --preset dsv4-flash --seq-len 4096 --kind C
+    python benchmarks/profile_layer.py --kind C --projection-precision fp8
 
 Also prints which backend ran each op family and, for every op family, why `auto` declined the
 backends it skipped (the dispatcher's log). GPU only.
@@ -19,7 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
-from megatron_dsa.backends import call_counts, reset_call_counts  # noqa: E402
+from megatron_dsa.backends import call_counts, reset_call_counts, variant_counts  # noqa: E402
+from megatron_dsa.config import PROJECTION_PRECISIONS  # noqa: E402
 
 
 def main() -> int:
@@ -28,6 +30,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--kind", default="C", choices=list("WCHM"))
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--projection-precision", default="native", choices=PROJECTION_PRECISIONS)
     parser.add_argument("--rows", type=int, default=15, help="kernels listed")
     parser.add_argument("--trace", help="also write a Chrome trace (host and GPU timelines) here")
     args = parser.parse_args()
@@ -35,7 +38,8 @@ def main() -> int:
         print("benchmarks/profile_layer.py: needs a CUDA GPU; nothing to profile here")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = HybridAttentionConfig.from_preset(args.preset, attention_backend=args.backend)
+    config = HybridAttentionConfig.from_preset(args.preset, attention_backend=args.backend,
+                                               projection_precision=args.projection_precision)
     layer = HybridAttention(config, kind=args.kind).cuda().bfloat16().train()
     x = torch.randn(args.seq_len, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
@@ -58,6 +62,8 @@ def main() -> int:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     print(", ".join(sorted(f"{op}={backend}" for (backend, op), n in call_counts().items() if n)))
+    print("variants:", ", ".join(sorted(f"{op}={backend}/{variant} ×{n}"
+                                        for (backend, op, variant), n in variant_counts().items() if n)))
     return 0
 
 
