@@ -46,12 +46,14 @@ class Fp8Gemm(Protocol):
 
 def quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:
     """`t [R, K]` (any strides) → `(q [R, K]` e4m3 (row-major), `scale [R, 1]` in t's compute dtype): `q =
-    t / scale` rounded to nearest, `scale = amax(|row|) / 448` (a zero row keeps zeros). Non-finite values
+    t / scale` rounded to nearest, `scale = amax(|row|) · (1/448)` (a zero row keeps zeros). Non-finite values
     give a non-finite scale, so they reach the product instead of being clipped away."""
     compute = compute_dtype(t.dtype)
     amax = torch.linalg.vector_norm(t, float("inf"), dim=1, keepdim=True, dtype=compute)  # one pass, no |t| copy
-    scale = amax.clamp_min(torch.finfo(compute).tiny) / FP8_MAX
-    # The clamp only catches a last-ulp overshoot of the division (e4m3fn has no inf: beyond 448 is NaN).
+    # Times the rounded reciprocal, as torch's CUDA division by a Python number computes it: the same numbers
+    # on every device (a true division would differ from the GPU's in the last bit of some scales).
+    scale = amax.clamp_min(torch.finfo(compute).tiny) * (1.0 / FP8_MAX)
+    # The clamp only catches a last-ulp overshoot of the quotient (e4m3fn has no inf: beyond 448 is NaN).
     q = (t / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8, memory_format=torch.contiguous_format)
     return q, scale
 

@@ -1,9 +1,12 @@
 """Triton kernel of the FP8 row quantization (see `fp8_quantize.py` for the entry point and the math).
 
-Plain functions: `lazy_jit.jitted` decorates the kernel on first launch. t is `[R, K]` with any strides
-(`STRIDE_R`, `STRIDE_K`: a transposed view reads in place, the loads coalescing along whichever side is
-contiguous); q is a contiguous `[R_OUT, K_OUT]` e4m3 and scale a contiguous `[R_OUT]` float32, the rows
-and columns past t's zero (the GEMM's alignment padding).
+Plain functions: `lazy_jit.jitted` decorates the kernels on first launch. Both run over a grid of
+`[BLOCK_R, BLOCK_K]` tiles, so that a few rows with many columns (the weight gradient's `dyᵀ`: out features ×
+tokens) still fill the GPU: `row_amax_kernel` gathers each row's amax across its tiles with atomics, then
+`quantize_kernel` divides and rounds. t is `[R, K]` with any strides (`STRIDE_R`, `STRIDE_K`: a transposed
+view reads in place, the loads coalescing along whichever side is contiguous); q is a contiguous
+`[R_OUT, K_OUT]` e4m3 and scale a contiguous `[R_OUT]` float32, the rows and columns past t's zero (the
+GEMM's alignment padding).
 """
 
 import triton
@@ -30,31 +33,34 @@ def round_to_e4m3(y):
     return tl.where(tl.abs(y) < E4M3_MIN_NORMAL, subnormal, normal)
 
 
-def quantize_rows_kernel(t_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRIDE_K, R_OUT, K_OUT, BLOCK_R: tl.constexpr,
-                         BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
-    """Per row: scale = max(amax(|row|), TINY) / FP8_MAX and q = clamp(row / scale) rounded to nearest e4m3,
-    in float32 with a correctly rounded division: the reference's numbers bit for bit. A NaN anywhere in a row
-    makes its scale NaN (and an inf, inf), as the reference's reduction does."""
+def row_amax_kernel(t_ptr, amax_bits_ptr, R, K, STRIDE_R, STRIDE_K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """amax_bits `[R]` int32, zeroed by the caller: per row, the atomic max over this program's tile of the
+    float32 bits of `|t|`. Non-negative floats order as their bits do, and a NaN's bits lie above inf's, so a
+    row with a NaN ends NaN (and one with an inf, inf), as the reference's reduction does."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_in, row_out = rows < R, rows < R_OUT
-    columns = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-    nan = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for start in range(0, K, BLOCK_K):
-        k = start + columns
-        x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K,
-                    mask=row_in[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=1))
-    # Both divisions are `div_rn`: on the GPU Triton's float32 `/` is approximate, and Triton 3.6's `fdiv`
-    # ignores its `ieee_rounding` flag.
-    scale = tl.math.div_rn(tl.where(nan > 0, float("nan"), tl.maximum(amax, TINY)), FP8_MAX)
-    tl.store(scale_ptr + rows, scale, mask=row_out)
-    for start in range(0, K_OUT, BLOCK_K):
-        k = start + columns
-        x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K,
-                    mask=row_in[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
-        y = tl.math.div_rn(x, scale[:, None])
-        y = round_to_e4m3(tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)))  # the clamp keeps NaN
-        tl.store(q_ptr + rows[:, None] * K_OUT + k[None, :], y.to(q_ptr.dtype.element_ty),
-                 mask=row_out[:, None] & (k[None, :] < K_OUT))
+    k = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K,
+                mask=(rows < R)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x|: the sign bit cleared
+    tl.atomic_max(amax_bits_ptr + rows, tl.max(bits, axis=1), mask=rows < R)
+
+
+def quantize_kernel(t_ptr, amax_bits_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRIDE_K, R_OUT, K_OUT,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+                    INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    """Per row: scale = max(amax, TINY) · (1/FP8_MAX) and q = clamp(t / scale) rounded to nearest e4m3, in
+    float32: the reference's numbers bit for bit. The programs of the first column block store the scales."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    amax = tl.load(amax_bits_ptr + rows, mask=rows < R, other=0).to(tl.float32, bitcast=True)
+    scale = tl.where(amax != amax, amax, tl.maximum(amax, TINY) * INV_FP8_MAX)  # maximum may drop a NaN
+    if tl.program_id(1) == 0:
+        tl.store(scale_ptr + rows, scale, mask=rows < R_OUT)
+    x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K,
+                mask=(rows < R)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+    # Correctly rounded, as the reference's tensor division: on the GPU Triton's float32 `/` is approximate,
+    # and Triton 3.6's `fdiv` ignores its `ieee_rounding` flag.
+    y = tl.math.div_rn(x, scale[:, None])
+    y = round_to_e4m3(tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)))  # the clamp keeps NaN
+    tl.store(q_ptr + rows[:, None] * K_OUT + k[None, :], y.to(q_ptr.dtype.element_ty),
+             mask=(rows < R_OUT)[:, None] & (k < K_OUT)[None, :])

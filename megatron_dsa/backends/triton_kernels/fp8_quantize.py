@@ -3,10 +3,12 @@ padding built in, for the `fp8_gemm` family's `torch_scaled_mm` backend.
 
 Unfused, quantizing one operand of an FP8 GEMM takes a reduction, a float32 quotient, an in-place clamp and
 a cast that also transposes a strided operand (the backward's `dyᵀ`, `xᵀ`, `Wᵀ`): about 19 bytes of memory
-traffic per element, plus a padded copy where K or N is not a multiple of 16. This kernel reads the operand
-twice in place, whatever its strides (once for the row's amax, once to divide and round), and writes one
-byte per element and the scales: about 5 bytes. On an H200 the unfused quantization made the FP8 layer
-step 2–3× slower than the bf16 one (C at S = 4096: 21.3 ms against 9.4 ms, CUDA graphs).
+traffic per element, plus a padded copy where K or N is not a multiple of 16. Two kernels over tiles read
+the operand twice in place, whatever its strides (once for the rows' amax, once to divide and round), and
+write one byte per element and the scales: about 5 bytes. On an H200 the unfused quantization made the FP8
+layer step 2–3× slower than the bf16 one (C at S = 4096: 21.3 ms against 9.4 ms, CUDA graphs); one kernel
+over row blocks (a program per 16 rows looping over K) took 60 µs per operand on average, a third of the
+FP8 layer's GPU time, because an operand of few rows left most of the GPU idle.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import cdiv
 from megatron_dsa.ops.fp8_linear import FP8, FP8_MAX
 
-BLOCK_R = 16  # rows per program
-BLOCK_K = 256  # columns per step of a program's two passes
+# Tiles `(BLOCK_R, BLOCK_K)` of 4096 elements: long along whichever side of t is contiguous.
+ROW_MAJOR_TILE = (16, 256)
+COLUMN_MAJOR_TILE = (128, 32)
 WARPS = 4
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -39,8 +42,20 @@ def quantize_rows(t: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
 
     q = torch.empty((rows, width), dtype=FP8, device=t.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=t.device)
+    amax_bits = torch.zeros(t.shape[0], dtype=torch.int32, device=t.device)
+    block_r, block_k = tile(t)
+    if t.numel():
+        launcher(kernels.row_amax_kernel)[(cdiv(t.shape[0], block_r), cdiv(t.shape[1], block_k))](
+            t, amax_bits, t.shape[0], t.shape[1], t.stride(0), t.stride(1), BLOCK_R=block_r, BLOCK_K=block_k,
+            num_warps=WARPS)
     if q.numel():
-        launcher(kernels.quantize_rows_kernel)[(cdiv(rows, BLOCK_R),)](
-            t, q, scale, t.shape[0], t.shape[1], t.stride(0), t.stride(1), rows, width, BLOCK_R=BLOCK_R,
-            BLOCK_K=BLOCK_K, FP8_MAX=FP8_MAX, TINY=torch.finfo(torch.float32).tiny, num_warps=WARPS)
+        launcher(kernels.quantize_kernel)[(cdiv(rows, block_r), cdiv(width, block_k))](
+            t, amax_bits, q, scale, t.shape[0], t.shape[1], t.stride(0), t.stride(1), rows, width,
+            BLOCK_R=block_r, BLOCK_K=block_k, FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX,
+            TINY=torch.finfo(torch.float32).tiny, num_warps=WARPS)
     return q, scale
+
+
+def tile(t: Tensor) -> tuple[int, int]:
+    """`(BLOCK_R, BLOCK_K)` for t: a transposed view (rows contiguous) reads tall tiles."""
+    return COLUMN_MAJOR_TILE if t.stride(1) != 1 and t.stride(0) == 1 else ROW_MAJOR_TILE
