@@ -101,6 +101,15 @@ def test_small_tiles_match_reference(monkeypatch, ratio):
     _assert_matches_reference(*inputs(layout.tokens.num_rows, DC[ratio], ratio, torch.float64), layout)
 
 
+@pytest.mark.parametrize("ratio", [4, 16])
+def test_one_entry_tiles_that_fill_the_gpu_match_reference(monkeypatch, ratio):
+    """What a decode step's few entries get on a GPU: entry blocks halved down to one entry (one warp for ratio
+    4, two for ratio 16) so that the grid fills the multiprocessors."""
+    monkeypatch.setattr(triton_compressor, "_fill_programs", lambda device: 1 << 30)
+    layout = _layouts(ratio)["packed"]
+    _assert_matches_reference(*inputs(layout.tokens.num_rows, DC[ratio], ratio, torch.float64), layout)
+
+
 def test_ape_of_a_wider_dtype_than_kv():
     """The layer keeps ape in float32 while kv and gate may be bfloat16; here float64 ape with float32
     kv: the softmax runs in float32 (kv's compute dtype), out comes in kv's dtype, ape's grad in ape's."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_dsa.backends import call_counts, reset_call_counts
+from megatron_dsa.backends.triton_kernels import decode_indexer
 from megatron_dsa.backends.triton_kernels.decode_indexer import decode_indexer_scores as triton_scores
 from megatron_dsa.layers.decoding import LayerCache
 from megatron_dsa.layers.kinds import build_attention
@@ -37,7 +38,9 @@ def scores_inputs(heads: int, dim: int, width: int = 37, seed: int = 0):
 
 @pytest.mark.parametrize("heads, dim", [(4, 16), (3, 24), (20, 32)], ids=["h4_d16", "h3_d24_padded", "h20_d32"])
 @pytest.mark.parametrize("ranges", [1, 3, None], ids=["one_range", "three_ranges", "default_ranges"])
-def test_op_matches_reference(heads, dim, ranges):
+@pytest.mark.parametrize("keys_major", [True, False], ids=["keys_major", "heads_major"])
+def test_op_matches_reference(heads, dim, ranges, keys_major, monkeypatch):
+    monkeypatch.setattr(decode_indexer, "KEYS_MAJOR", keys_major)
     q, keys, weights, counts = scores_inputs(heads, dim)
     expected = reference_scores(q, keys, weights, counts, 0.37)
     got = triton_scores(q, keys, weights, counts, 0.37, ranges=ranges)

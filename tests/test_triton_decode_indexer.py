@@ -26,7 +26,8 @@ def test_interpreter_cases():
     run_interpreted("interp_triton_decode_indexer.py")
 
 
-def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(tmp_path):
+@pytest.mark.parametrize("keys_major", [True, False], ids=["keys_major", "heads_major"])
+def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(keys_major, tmp_path):
     """The bf16 kernel at dsv4 indexer dims compiles for sm_90a as a launch specialises it (triton bundles ptxas):
     its dots run on wgmma, the key loads are pipelined (cp.async), nothing spills, and its shared memory lets two
     programs share a multiprocessor (228 KiB per SM, 1 KiB of it reserved per program)."""
@@ -35,8 +36,9 @@ def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(tmp_path):
 
     signature = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*bf16", counts_ptr="*i64", out_ptr="*fp32", C="i32",
                      HI="i32", DI="i32", COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr",
-                     BLOCK_D="constexpr", BLOCK_C="constexpr", PRECISION="constexpr")
-    constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=decode_indexer.BLOCK_C[torch.bfloat16], PRECISION="tf32")
+                     BLOCK_D="constexpr", BLOCK_C="constexpr", PRECISION="constexpr", KEYS_MAJOR="constexpr")
+    constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=decode_indexer.BLOCK_C[torch.bfloat16], PRECISION="tf32",
+                      KEYS_MAJOR=keys_major)
     compiled = compile_for_sm90(kernels, "decode_indexer_scores_kernel", signature, constexprs, decode_indexer.WARPS,
                                 decode_indexer.STAGES)
     ptx = compiled.asm["ptx"]
@@ -54,7 +56,8 @@ def test_an_explicit_triton_request_that_cannot_run_says_why(without_interpreter
 
 @pytest.mark.gpu
 @needs_gpu
-def test_bf16_triton_decode_scores_match_the_float64_reference_on_the_gpu():
+@pytest.mark.parametrize("keys_major", [True, False], ids=["keys_major", "heads_major"])
+def test_bf16_triton_decode_scores_match_the_float64_reference_on_the_gpu(keys_major, monkeypatch):
     """dsv4-flash indexer dims (HI = 64, DI = 128, a 32k-entry cache: 128k tokens at ratio 4), 8 sequences with
     ragged counts (none, part of a step, all), default column ranges; bf16 kernel against the float64 reference
     on the same bf16-rounded inputs.
@@ -62,8 +65,10 @@ def test_bf16_triton_decode_scores_match_the_float64_reference_on_the_gpu():
     Tolerance per score: 2⁻¹⁴ · M with M = scale · Σ_h |w_h| Σ_d |q_hd k_d| (float64). The products of bf16
     values are exact in fp32; the dot's 128 and the heads' 64 fp32 additions err by at most
     ~(128 + 64) · 2⁻²⁴ · M ≈ 2⁻¹⁶·⁴ · M. A dropped head or a wrong key moves a score by a fair fraction of M."""
+    from megatron_dsa.backends.triton_kernels import decode_indexer
     from megatron_dsa.backends.triton_kernels.decode_indexer import decode_indexer_scores as triton_scores
 
+    monkeypatch.setattr(decode_indexer, "KEYS_MAJOR", keys_major)
     g = torch.Generator(device="cuda").manual_seed(0)
     batch, heads, dim, width = 8, 64, 128, 32768
     q = torch.randn(batch, heads, dim, device="cuda", generator=g).bfloat16()

@@ -10,13 +10,14 @@ import triton.language as tl
 
 def decode_indexer_scores_kernel(q_ptr, k_ptr, w_ptr, counts_ptr, out_ptr, C, HI, DI, COLS_PER_PROGRAM, scale,
                                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                                 PRECISION: tl.constexpr):
+                                 PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr):
     """One (sequence b, column range): `scores[b, j] = scale · Σ_h w[b,h]·ReLU(<q[b,h], k[b,j]>)` for
     `j < counts[b]`, −inf for the rest of the range.
 
     The sequence's queries `[HI, DI]` stay in registers; each step reads `BLOCK_C` keys once (the step's only
-    memory traffic: the key read sets the kernel's time) and runs one `[HI, DI] @ [DI, BLOCK_C]` dot whose
-    ReLU is weighted and summed over the heads. Columns past the count are never read: a loop over the
+    memory traffic: the key read sets the kernel's time) and runs one dot whose ReLU is weighted and summed
+    over the heads: `[BLOCK_C, DI] @ [DI, HI]` with `KEYS_MAJOR` (the heads lie along each accumulator row, so
+    the sum stays inside a warp), else `[HI, DI] @ [DI, BLOCK_C]` (the sum runs across the warps). Columns past the count are never read: a loop over the
     counted blocks (a `for` loop, which Triton software-pipelines: the next blocks' keys load during this
     block's dot), then one that only writes −inf."""
     b = tl.program_id(0).to(tl.int64)
@@ -35,8 +36,12 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, w_ptr, counts_ptr, out_ptr, C, HI
         counted = cols < count
         keys = tl.load(keys_of_b + cols[:, None] * DI + dims[None, :],
                        mask=counted[:, None] & (dims[None, :] < DI), other=0.0).to(q.dtype)
-        dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_H, BLOCK_C]
-        scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+        if KEYS_MAJOR:
+            dots = tl.dot(keys, tl.trans(q), input_precision=PRECISION)  # [BLOCK_C, BLOCK_H]
+            scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
+        else:
+            dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_H, BLOCK_C]
+            scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
         tl.store(scores_of_b + cols, tl.where(counted, scores, float("-inf")), mask=cols < last)
     uncounted = first + tl.cdiv(tl.maximum(count - first, 0), BLOCK_C) * BLOCK_C
     for start in range(uncounted, last, BLOCK_C):

@@ -27,7 +27,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.norm_rope import norm_rope
-from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows, pow2
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows, multiprocessors, pow2
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.compressor import compress as reference_compress
 from megatron_dsa.ops.layout import CompressedLayout
@@ -41,12 +41,28 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 TILE_ROWS = 64
 SLOTS_PER_TILE = 32
 BLOCK_CHANNELS = 64
-NUM_WARPS = 8
+NUM_WARPS = 8  # for a full tile: smaller tiles take a warp per ROWS_PER_WARP·BLOCK_C elements
+ROWS_PER_WARP = 8
+# Few entries (a decode step pools one per sequence; ratio 128 at a few thousand tokens) would leave most
+# multiprocessors idle: entry blocks halve, down to one entry, until the grid has this many programs per SM.
+FILL_PROGRAMS_PER_SM = 2
 
 
-def _tiles(ratio: int, dc: int) -> dict:
+def _tiles(ratio: int, dc: int, entries: int, device: torch.device) -> dict:
     slots = min(pow2(ratio), SLOTS_PER_TILE)
-    return dict(BLOCK_E=max(1, TILE_ROWS // slots), BLOCK_S=slots, BLOCK_C=min(BLOCK_CHANNELS, pow2(dc)))
+    block_e, block_c = max(1, TILE_ROWS // slots), min(BLOCK_CHANNELS, pow2(dc))
+    while block_e > 1 and cdiv(entries, block_e) * cdiv(dc, block_c) < _fill_programs(device):
+        block_e //= 2
+    return dict(BLOCK_E=block_e, BLOCK_S=slots, BLOCK_C=block_c)
+
+
+def _fill_programs(device: torch.device) -> int:
+    """Programs a grid should reach before its tiles stop shrinking (the interpreter keeps full tiles)."""
+    return FILL_PROGRAMS_PER_SM * multiprocessors(device) if device.type == "cuda" else 1
+
+
+def _warps(tiles: dict) -> int:
+    return max(1, min(NUM_WARPS, tiles["BLOCK_E"] * tiles["BLOCK_S"] // ROWS_PER_WARP))
 
 
 def _run(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, ratio: int, **buffers) -> None:
@@ -59,13 +75,13 @@ def _run(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, r
     entries, dc = own.shape[0], kv.shape[1] // coff
     if entries == 0 or dc == 0:
         return
-    tiles = _tiles(ratio, dc)
+    tiles = _tiles(ratio, dc, entries, kv.device)
     grid = (cdiv(entries, tiles["BLOCK_E"]), cdiv(dc, tiles["BLOCK_C"]))
     launcher(kernels.gated_pool_kernel)[grid](
         kv_ptr=kv, gate_ptr=gate, ape_ptr=ape, own_ptr=own, prev_ptr=previous, E=entries, DC=dc,
         KV_STRIDE=kv.stride(0), GATE_STRIDE=gate.stride(0), RATIO=ratio,
         COFF=coff, BACKWARD=buffers["out_ptr"] is None,
-        COMPUTE=tl.float64 if kv.dtype == torch.float64 else tl.float32, num_warps=NUM_WARPS, **tiles, **buffers)
+        COMPUTE=tl.float64 if kv.dtype == torch.float64 else tl.float32, num_warps=_warps(tiles), **tiles, **buffers)
 
 
 def _forward(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tensor, ratio: int) -> Tensor:
@@ -81,7 +97,8 @@ def _backward(kv: Tensor, gate: Tensor, ape: Tensor, own: Tensor, previous: Tens
               grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`(dkv, dgate, dape)` for the contiguous upstream `grad [E, Dc]` (other arguments as `_forward`)."""
     compute = compute_dtype(kv.dtype)
-    blocks = cdiv(own.shape[0], _tiles(ratio, kv.shape[1] // channel_factor(ratio))["BLOCK_E"])
+    entries = own.shape[0]
+    blocks = cdiv(entries, _tiles(ratio, kv.shape[1] // channel_factor(ratio), entries, kv.device)["BLOCK_E"])
     # Contiguous (kv and gate may be strided rows); rows no entry reads stay 0.
     grad_kv, grad_gate = (fresh_rows(kv).zero_() for _ in range(2))
     partial = torch.empty((blocks, ratio, kv.shape[1]), dtype=compute, device=kv.device)  # every block writes all

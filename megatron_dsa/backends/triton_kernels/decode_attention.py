@@ -20,7 +20,6 @@ them in the graph's pool. Everything else is read where it lies; `seqlens` is re
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from typing import Optional
 
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
-from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, multiprocessors, pow2
 from megatron_dsa.ops.decode_attention import check_decode_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,15 +55,10 @@ def _block_k(dtype: torch.dtype, dim: int) -> int:
     return 64 if dtype.itemsize == 2 and dim <= 512 else 32
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.device) -> int:
     """Key ranges per (sequence, head block), from the shapes alone (module docstring)."""
     programs = batch * cdiv(heads, MAX_BLOCK_H)
-    target = INTERPRETER_PROGRAMS if device.type != "cuda" else PROGRAMS_PER_SM * _multiprocessors(device)
+    target = INTERPRETER_PROGRAMS if device.type != "cuda" else PROGRAMS_PER_SM * multiprocessors(device)
     return max(1, min(cdiv(target, programs), cdiv(slots, block_k), MAX_SPLITS))
 
 

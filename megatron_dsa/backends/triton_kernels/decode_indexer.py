@@ -17,7 +17,6 @@ Ranges past a sequence's count only write −inf.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Optional
 
 import torch
@@ -25,7 +24,7 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
-from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, multiprocessors, pow2
 from megatron_dsa.ops.indexer import check_decode_indexer_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,18 +36,15 @@ BLOCK_C = {torch.float32: 64, torch.bfloat16: 128, torch.float16: 128}
 PROGRAMS_PER_SM = 8
 STAGES = 3
 WARPS = 4
+# The dot's orientation (kernel docstring): keys-major keeps the sum over heads inside each warp.
+KEYS_MAJOR = True
 INTERPRETER_BLOCK_C = 16  # several steps per range even on the tests' small caches
 INTERPRETER_PROGRAMS = 4
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def column_ranges(batch: int, columns: int, block_c: int, device: torch.device) -> int:
     """Column ranges per sequence (the grid's second axis), from the shapes alone (module docstring)."""
-    target = INTERPRETER_PROGRAMS if device.type != "cuda" else PROGRAMS_PER_SM * _multiprocessors(device)
+    target = INTERPRETER_PROGRAMS if device.type != "cuda" else PROGRAMS_PER_SM * multiprocessors(device)
     return max(1, min(cdiv(target, batch), cdiv(columns, block_c)))
 
 
@@ -75,7 +71,7 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
         launcher(_kernels().decode_indexer_scores_kernel)[(batch, cdiv(width, per_range))](
             q.contiguous(), keys.contiguous(), weights.contiguous(), counts.contiguous(), scores, width, heads, dim,
             per_range, float(scale), BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_DOT), BLOCK_C=block_c,
-            PRECISION=dot_precision(q.dtype), num_warps=WARPS, num_stages=STAGES)
+            PRECISION=dot_precision(q.dtype), KEYS_MAJOR=KEYS_MAJOR, num_warps=WARPS, num_stages=STAGES)
     return scores
 
 

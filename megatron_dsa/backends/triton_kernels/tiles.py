@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -10,6 +12,12 @@ MIN_DOT = 16  # `tl.dot` needs every operand side >= 16
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The CUDA device's streaming multiprocessors (grids aim at a few programs per multiprocessor)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pow2(size: int, floor: int = 1, cap: int = 1 << 30) -> int:
