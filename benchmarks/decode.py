@@ -154,7 +154,7 @@ def measure(config: HybridAttentionConfig, kind: str, batch: int, context: int, 
         graph_us = median_us(lambda: graph(x), device, args.repeats, args.warmup)
         dense = capture_graph(dense, warmup=1)[0].replay
     dense_us = median_us(dense, device, args.repeats, args.warmup)
-    del cache
+    cache = None  # freed before the recompute (the closures above are done with it)
     return Row(kind, batch, context, eager, graph_us, dense_us, recompute_ms(layer, batch, context, args, generator),
                backends)
 
