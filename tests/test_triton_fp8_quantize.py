@@ -26,21 +26,31 @@ def test_cpu_without_interpreter_is_refused(without_interpreter):
         fp8_quantize.quantize_rows(torch.randn(4, 16), 4, 16)
 
 
+# Share of e4m3 values the GPU kernel may round one step away from torch's GPU ops. The scales agree bit for bit,
+# and so does everything in the CPU interpreter; on an H200 (torch 2.11, Triton 3.6) 55 of 16.8 M, 411 of 134 M and
+# 19 of 4.2 M values differed: the rate at which one of the two float32 quotients (the kernel's `div.rn`, torch's
+# division kernel) is one ulp off and lands on the other side of an e4m3 rounding midpoint (about 2⁻¹⁹).
+GPU_VALUES_OFF = 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,transposed", [((4096, 4096), False), ((4096, 32768), True), ((1024, 4096), True),
                                               ((100, 72), False)])
-def test_layer_operands_on_gpu_match_the_reference_bit_for_bit(shape, transposed):
+def test_layer_operands_on_gpu_match_the_reference(shape, transposed):
     """bf16 operands of the dsv4-flash projections (a weight, an output gradient read as `dyᵀ`, an input read as
-    `xᵀ`, an unaligned one): both sides divide in float32 with correct rounding and round to nearest e4m3."""
+    `xᵀ`, an unaligned one) against torch's quantization on the GPU: every scale equal, and the e4m3 values equal
+    but for a share `GPU_VALUES_OFF` at most, each one step away (same sign, adjacent codes)."""
     device = fp8_gpu_or_skip()  # e4m3 conversions need compute capability >= 8.9 in Triton too
     t = torch.randn(shape, device=device, dtype=torch.bfloat16) * 3
     t = t.t() if transposed else t
     rows, width = -(-t.shape[0] // 16) * 16, -(-t.shape[1] // 16) * 16
     q, scale = fp8_quantize.quantize_rows(t, rows, width)
     q_want, scale_want = reference_quantize_rows(F.pad(t, (0, width - t.shape[1], 0, rows - t.shape[0])))
-    scales_off = int((scale != scale_want.float()).sum())
-    values_off = int((q.view(torch.uint8) != q_want.view(torch.uint8)).sum())
-    assert scales_off == 0 and values_off == 0, f"{scales_off} of {rows} scales and {values_off} values differ"
+    assert torch.equal(scale, scale_want.float()), f"{int((scale != scale_want.float()).sum())} of {rows} scales differ"
+    codes, codes_want = q.view(torch.uint8).int(), q_want.view(torch.uint8).int()  # sign bit, then magnitude order
+    off = codes != codes_want
+    assert int(off.sum()) <= GPU_VALUES_OFF * q.numel(), f"{int(off.sum())} of {q.numel()} values differ"
+    assert ((codes - codes_want)[off].abs() == 1).all(), "a value differs by more than one e4m3 step"
 
 
 @pytest.mark.gpu

@@ -49,7 +49,8 @@ def quantize_kernel(t_ptr, amax_bits_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRI
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
                     INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr):
     """Per row: scale = max(amax, TINY) · (1/FP8_MAX) and q = clamp(t / scale) rounded to nearest e4m3, in
-    float32: the reference's numbers bit for bit. The programs of the first column block store the scales."""
+    float32, with a correctly rounded division (the reference's numbers: `fp8_quantize.quantize_rows` says how
+    close on a GPU). The programs of the first column block store the scales."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     amax = tl.load(amax_bits_ptr + rows, mask=rows < R, other=0).to(tl.float32, bitcast=True)
