@@ -320,6 +320,53 @@ def test_cudnn_topk_matches_topk_columns_exactly(vendors) -> None:
     assert seq_lens[2] == 0 and seq_lens[3] <= 5
 
 
+def test_cudnn_topk_with_prefix_counts_scans_only_the_prefixes(vendors) -> None:
+    """With the `counts` hint (a decode step's: `valid[t]` is the prefix `[0, counts[t])`) the kernel gets the
+    counts as its scan lengths and the scores unmasked (finite garbage past a prefix must not matter); the result
+    is still `topk_columns`'s."""
+    dsa = with_cudnn(vendors)
+    scores = torch.randint(0, 4, (5, 24)).float()  # ties
+    counts = torch.tensor([0, 1, 7, 23, 24])
+    valid = torch.arange(24) < counts.unsqueeze(1)
+    for k in (1, 6, 24, 30):
+        got = cudnn_backend.topk(scores, valid, k, None, counts)
+        assert torch.equal(got, topk_columns(scores, valid, k)), k
+        call = dsa.calls[-1][1]
+        assert torch.equal(call["seq_lens"], counts.int()) and torch.equal(call["values"][:, :24], scores)
+
+
+@torch.no_grad()
+def test_c_decode_steps_hand_cudnn_topk_their_entry_counts(vendors) -> None:
+    """A C layer's decode steps with top-k on the (fake) cuDNN kernel: each step's scan lengths are the new
+    tokens' visible entry counts `(p + 1) // r` (the decode hint, not lengths rebuilt from the mask), and the
+    outputs are those of the same steps on the unfused top-k."""
+    from megatron_dsa.layers.decoding import LayerCache
+
+    dsa = with_cudnn(vendors)
+    on_gpu_generation(vendors, (9, 0))
+    hints = []
+    kernel = registry.backend_op("cudnn", OpFamily.TOPK)
+    vendors.setitem(registry.backend_named("cudnn").ops, OpFamily.TOPK,
+                    lambda scores, valid, k, visible=None, counts=None:
+                    hints.append(counts) or kernel(scores, valid, k, visible, counts))
+    config = HybridAttentionConfig.from_preset("tiny", num_layers=1, layer_pattern="C", dsa_indexer_topk=3)
+    torch.manual_seed(0)
+    fused = HybridAttention(config.replace(attention_backend_overrides={"topk": "cudnn"}), kind="C").eval()
+    reference = HybridAttention(config.replace(attention_backend="unfused"), kind="C").eval()
+    reference.load_state_dict(fused.state_dict())
+    hidden = torch.randn(20, 2, config.hidden_size)
+    outputs = []
+    for layer in (fused, reference):
+        cache = LayerCache.for_layer(layer, 2, 20)
+        layer(hidden[:9], inference_cache=cache)
+        outputs.append(torch.cat([layer(hidden[p:p + 1], inference_cache=cache)[0] for p in range(9, 20)]))
+    ratio = fused.core_attention.indexer.compressor.ratio
+    steps = [call for name, call in dsa.calls if name == "topk"]
+    assert [call["seq_lens"].tolist() for call in steps[-11:]] == [[(p + 1) // ratio] * 2 for p in range(9, 20)]
+    assert [None if h is None else h.tolist() for h in hints[-11:]] == [[(p + 1) // ratio] * 2 for p in range(9, 20)]
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("chunk", [slice(0, 26), slice(5, 20), slice(14, 15)])
 def test_cudnn_topk_with_the_uniform_structure_scans_only_visible_prefixes(vendors, chunk) -> None:
     """With the `visible` hint the kernel gets each row's visible count as its scan length and the scores

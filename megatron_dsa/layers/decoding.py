@@ -525,7 +525,7 @@ def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positio
     visible = index.entry_columns < counts.unsqueeze(1)
     pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width,
                     rows=batch)
-    return pick(scores, visible, topk, None)
+    return pick(scores, visible, topk, None, counts)
 
 
 # ---------------------------------------------------------------- M

@@ -157,14 +157,16 @@ def visible_compressed_indices(layout: CompressedLayout) -> Tensor:
     return visible_compressed_entries(layout).rows()
 
 
-def topk_columns(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None) -> Tensor:
+def topk_columns(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None,
+                 counts: Optional[Tensor] = None) -> Tensor:
     """Columns of the top-`k` valid scores per row, −1 where fewer than `k` are valid.
 
     scores: `[T, C]`; valid: `[T, C]` bool. Returns `[T, min(k, C)]` int64: the valid columns, a valid
     column scoring −inf among them (ranked as the lowest finite score), highest score first, then −1; ties
     go to the lower column (stable sort), so the selection is deterministic. Non-differentiable. `visible`
     (the `topk` op family's optional hint, as for `indexer_scores`): `valid` is the visible-entry mask of
-    these uniform-batch rows, a prefix of each row; `valid` says the same, so this ignores it.
+    these uniform-batch rows, a prefix of each row; `counts [T]` (the family's other hint, `0 ≤ counts[t] ≤ C`):
+    `valid[t]` is the prefix `[0, counts[t])` of row t. `valid` says the same, so this ignores both.
     """
     width = min(k, scores.shape[1])
     # A valid column scoring −inf ranks as the lowest finite score, so that it comes before every invalid

@@ -43,11 +43,12 @@ INTERPRETER_SELECT_BLOCK = 16  # several steps per row on the tests' small rows
 SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32, where the keys are made
 
 
-def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None) -> Tensor:
+def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None,
+         counts: Optional[Tensor] = None) -> Tensor:
     """The `ops.indices.topk_columns` contract: scores `[T, C]` (float32/16-bit), valid `[T, C]` bool →
     `[T, min(k, C)]` int64 columns, highest score first, ties to the lower column, −1 where fewer than
     k are valid. Rows of up to `AUTO_MAX_COLUMNS` are sorted whole, wider ones selected then sorted
-    (module docstring). `visible` (the family's uniform-rows hint) adds nothing `valid` does not say."""
+    (module docstring). `visible` and `counts` (the family's prefix hints) add nothing `valid` does not say."""
     _check_topk(scores, valid, k)
     from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
 
