@@ -382,9 +382,9 @@ def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisible
                          f"{visible.start}:{visible.stop} with {visible.entries} entries each")
     if rows == 0 or width == 0:
         return torch.full((rows, width), -1, dtype=torch.long, device=scores.device)
-    if visible is not None:
-        ranked, seq_lens = scores.float(), _visible_counts(visible, scores.device)
-    elif counts is not None:
+    if visible is not None:  # the uniform structure's counts, kept per layout
+        counts = _visible_counts(visible, scores.device)
+    if counts is not None:
         ranked, seq_lens = scores.float(), counts.to(torch.int32)
     else:
         ranked = torch.where(valid, scores.float(), float("-inf"))
