@@ -77,20 +77,6 @@ class CompressorState:
         return cls(torch.zeros(batch, slots, 2 * width, dtype=dtype, device=device))
 
     @property
-    def kv(self) -> Tensor:
-        """`[B, K, coff·Dc]` (a view of `rows`)."""
-        return self.rows[..., :self.width]
-
-    @property
-    def gate(self) -> Tensor:
-        """`[B, K, coff·Dc]` (a view of `rows`)."""
-        return self.rows[..., self.width:]
-
-    @property
-    def width(self) -> int:
-        return self.rows.shape[-1] // 2
-
-    @property
     def slots(self) -> int:
         return self.rows.shape[1]
 
@@ -105,8 +91,9 @@ class PendingGroups:
     segments: the `TokenLayout` of B segments of K rows (each sequence's slots, oldest first, pooled as one
     segment); numbering: `[B + 1]` `0 … B` (one entry per segment: its entries' offsets); all_valid: `[B]` True.
     own_first: `[B]` `b·K + K − r`, the row of the first token of the new token's group among the slots
-    oldest first; previous_first: `[B]` `own_first − r`, of the group before it. oldest_first: ratio 4 only (`K = 2r`, two groups held), `[2, B, K]` the rows of sequence b's
-    slots oldest first when the new token's entry `j` has parity `j % 2` (for K = r the slots are in order)."""
+    oldest first; previous_first: `[B]` `own_first − r`, of the group before it. oldest_first: ratio 4 only
+    (`K = 2r`, two groups held), `[2, B, K]` the rows of sequence b's slots oldest first when the new token's
+    entry `j` has parity `j % 2` (for K = r the slots are in order)."""
 
     ratio: int
     slots: int
@@ -360,11 +347,8 @@ def _append_entries(compressor: Compressor, state: CompressorState, projected: d
     layout = CompressedLayout.owned(tokens, r, first_entry,
                                     torch.div(before + added, r, rounding_mode="floor") - first_entry,
                                     num_rows // r)
-    new_rows = _side_by_side(projected[compressor.linear_wkv], projected[compressor.linear_wgate])
-    pending = torch.cat((new_rows, state.rows.flatten(0, 1)))[source]
-    width = state.width
-    pooled = compressor({compressor.linear_wkv: pending[:, :width], compressor.linear_wgate: pending[:, width:]},
-                        layout, inv_freq)
+    new_rows = _new_slot_rows(compressor, projected)
+    pooled = _pool(compressor, torch.cat((new_rows, state.rows.flatten(0, 1)))[source], layout, inv_freq)
     valid = layout.valid
     store[layout.segment_ids[valid], layout.entry_index[valid]] = pooled[valid].to(store.dtype)
     _write_slots(state.rows, new_rows, new, before)
@@ -491,25 +475,31 @@ def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: d
 
     Every sequence pools the state's `K` slots (oldest first) as one segment of a layout that owns one entry
     per segment, whether or not its group is complete (fixed shapes, no branch on values)."""
-    new_rows = _side_by_side(projected[compressor.linear_wkv], projected[compressor.linear_wgate])
     flat = state.rows.flatten(0, 1)  # a view: the write lands in the state
-    flat.index_copy_(0, group.slot_rows, new_rows.to(flat.dtype))
+    flat.index_copy_(0, group.slot_rows, _new_slot_rows(compressor, projected).to(flat.dtype))
     if group.oldest_first is not None:
         flat = flat.index_select(0, group.oldest_first)
-    width = state.width
-    pooled = compressor({compressor.linear_wkv: flat[:, :width], compressor.linear_wgate: flat[:, width:]},
-                        group.layout, inv_freq)
+    pooled = _pool(compressor, flat, group.layout, inv_freq)
     store.flatten(0, 1).index_copy_(0, group.entry_rows, pooled.to(store.dtype))
 
 
-def _side_by_side(left: Tensor, right: Tensor) -> Tensor:
-    """`[left | right]` of two `[N, n]` tensors: a view where right's columns follow left's in the same rows
-    (column slices of one stacked GEMM output, the usual case), else a copy."""
+def _new_slot_rows(compressor: Compressor, projected: dict) -> Tensor:
+    """The new tokens' `[N, 2·coff·Dc]` pending-slot rows, the compressor's kv then gate projections
+    (`CompressorState.rows`): a view where the gate's columns follow the kv's in the same rows (column slices
+    of one stacked GEMM output, the usual case), else a copy."""
+    left, right = projected[compressor.linear_wkv], projected[compressor.linear_wgate]
     if (left.stride() == right.stride() and left.stride(1) == 1 and left.dtype == right.dtype
             and left.untyped_storage().data_ptr() == right.untyped_storage().data_ptr()
             and right.data_ptr() == left.data_ptr() + left.shape[1] * left.element_size()):
         return left.as_strided((left.shape[0], left.shape[1] + right.shape[1]), left.stride())
     return torch.cat((left, right), dim=1)
+
+
+def _pool(compressor: Compressor, rows: Tensor, layout: CompressedLayout, inv_freq: Tensor) -> Tensor:
+    """The compressor's entries of pending-slot `rows [n, 2·coff·Dc]` (kv then gate) pooled by `layout`."""
+    width = rows.shape[1] // 2
+    return compressor({compressor.linear_wkv: rows[:, :width], compressor.linear_wgate: rows[:, width:]}, layout,
+                      inv_freq)
 
 
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
