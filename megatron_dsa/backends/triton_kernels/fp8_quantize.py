@@ -44,7 +44,7 @@ def quantize_rows(t: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
     q = torch.empty((rows, width), dtype=FP8, device=t.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=t.device)
     amax_bits = torch.zeros(t.shape[0], dtype=torch.int32, device=t.device)
-    block_r, block_k = tile(t)
+    block_r, block_k = _tile(t)
     if t.numel():
         launcher(kernels.row_amax_kernel)[(cdiv(t.shape[0], block_r), cdiv(t.shape[1], block_k))](
             t, amax_bits, t.shape[0], t.shape[1], t.stride(0), t.stride(1), BLOCK_R=block_r, BLOCK_K=block_k,
@@ -57,6 +57,6 @@ def quantize_rows(t: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def tile(t: Tensor) -> tuple[int, int]:
+def _tile(t: Tensor) -> tuple[int, int]:
     """`(BLOCK_R, BLOCK_K)` for t: a transposed view (rows contiguous) reads tall tiles."""
     return COLUMN_MAJOR_TILE if t.stride(1) != 1 and t.stride(0) == 1 else ROW_MAJOR_TILE
