@@ -51,6 +51,29 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int, back_to_back:
     return statistics.median(times)
 
 
+def graph_median_ms(fn: Callable[[], object], repeats: int, warmup: int, calls: int = 10) -> float:
+    """Median per-call time of `calls` calls of `fn` captured as one CUDA graph and replayed `repeats` times,
+    after `warmup` eager calls (compilation) and one untimed replay: the kernels' GPU time with no host time
+    between them, for calls too short to time eagerly (the host's launch work would be measured instead)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def forward_backward_ms(forward: Callable[[], object], forward_backward: Callable[[], object], repeats: int,
                         warmup: int) -> tuple[float, float]:
     """(forward ms, backward ms) medians; backward alone = forward + backward − forward."""

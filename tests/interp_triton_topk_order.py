@@ -142,6 +142,18 @@ def test_wide_rows_take_the_select_path_and_match_topk_columns_exactly(monkeypat
     assert counted.calls == 2
 
 
+def test_wide_rows_unordered_are_the_selection_in_column_order(monkeypatch):
+    """`ordered=False` (a decode step's picks, read as a set): the select's columns as they are, without the sort."""
+    from megatron_dsa.backends.triton_kernels import topk_order
+
+    monkeypatch.setattr(topk_order, "AUTO_MAX_COLUMNS", 32)
+    monkeypatch.setattr(topk_order, "order_picks", lambda *args: pytest.fail("an unordered top-k sorted its picks"))
+    scores, valid = _scores(4, 70, seed=6)
+    valid[3] = torch.arange(70) < 9  # fewer valid columns than k
+    for k in (16, 50):
+        assert torch.equal(topk(scores, valid, k, ordered=False), _in_column_order(topk_columns(scores, valid, k)))
+
+
 class _Counted:
     def __init__(self, fn):
         self.fn, self.calls = fn, 0

@@ -335,6 +335,30 @@ def test_cudnn_topk_with_prefix_counts_scans_only_the_prefixes(vendors) -> None:
         assert torch.equal(call["seq_lens"], counts.int()) and torch.equal(call["values"][:, :24], scores)
 
 
+def test_cudnn_topk_unordered_with_counts_returns_the_kernels_picks(vendors) -> None:
+    """`ordered=False` with the counts hint (a decode step): the kernel's picks as it returns them (in its own
+    order, as int64), no ordering pass; as a set, `topk_columns`'s."""
+    dsa = with_cudnn(vendors)
+    vendors.setattr(cudnn_backend, "order_picks", lambda *args: pytest.fail("an unordered top-k sorted its picks"))
+    vendors.setattr(cudnn_backend, "_in_reference_order", lambda *args: pytest.fail("an unordered top-k sorted"))
+    scores = torch.randn(5, 24)
+    counts = torch.tensor([0, 1, 7, 23, 24])
+    valid = torch.arange(24) < counts.unsqueeze(1)
+    for k in (1, 6, 24):
+        got = cudnn_backend.topk(scores, valid, k, None, counts, ordered=False)
+        call = dsa.calls[-1][1]
+        assert got.dtype == torch.long and torch.equal(got, dsa.last_topk.long())
+        assert torch.equal(pick_set(got, counts), pick_set(topk_columns(scores, valid, k), counts)), k
+        assert torch.equal(call["seq_lens"], counts.int())
+
+
+def pick_set(picks: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Top-k picks as a set per row: the picks inside the row's valid prefix `[0, counts[t])`, highest first, −1
+    after them (an unordered top-k's slots without a pick may hold −1 or a column past the prefix)."""
+    inside = (picks >= 0) & (picks < counts.unsqueeze(1))
+    return torch.where(inside, picks, -1).sort(dim=1, descending=True).values
+
+
 @torch.no_grad()
 def test_c_decode_steps_hand_cudnn_topk_their_entry_counts(vendors) -> None:
     """A C layer's decode steps with top-k on the (fake) cuDNN kernel: each step's scan lengths are the new
@@ -347,8 +371,8 @@ def test_c_decode_steps_hand_cudnn_topk_their_entry_counts(vendors) -> None:
     hints = []
     kernel = registry.backend_op("cudnn", OpFamily.TOPK)
     vendors.setitem(registry.backend_named("cudnn").ops, OpFamily.TOPK,
-                    lambda scores, valid, k, visible=None, counts=None:
-                    hints.append(counts) or kernel(scores, valid, k, visible, counts))
+                    lambda scores, valid, k, visible=None, counts=None, ordered=True:
+                    hints.append(counts) or kernel(scores, valid, k, visible, counts, ordered))
     config = HybridAttentionConfig.from_preset("tiny", num_layers=1, layer_pattern="C", dsa_indexer_topk=3)
     torch.manual_seed(0)
     fused = HybridAttention(config.replace(attention_backend_overrides={"topk": "cudnn"}), kind="C").eval()

@@ -144,7 +144,7 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
     iq, ik, iw = r(20, 2, 8, grad=False), r(compressed.capacity, 8, grad=False), r(20, 2, grad=False)
     scores = library.indexer_scores_op("unfused", iq, ik, iw, candidates, 0.3, None)
     valid = candidates >= 0
-    columns = library.topk_op("unfused", scores, valid, 2, None, None)
+    columns = library.topk_op("unfused", scores, valid, 2, None, None, True)
     lse = r(20, heads, grad=False).float() + 3.0
     student = torch.where(valid, scores, float("-inf"))
     per_row, target = library.indexer_loss_op("unfused", student, q.detach(), kv.detach(), candidates, lse, 0.25)
@@ -168,7 +168,8 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
                                   r(20, heads, dim, grad=False), lse, r(20, heads, dim, grad=False), grad_lse)
                                  for grad_lse in (None, r(20, heads, grad=False))],
         "indexer_scores": [("unfused", iq, ik, iw, candidates, 0.3, None)],
-        "topk": [("unfused", scores, valid, 2, None, None), ("unfused", scores, valid, 9, None, valid.sum(1))],
+        "topk": [("unfused", scores, valid, 2, None, None, True),
+                 ("unfused", scores, valid, 9, None, valid.sum(1), False)],
         "selection_rows": [("unfused", columns, scores, entries.table, entries.group, entries.count, 0, 20,
                             window, layout.num_rows)],
         "indexer_loss": [("unfused", student, q.detach(), kv.detach(), candidates, lse, 0.25)],

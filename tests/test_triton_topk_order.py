@@ -171,3 +171,32 @@ def test_gpu_decode_topk_matches_topk_columns_exactly(scores_kind):
     got = pick(scores, valid, 512, None)
     assert call_counts() == {("triton", "topk"): 1}
     assert torch.equal(got, topk_columns(scores, valid, 512))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cudnn"])
+def test_gpu_unordered_decode_topk_is_the_reference_set(backend):
+    """`ordered=False` with the counts hint, as a decode step calls it (32 rows of 32768 columns, top-512, ragged
+    valid prefixes: none, fewer than k, all): as a set per row exactly the reference's columns, each once, every
+    slot without a pick −1 or past its row's prefix (what the decode attention ignores). Distinct scores: the
+    kernels may break ties differently from the reference's order."""
+    from megatron_dsa.backends import BackendUnavailableError, call_counts, dispatch, reset_call_counts
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    rows, cols = 32, 32768
+    scores = torch.randn(rows, cols, device="cuda", generator=gen)
+    counts = torch.randint(0, cols + 1, (rows,), device="cuda", generator=gen)
+    counts[:3] = torch.tensor([0, 300, cols])
+    valid = torch.arange(cols, device="cuda") < counts.unsqueeze(1)
+    try:
+        pick = dispatch(OpFamily.TOPK, backend, device=scores.device, dtype=scores.dtype, topk=512, columns=cols,
+                        rows=rows)
+    except BackendUnavailableError as error:
+        pytest.skip(str(error))
+    reset_call_counts()
+    got = pick(scores, valid, 512, counts=counts, ordered=False)
+    assert call_counts() == {(backend, "topk"): 1}
+    inside = (got >= 0) & (got < counts.unsqueeze(1))
+    as_set = torch.where(inside, got, -1).sort(dim=1, descending=True).values
+    want = topk_columns(scores, valid, 512).sort(dim=1, descending=True).values
+    assert torch.equal(as_set, want)

@@ -75,7 +75,8 @@ class FakeCudnnDSA:
         ranked = input_values.masked_fill(~inside, -math.inf)
         order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :top_k]
         picked = torch.where(torch.gather(inside, 1, order), order, -1)
-        return {"indices": picked.flip(1).to(torch.int32), "values": None}
+        self.last_topk = picked.flip(1).to(torch.int32)
+        return {"indices": self.last_topk, "values": None}
 
 
     def indexer_forward_wrapper(self, q, k, w, ratio=4, sm_scale=1.0, cu_seqlens_q=None, cu_seqlens_k=None,

@@ -361,7 +361,7 @@ def _indexer_scores_problem(call: Mapping[str, Any]) -> Optional[str]:
 
 # ---------------------------------------------------------------- top-k
 def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None,
-         counts: Optional[Tensor] = None) -> Tensor:
+         counts: Optional[Tensor] = None, ordered: bool = True) -> Tensor:
     """The `ops.indices.topk_columns` contract on `DSA.indexer_top_k_wrapper`.
 
     scores `[T, C]`, valid `[T, C]` → `[T, min(k, C)]` int64 columns, highest score first, ties to the
@@ -373,7 +373,9 @@ def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisible
     With `visible` (uniform-batch rows) the valid columns are a prefix of known length, kept per
     layout, and with `counts [T]` (`valid[t]` is the prefix `[0, counts[t])`, as in a decode step) a prefix
     of given length: the kernel scans each row's prefix only, so the scores go in as they are, four or five
-    small ops fewer per call.
+    small ops fewer per call. With counts and `ordered=False` (a decode step) the kernel's picks are returned
+    as they come: it scans only the valid prefix, so every pick in it is valid and the attention ignores the
+    rest (the order kernel took about as long as the top-k itself).
     """
     rows, cols = scores.shape
     width = min(k, cols)
@@ -394,6 +396,8 @@ def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisible
                                          value=float("-inf"))
     picked = _dsa().indexer_top_k_wrapper(ranked, seq_lens, width, next_n=1, return_val=False,
                                           deterministic=True)["indices"]
+    if counts is not None and not ordered:
+        return picked.long()
     if triton_decline_reason(scores.device) is None:  # one kernel instead of the torch sort below
         return order_picks(picked, ranked, valid)
     return _in_reference_order(picked.long(), ranked, valid)

@@ -387,13 +387,14 @@ def _(backend, q, k, weights, candidates, scale, visible):
 
 @_custom_op("topk")
 def topk_op(backend: str, scores: Tensor, valid: Tensor, k: int, visible: Optional[list[int]],
-            counts: Optional[Tensor]) -> Tensor:
-    """`topk` family: `[n, min(k, C)]` int64 columns, −1 where fewer are valid."""
-    return _kernel(OpFamily.TOPK, backend)(scores, valid, k, _visible(visible), counts)
+            counts: Optional[Tensor], ordered: bool) -> Tensor:
+    """`topk` family: `[n, min(k, C)]` int64 columns, −1 where fewer are valid (`ordered=False`: a set, see
+    `ops.indices.topk_columns`)."""
+    return _kernel(OpFamily.TOPK, backend)(scores, valid, k, _visible(visible), counts, ordered)
 
 
 @topk_op.register_fake
-def _(backend, scores, valid, k, visible, counts):
+def _(backend, scores, valid, k, visible, counts, ordered):
     return scores.new_empty(scores.shape[0], min(k, scores.shape[1]), dtype=torch.long)
 
 
@@ -530,8 +531,8 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
         lambda q, k, weights, candidates, scale, visible=None:
         indexer_scores_op(backend, q, k, weights, candidates, float(scale), _visible_args(visible))),
     OpFamily.TOPK: lambda backend: (
-        lambda scores, valid, k, visible=None, counts=None:
-        topk_op(backend, scores, valid, k, _visible_args(visible), counts)),
+        lambda scores, valid, k, visible=None, counts=None, ordered=True:
+        topk_op(backend, scores, valid, k, _visible_args(visible), counts, bool(ordered))),
     OpFamily.SELECTION_ROWS: _selection_rows,
     OpFamily.DECODE_ATTENTION: lambda backend: (
         lambda query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink, scale:

@@ -53,7 +53,7 @@ class OpFamily(str, Enum):
     SPARSE_ATTENTION_FWD = "sparse_attention_fwd"  # (q, kv, indices, sink, scale) -> (out, lse)
     SPARSE_ATTENTION_BWD = "sparse_attention_bwd"  # (..., out, lse, grad_out, grad_lse) -> grads
     INDEXER_SCORES = "indexer_scores"  # (q, k, weights, candidates, scale, visible=None) -> scores [n, C]
-    TOPK = "topk"  # (scores [T, C], valid [T, C], k, visible=None) -> columns [T, min(k, C)]
+    TOPK = "topk"  # (scores [T, C], valid [T, C], k, visible=None, counts=None, ordered=True) -> columns [T, min(k, C)]
     # (columns [n, K], scores [n, C], entries, rows, window [n, W], kv_offset) -> ops.indices.SelectionRows
     SELECTION_ROWS = "selection_rows"
     INDEXER_LOSS = "indexer_loss"

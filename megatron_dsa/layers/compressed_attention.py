@@ -207,7 +207,8 @@ class CompressedSparseAttention(HighPrecisionModule):
         self.indexer = LightningIndexer(c, ratio) if has_indexer else None
         self.last_indexer_loss: Optional[Tensor] = None
         self.last_selection: Optional[IndexSelection] = None  # None after a decode step (layers.decoding)
-        self.last_decode_picks: Optional[Tensor] = None  # a C layer's decode step: [B, K] entry numbers, −1 none
+        # A C layer's decode step: [B, K] entry numbers picked, in any order; the other slots −1 or not yet visible.
+        self.last_decode_picks: Optional[Tensor] = None
 
     def projections(self) -> tuple[list[nn.Linear], list[nn.Linear]]:
         """`(attached, detached)`: the linears applied to the layer input rows, by the compressor (its

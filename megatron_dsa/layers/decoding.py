@@ -505,7 +505,8 @@ def _pool(compressor: Compressor, rows: Tensor, layout: CompressedLayout, inv_fr
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
                  topk: int, inv_freq: Tensor, index: DecodeIndex) -> Tensor:
     """`[B, min(topk, C)]` entry numbers the indexer picks for each new token among its sequence's cached
-    compressed keys `keys [B, C, DI]` (the visible ones, `j < (p + 1) // r`), −1 = none."""
+    compressed keys `keys [B, C, DI]` (the visible ones, `j < (p + 1) // r`), as a set: in any order, the slots
+    without a pick −1 or not visible (the attention reads them so; `ops.indices.topk_columns`, `ordered`)."""
     queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
     batch, width = keys.shape[:2]
     counts = entry_counts(positions, indexer.compressor.ratio)
@@ -515,7 +516,7 @@ def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positio
     visible = index.entry_columns < counts.unsqueeze(1)
     pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width,
                     rows=batch)
-    return pick(scores, visible, topk, None, counts)
+    return pick(scores, visible, topk, counts=counts, ordered=False)
 
 
 # ---------------------------------------------------------------- M

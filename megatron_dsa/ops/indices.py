@@ -158,7 +158,7 @@ def visible_compressed_indices(layout: CompressedLayout) -> Tensor:
 
 
 def topk_columns(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None,
-                 counts: Optional[Tensor] = None) -> Tensor:
+                 counts: Optional[Tensor] = None, ordered: bool = True) -> Tensor:
     """Columns of the top-`k` valid scores per row, −1 where fewer than `k` are valid.
 
     scores: `[T, C]`; valid: `[T, C]` bool. Returns `[T, min(k, C)]` int64: the valid columns, a valid
@@ -167,6 +167,9 @@ def topk_columns(scores: Tensor, valid: Tensor, k: int, visible: Optional[Unifor
     (the `topk` op family's optional hint, as for `indexer_scores`): `valid` is the visible-entry mask of
     these uniform-batch rows, a prefix of each row; `counts [T]` (the family's other hint, `0 ≤ counts[t] ≤ C`):
     `valid[t]` is the prefix `[0, counts[t])` of row t. `valid` says the same, so this ignores both.
+    `ordered=False` (a caller that reads the picks as a set, such as a decode step's attention) lets a kernel
+    return the same valid columns in any order, each once, with its other slots −1 or outside row t's valid
+    columns; this returns the order above either way.
     """
     width = min(k, scores.shape[1])
     # A valid column scoring −inf ranks as the lowest finite score, so that it comes before every invalid

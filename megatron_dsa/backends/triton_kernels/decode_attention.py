@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -48,11 +48,22 @@ def _head_dim_chunks(dim: int) -> tuple[int, int]:
     return main, (pow2(rest, MIN_DOT) if rest > 0 else 0)
 
 
-def _block_k(dtype: torch.dtype, dim: int) -> int:
-    """Key rows per step: 64 for 16-bit rows up to D = 512 (as the training forward), else 32 (shared memory)."""
+class DecodeTiles(NamedTuple):
+    """A launch's tiles: key rows per step, warps per program and pipeline stages."""
+
+    block_k: int
+    warps: int
+    stages: int
+
+
+def decode_tiles(dtype: torch.dtype, heads: int, dim: int) -> DecodeTiles:
+    """The tiles for `heads` query rows of `dim` columns in `dtype`: 64 key rows per step for 16-bit rows up to
+    D = 512 (as the training forward), else 32 (shared memory); 8 warps where a program's query tile spans 64
+    heads × 256 columns or more."""
     if interpreting():
-        return INTERPRETER_BLOCK_K
-    return 64 if dtype.itemsize == 2 and dim <= 512 else 32
+        return DecodeTiles(INTERPRETER_BLOCK_K, 4, 2)
+    wide = pow2(heads, MIN_DOT, MAX_BLOCK_H) * _head_dim_chunks(dim)[0] >= MAX_BLOCK_H * 256
+    return DecodeTiles(64 if dtype.itemsize == 2 and dim <= 512 else 32, 8 if wide else 4, 2)
 
 
 def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.device) -> int:
@@ -64,9 +75,10 @@ def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.
 
 def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens: Tensor, window: int,
                      entries: Optional[Tensor], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
-                     scale: float, splits: Optional[int] = None) -> Tensor:
+                     scale: float, splits: Optional[int] = None, tiles: Optional[DecodeTiles] = None) -> Tensor:
     """The `decode_attention` contract (`ops.decode_attention.decode_attention`) → `out [B, H, D]` in the query
-    dtype. `splits` overrides the key ranges per (sequence, head block) (tests; default: `split_count`)."""
+    dtype. `splits` overrides the key ranges per (sequence, head block) (default: `split_count`), `tiles` the
+    launch's tiles (default: `decode_tiles`); both for tests and benchmarks."""
     check_decode_inputs(query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink)
     if query.dtype not in SUPPORTED_DTYPES or window_rows.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"triton decode attention runs {[str(d) for d in SUPPORTED_DTYPES]}, got query "
@@ -82,7 +94,7 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
     selected = entry_ids is not None
     entry_slots = 0 if entries is None else (entry_ids.shape[1] if selected else entries.shape[1])
     slots = 1 + ring + entry_slots
-    block_k = _block_k(query.dtype, dim)
+    block_k, warps, stages = decode_tiles(query.dtype, heads, dim) if tiles is None else tiles
     splits = split_count(batch, heads, slots, block_k, query.device) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"triton decode attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
@@ -96,7 +108,6 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
     part_sum = torch.empty(partials[1], dtype=torch.float32, device=query.device)
     sink = sink.detach().to(torch.float32).contiguous()
     query = query.contiguous()
-    wide = block_h * block_d >= MAX_BLOCK_H * 256 and not interpreting()
     with _on_device(query.device):
         launcher(_kernels().decode_attention_split_kernel)[(batch * cdiv(heads, block_h), splits)](
             query, kv_new.contiguous(), window_rows.contiguous(),
@@ -107,7 +118,7 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
             ratio if entries is not None else 1, slots, per_split,
             SPLITS=splits, HAS_ENTRIES=entries is not None, SELECTED=selected,
             BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DT=block_dt,
-            DOT_PRECISION=dot_precision(query.dtype), num_warps=8 if wide else 4, num_stages=2)
+            DOT_PRECISION=dot_precision(query.dtype), num_warps=warps, num_stages=stages)
         if splits > 1:
             block_s = pow2(splits)
             launcher(_kernels().decode_combine_kernel)[(batch * heads,)](

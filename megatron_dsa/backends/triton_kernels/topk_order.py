@@ -44,11 +44,12 @@ SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in float3
 
 
 def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None,
-         counts: Optional[Tensor] = None) -> Tensor:
+         counts: Optional[Tensor] = None, ordered: bool = True) -> Tensor:
     """The `ops.indices.topk_columns` contract: scores `[T, C]` (float32/16-bit), valid `[T, C]` bool →
     `[T, min(k, C)]` int64 columns, highest score first, ties to the lower column, −1 where fewer than
     k are valid. Rows of up to `AUTO_MAX_COLUMNS` are sorted whole, wider ones selected then sorted
-    (module docstring). `visible` and `counts` (the family's prefix hints) add nothing `valid` does not say."""
+    (module docstring), or with `ordered=False` selected only (in column order). `visible` and `counts` (the
+    family's prefix hints) add nothing `valid` does not say."""
     _check_topk(scores, valid, k)
     from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
 
@@ -56,7 +57,8 @@ def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisible
     width = min(k, cols)
     if cols > AUTO_MAX_COLUMNS:
         ranked, valid = scores.float().contiguous(), valid.contiguous()
-        return order_picks(select_top_columns(ranked, valid, width), ranked, valid)
+        picks = select_top_columns(ranked, valid, width)
+        return order_picks(picks, ranked, valid) if ordered else picks
     out = torch.empty((rows, width), dtype=torch.long, device=scores.device)
     if out.numel() == 0:
         return out
