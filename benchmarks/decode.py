@@ -106,7 +106,7 @@ def dense_mla_attention(config: HybridAttentionConfig, batch: int, context: int,
     return lambda: attend(query, new, latent, seqlens, context + 1, None, None, 1, no_sink, width ** -0.5)
 
 
-def print_kernel_times(step: Callable[[], object], title: str, steps: int = PROFILED_STEPS) -> None:
+def print_kernel_times(step: Callable[[], object], title: str, rows: int, steps: int = PROFILED_STEPS) -> None:
     """The GPU kernels of `steps` eager decode steps by total time: where a step's device time goes (the
     graph replays the same kernels without the host gaps between them)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -114,7 +114,7 @@ def print_kernel_times(step: Callable[[], object], title: str, steps: int = PROF
             step()
         torch.cuda.synchronize()
     print(f"\n{title}: kernels of {steps} eager steps\n"
-          + prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+          + prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
 def recompute_ms(layer, batch: int, context: int, args: argparse.Namespace, generator: torch.Generator) -> str:
@@ -146,7 +146,7 @@ def measure(config: HybridAttentionConfig, kind: str, batch: int, context: int, 
     backends = ", ".join(sorted(f"{op}={backend}" for (backend, op), calls in call_counts().items() if calls))
     eager = median_us(step, device, args.repeats, args.warmup)
     if args.profile and device.type == "cuda":
-        print_kernel_times(step, f"{kind}, B={batch}, context={context}")
+        print_kernel_times(step, f"{kind}, B={batch}, context={context}", args.profile_rows)
     dense = dense_mla_attention(config, batch, context, device, dtype, generator)
     graph_us = None
     if device.type == "cuda":
@@ -204,6 +204,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536, 131072])
     parser.add_argument("--profile", action="store_true",
                         help="also print each row's GPU kernels by total time (torch.profiler, eager steps)")
+    parser.add_argument("--profile-rows", type=int, default=14, help="kernels listed per profile")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=50, help="timed steps (median reported)")
