@@ -15,6 +15,7 @@ import triton.language as tl
 
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2⁻⁶; below it e4m3 steps by 2⁻⁹
 SUBNORMAL_ROUNDER = tl.constexpr(24576.0)  # 1.5·2¹⁴: float32 sums near it step by 2⁻⁹
+SIGN_BIT = tl.constexpr(-0x80000000)  # float32's sign bit as an int32
 
 
 @triton.jit
@@ -24,12 +25,14 @@ def round_to_e4m3(y):
     What the GPU's float32 → e4m3 conversion does; done here so that the cast that follows is exact, because
     Triton 3.6's CPU interpreter converts wrongly when rounding carries into the exponent (126.9 → 64). Normal
     range: three mantissa bits kept by integer rounding on the bits (the carry may raise the exponent);
-    subnormal range: an addition to |y| whose float32 ulp is e4m3's step there."""
+    subnormal range: an addition to |y| whose float32 ulp is e4m3's step there, y's sign bit put back on (a
+    negative value rounded to zero stays −0, as the conversion keeps it: on the GPU a negation `-0.0` compiled
+    to `0 − 0.0 = +0`, and those −0s came out +0)."""
     bits = y.to(tl.int32, bitcast=True)
-    bits = (bits + (0x7FFFF + ((bits >> 20) & 1))) & -0x100000
-    normal = bits.to(tl.float32, bitcast=True)
+    rounded = (bits + (0x7FFFF + ((bits >> 20) & 1))) & -0x100000
+    normal = rounded.to(tl.float32, bitcast=True)
     magnitude = (tl.abs(y) + SUBNORMAL_ROUNDER) - SUBNORMAL_ROUNDER
-    subnormal = tl.where(y < 0, -magnitude, magnitude)  # keeps the sign of a value rounded to zero
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | (bits & SIGN_BIT)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(y) < E4M3_MIN_NORMAL, subnormal, normal)
 
 

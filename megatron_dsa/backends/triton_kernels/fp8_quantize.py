@@ -31,8 +31,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def quantize_rows(t: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
     """`t [R, K]` (any strides; bf16, fp16 or fp32) → `(q [rows, width]` e4m3 row-major, `scale [rows, 1]`
     float32): `ops.fp8_linear.quantize_rows` of t zero-padded to `rows ≥ R` rows and `width ≥ K` columns, bit
-    for bit in the CPU interpreter; on an H200 the scales bit for bit and all but a few e4m3 values per million,
-    those one step away (one side's float32 quotient is an ulp off there; `tests/test_triton_fp8_quantize.py`)."""
+    for bit (`tests/test_triton_fp8_quantize.py`: in the CPU interpreter, and against torch on the GPU)."""
     require_triton(t.device, "fp8 quantization", "t's device")
     if t.dim() != 2 or t.dtype not in DTYPES:
         raise ValueError(f"fp8 quantize_rows: t must be a 2-D {', '.join(map(str, DTYPES))} tensor, got "
