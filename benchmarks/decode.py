@@ -80,9 +80,11 @@ def median_us(step: Callable[[], object], device: torch.device, repeats: int, wa
 
 
 # ---------------------------------------------------------------- what is timed
-def filled_cache(layer, batch: int, context: int, spare: int, generator: torch.Generator) -> LayerCache:
-    """A cache of `batch` sequences holding `context` tokens each, its rows random, with room for `spare` more."""
-    cache = LayerCache.for_layer(layer, batch, context + spare)
+def filled_cache(layer, batch: int, context: int, spare: int, generator: torch.Generator,
+                 fp8_indexer_keys: bool = False) -> LayerCache:
+    """A cache of `batch` sequences holding `context` tokens each, its rows random (FP8 indexer keys: their codes;
+    scales 1), with room for `spare` more."""
+    cache = LayerCache.for_layer(layer, batch, context + spare, fp8_indexer_keys=fp8_indexer_keys)
     buffers = [cache.window, cache.entries, cache.indexer_keys, cache.latent]
     buffers += [state.rows for state in cache.compressors.values()]
     for buffer in buffers:
@@ -138,7 +140,7 @@ def measure(config: HybridAttentionConfig, kind: str, batch: int, context: int, 
     layer = build_attention(config, kind=kind).to(device, dtype).eval()
     # Every eager and replayed step adds a token: the first step, the profiled ones, then warm-up and timed steps of each.
     cache = filled_cache(layer, batch, context, 1 + 2 * (args.warmup + args.repeats) + PROFILED_STEPS * args.profile,
-                         generator)
+                         generator, args.fp8_indexer_keys)
     x = torch.randn(1, batch, config.hidden_size, generator=generator, device=device).to(dtype)
     step = lambda: layer(x, inference_cache=cache)  # noqa: E731
     reset_call_counts()
@@ -185,8 +187,9 @@ def format_table(rows: Sequence[Row]) -> str:
 def describe_run(args: argparse.Namespace) -> str:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (eager only)"
-    return (f"HybridAttention decode step (one token per sequence), preset {args.preset}, {args.dtype}, {name}, "
-            f"torch {torch.__version__}\nmedian of {args.repeats} steps after {args.warmup} warm-up, each from an "
+    keys = ", FP8 indexer keys" if args.fp8_indexer_keys else ""
+    return (f"HybridAttention decode step (one token per sequence), preset {args.preset}, {args.dtype}{keys}, "
+            f"{name}, torch {torch.__version__}\nmedian of {args.repeats} steps after {args.warmup} warm-up, each from an "
             f"idle device; tokens/s = B / step (one layer; graph step where there is one); dense-MLA: attention "
             f"alone over every cached latent row; recompute: the full forward over context + 1 tokens, run up to "
             f"{args.recompute_max_tokens} tokens")
@@ -205,6 +208,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="also print each row's GPU kernels by total time (torch.profiler, eager steps)")
     parser.add_argument("--profile-rows", type=int, default=14, help="kernels listed per profile")
+    parser.add_argument("--fp8-indexer-keys", action="store_true",
+                        help="C layers' caches keep their indexer keys in FP8 (LayerCache.for_layer)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=50, help="timed steps (median reported)")

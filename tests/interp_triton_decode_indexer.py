@@ -56,6 +56,22 @@ def test_keys_in_another_dtype_are_read_in_the_query_dtype():
                                reference_scores(q, half, weights, counts, 0.37), **TOL)
 
 
+@pytest.mark.parametrize("keys_major", [True, False], ids=["keys_major", "heads_major"])
+def test_fp8_keys_with_scales_match_the_reference(keys_major, monkeypatch):
+    """e4m3 keys and one float32 scale per key (an FP8 cache), against the reference on the same codes and
+    scales: the kernel converts the codes to the query dtype exactly and scales each key's score."""
+    from megatron_dsa.ops.fp8_linear import quantize_rows
+
+    monkeypatch.setattr(decode_indexer, "KEYS_MAJOR", keys_major)
+    q, keys, weights, counts = scores_inputs(4, 16)
+    codes, scales = quantize_rows(keys.flatten(0, 1))
+    codes, scales = codes.view(keys.shape), scales.view(keys.shape[:2])
+    expected = reference_scores(q, codes, weights, counts, 0.37, scales)
+    got = triton_scores(q, codes, weights, counts, 0.37, scales, ranges=3)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    torch.testing.assert_close(got, expected, **TOL)
+
+
 def test_an_empty_cache_and_an_empty_batch():
     q, keys, weights, counts = scores_inputs(4, 16)
     assert triton_scores(q, keys[:, :0], weights, counts, 0.37).shape == (5, 0)

@@ -180,8 +180,10 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
                              for entries_rows, entry_ids in (
                                  (None, None), (r(3, 6, dim, grad=False), None),
                                  (r(3, 6, dim, grad=False), torch.tensor([[0, -1], [1, 0], [5, 2]], device=device)))],
+        # (Its FP8-keys form, e4m3 keys with key_scales, is not sampled: opcheck's schema check compares inputs
+        # with arithmetic torch does not implement for float8.)
         "decode_indexer_scores": [("unfused", r(3, 2, 8, grad=False), r(3, 6, 8, grad=False), r(3, 2, grad=False),
-                                   torch.tensor([0, 4, 6], device=device), 0.3)],
+                                   torch.tensor([0, 4, 6], device=device), 0.3, None)],
         "fp8_gemm": [("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.float32),
                      ("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.bfloat16)],
     }

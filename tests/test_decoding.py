@@ -167,6 +167,62 @@ def test_every_decode_step_of_a_c_layer_selects_the_full_forwards_entries() -> N
     assert chosen > 0
 
 
+@torch.no_grad()
+def test_fp8_indexer_keys_hold_the_rounded_keys_and_change_nothing_else() -> None:
+    """A C layer's cache with FP8 indexer keys, prefilled in chunks and decoding, against the same steps on a
+    native cache: the stored keys times their scales are the native cache's keys rounded to e4m3 (relative error
+    at most 2⁻⁴ of each key's largest value: 3 mantissa bits), and with a top-k that keeps every entry (the
+    indexer's scores then choose nothing) the outputs agree to float64 rounding; the cache is smaller."""
+    seqlen = 29
+    layer, hidden = layer_and_input("C", seqlen, batch=2, seed=3)
+    layer.config = layer.config.replace(dsa_indexer_topk=64)
+    layer.core_attention.indexer.config = layer.config
+    caches = [LayerCache.for_layer(layer, 2, seqlen), LayerCache.for_layer(layer, 2, seqlen, fp8_indexer_keys=True)]
+    assert caches[1].indexer_keys.dtype == torch.float8_e4m3fn and caches[1].indexer_key_scales.dtype == torch.float32
+    outputs = [[], []]
+    for chunk in ([0, 7], [7, 12], *[[t, t + 1] for t in range(12, seqlen)]):
+        for cache, out in zip(caches, outputs):
+            out.append(layer(hidden[chunk[0]:chunk[1]], inference_cache=cache)[0])
+        native = caches[0].indexer_keys
+        stored = caches[1].indexer_keys.double() * caches[1].indexer_key_scales.double().unsqueeze(-1)
+        bound = native.abs().amax(-1, keepdim=True) * 2 ** -4
+        assert ((stored - native).abs() <= bound).all()
+    assert max_error(torch.cat(outputs[1]), torch.cat(outputs[0])) < TOLERANCE
+    assert caches[1].nbytes() < caches[0].nbytes()
+
+
+@torch.no_grad()
+def test_fp8_indexer_keys_pick_the_top_k_of_the_scores_of_the_stored_keys() -> None:
+    """Decode steps of a C layer with FP8 indexer keys pick, as a set, the reference top-k of the reference scores
+    over the keys the cache holds (codes times scales): the step scores what it stored."""
+    from megatron_dsa.ops.decode_attention import entry_counts
+    from megatron_dsa.ops.indexer import decode_indexer_scores
+    from megatron_dsa.ops.indices import topk_columns
+
+    seqlen, prefill = 33, 9
+    layer, hidden = layer_and_input("C", seqlen, batch=2, seed=4)
+    indexer = layer.core_attention.indexer
+    cache = LayerCache.for_layer(layer, 2, seqlen, fp8_indexer_keys=True)
+    layer(hidden[:prefill], inference_cache=cache)
+    queries = []
+    original = indexer.queries
+    indexer.queries = lambda *args: queries.append(original(*args)) or queries[-1]
+    chosen = 0
+    for position in range(prefill, seqlen):
+        layer(hidden[position:position + 1], inference_cache=cache)
+        q, weights = queries[-1]
+        counts = entry_counts(torch.full((2,), position), indexer.compressor.ratio)
+        keys = cache.indexer_keys.double() * cache.indexer_key_scales.double().unsqueeze(-1)
+        scores = decode_indexer_scores(q, keys, weights, counts, indexer.scale)
+        visible = torch.arange(keys.shape[1]) < counts.unsqueeze(1)
+        want = topk_columns(scores, visible, layer.config.dsa_indexer_topk)
+        step = layer.core_attention.last_decode_picks
+        step = torch.where((step >= 0) & (step < counts.unsqueeze(1)), step, -1)
+        assert torch.equal(step.sort(dim=1).values, want.sort(dim=1).values), position
+        chosen += int((step >= 0).sum())
+    assert chosen > 0
+
+
 def packed(lengths: list[int]) -> PackedSeqParams:
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return PackedSeqParams(cu_seqlens_q=cu, max_seqlen_q=max(lengths))
@@ -240,13 +296,15 @@ def test_an_fp32_cache_serves_bf16_rows_under_autocast(kind: str) -> None:
     assert max_error(decoded, full) < 0.05 * float(full.abs().max())
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_footprint_counts_what_the_cache_allocates(kind: str) -> None:
+@pytest.mark.parametrize("kind, fp8_indexer_keys", [(kind, False) for kind in KINDS] + [("C", True)],
+                         ids=[*KINDS, "C_fp8_indexer_keys"])
+def test_the_footprint_counts_what_the_cache_allocates(kind: str, fp8_indexer_keys: bool) -> None:
     layer, _ = layer_and_input(kind, 1, 1)
-    footprint = cache_footprint(layer.config, kind, element_size=8)  # float64 buffers
+    footprint = cache_footprint(layer.config, kind, element_size=8,  # float64 buffers
+                                fp8_indexer_keys=fp8_indexer_keys)
     for capacity in (16, 64):  # multiples of every ratio
-        assert LayerCache.for_layer(layer, 3, capacity).nbytes() == 3 * (footprint.per_sequence
-                                                                          + footprint.per_token * capacity)
+        cache = LayerCache.for_layer(layer, 3, capacity, fp8_indexer_keys=fp8_indexer_keys)
+        assert cache.nbytes() == 3 * (footprint.per_sequence + footprint.per_token * capacity)
 
 
 def test_at_dsv4_flash_dims_the_sparse_kinds_cache_a_fraction_of_dense_mla() -> None:
@@ -256,6 +314,8 @@ def test_at_dsv4_flash_dims_the_sparse_kinds_cache_a_fraction_of_dense_mla() -> 
     assert cache_footprint(c, "M").per_token == dense
     assert cache_footprint(c, "W").per_token == 0
     assert cache_footprint(c, "C").per_token == (c.v_head_dim + c.dsa_indexer_head_dim) / 4 * 2
+    assert cache_footprint(c, "C", fp8_indexer_keys=True).per_token == (c.v_head_dim * 2 + c.dsa_indexer_head_dim
+                                                                        + 4) / 4  # e4m3 and a float32 scale
     assert cache_footprint(c, "H").per_token == c.v_head_dim / c.hca_compress_ratio * 2
 
 

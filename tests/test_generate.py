@@ -121,6 +121,28 @@ def test_the_cli_samples_from_a_main_job_checkpoint(tmp_path, capsys) -> None:
         cli_main(args + ["--cuda-graph"])
     with pytest.raises(SystemExit, match="^error: --cuda-graph .* cannot be combined with --no-cache$"):
         cli_main(args + ["--cuda-graph", "--no-cache"])
+    with pytest.raises(SystemExit, match="^error: --fp8-indexer-keys .* cannot be combined with --no-cache$"):
+        cli_main(args + ["--fp8-indexer-keys", "--no-cache"])
+    assert cli_main(args + ["--fp8-indexer-keys"]) == 0  # FP8 indexer keys in the cache (a C layer's indexer)
+    assert capsys.readouterr().out.startswith("def f(")
+
+
+def test_generation_with_fp8_indexer_keys_reaches_every_c_layers_cache(monkeypatch) -> None:
+    """`fp8_indexer_keys` gives every C layer's cache e4m3 indexer keys with their scales, and only with the cache."""
+    from megatron_dsa.layers import decoding
+
+    model, prompts = model_fp64(), [torch.tensor([1, 2, 3]), torch.tensor([4])]
+    made = []
+    original = decoding.LayerCache.for_layer
+    monkeypatch.setattr(decoding.LayerCache, "for_layer",
+                        lambda *args, **kwargs: made.append(original(*args, **kwargs)) or made[-1])
+    tokens = generate(model, prompts, 4, fp8_indexer_keys=True)
+    assert tokens.shape == (2, 4)
+    with_indexer = [cache for cache in made if cache.indexer_keys is not None]
+    assert with_indexer and all(cache.indexer_keys.dtype == torch.float8_e4m3fn
+                                and cache.indexer_key_scales is not None for cache in with_indexer)
+    with pytest.raises(ValueError, match="fp8_indexer_keys .* cannot be combined with use_cache=False"):
+        generate(model, prompts, 3, use_cache=False, fp8_indexer_keys=True)
 
 
 def test_cuda_graph_generation_needs_the_cache_and_a_cuda_device() -> None:
@@ -133,19 +155,21 @@ def test_cuda_graph_generation_needs_the_cache_and_a_cuda_device() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, fp8_indexer_keys", [(torch.float32, False), (torch.bfloat16, False),
+                                                     (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16_fp8_keys"])
 @pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.9)])
-def test_cuda_graph_generation_replays_the_eager_cached_steps(dtype: torch.dtype, temperature: float,
-                                                             top_p: float, monkeypatch) -> None:
+def test_cuda_graph_generation_replays_the_eager_cached_steps(dtype: torch.dtype, fp8_indexer_keys: bool,
+                                                             temperature: float, top_p: float, monkeypatch) -> None:
     """Generation through a captured decode step gives the eager cached path's tokens, greedy and sampled from
-    the same seed; the steps after the capture are graph replays (counted), not eager decode steps (the
-    dispatch counters move only while the step runs on the host: warm-up and capture)."""
+    the same seed (with FP8 indexer keys too); the steps after the capture are graph replays (counted), not eager
+    decode steps (the dispatch counters move only while the step runs on the host: warm-up and capture)."""
     model = model_fp64(1).to(device="cuda", dtype=dtype)
     draw = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=draw) for n in (3, 14, 9)]
     new_tokens = 24
     run = lambda graphed: generate(model, prompts, new_tokens, temperature, top_p,  # noqa: E731
-                                   torch.Generator(device="cuda").manual_seed(7), cuda_graph=graphed)
+                                   torch.Generator(device="cuda").manual_seed(7), cuda_graph=graphed,
+                                   fp8_indexer_keys=fp8_indexer_keys)
     eager = run(False)
     replays = []
     replay = torch.cuda.CUDAGraph.replay

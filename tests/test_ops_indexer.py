@@ -158,3 +158,31 @@ def test_decode_scores_name_the_bad_argument(change, error, match):
     q, keys, w = _decode_inputs()
     with pytest.raises(error, match=match):
         decode_indexer_scores(*change(q, keys, w, torch.tensor([3, 0, 7, 9])), SCALE)
+
+
+def test_decode_scores_of_fp8_keys_are_those_of_the_keys_they_stand_for():
+    """e4m3 keys with one scale per key (an FP8 cache): the scores of the dequantized keys `keys · scale`, to
+    float64 rounding (the scale, positive, leaves the ReLU: the reference multiplies it after the head sum)."""
+    from megatron_dsa.ops.fp8_linear import quantize_rows
+
+    q, keys, w = _decode_inputs()
+    counts = torch.tensor([3, 0, 7, 9])
+    codes, scales = quantize_rows(keys.flatten(0, 1))
+    codes, scales = codes.view(keys.shape), scales.view(keys.shape[:2]).float()
+    got = decode_indexer_scores(q, codes, w, counts, SCALE, scales)
+    expected = decode_indexer_scores(q, codes.to(F64) * scales.to(F64).unsqueeze(-1), w, counts, SCALE)
+    assert got.dtype == F64
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fp8_keys, key_scales, error, match", [
+    (True, None, TypeError, "key_scales come with keys of dtype torch.float8_e4m3fn"),
+    (False, torch.ones(4, 9), TypeError, "key_scales come with keys of dtype torch.float8_e4m3fn"),
+    (True, torch.ones(4, 8), ValueError, "key_scales must be float32"),
+    (True, torch.ones(4, 9, dtype=F64), ValueError, "key_scales must be float32"),
+], ids=["fp8_without_scales", "scales_without_fp8", "scales_shape", "scales_dtype"])
+def test_decode_scores_name_bad_key_scales(fp8_keys, key_scales, error, match):
+    q, keys, w = _decode_inputs()
+    keys = keys.to(torch.float8_e4m3fn) if fp8_keys else keys
+    with pytest.raises(error, match=match):
+        decode_indexer_scores(q, keys, w, torch.tensor([3, 0, 7, 9]), SCALE, key_scales)

@@ -72,19 +72,21 @@ def test_bad_decode_inputs_are_named(argument, change, error):
         reference_decode(**{**inputs, **change(inputs)})
 
 
-@pytest.mark.parametrize("kind", ["C", "M"])
+@pytest.mark.parametrize("kind, fp8_indexer_keys", [("C", False), ("C", True), ("M", False)],
+                         ids=["C", "C_fp8_indexer_keys", "M"])
 @torch.no_grad()
-def test_a_warm_up_step_is_undone_exactly(kind):
+def test_a_warm_up_step_is_undone_exactly(kind, fp8_indexer_keys):
     """What `DecodeGraph` saves before its warm-up steps covers everything a decode step writes: after one step
     (C: it completes an entry, position 7, ratio 4; M: it writes its latent row) and the restore, every buffer
-    and length is as before."""
+    and length is as before (FP8 indexer keys: their codes and scales)."""
     layer = build_attention(decoding_config(kind), kind=kind).double().eval()
-    cache = LayerCache.for_layer(layer, 2, 12)
+    cache = LayerCache.for_layer(layer, 2, 12, fp8_indexer_keys=fp8_indexer_keys)
     hidden = torch.randn(8, 2, layer.config.hidden_size, dtype=torch.float64)
     layer(hidden[:7], inference_cache=cache)
 
     def state() -> list[torch.Tensor]:
-        buffers = (cache.seqlens, cache.window, cache.entries, cache.indexer_keys, cache.latent,
+        keys = None if cache.indexer_keys is None else cache.indexer_keys.view(torch.uint8)
+        buffers = (cache.seqlens, cache.window, cache.entries, keys, cache.indexer_key_scales, cache.latent,
                    *[s.rows for s in cache.compressors.values()])
         return [t.clone() for t in buffers if t is not None]
 
@@ -150,9 +152,11 @@ def test_bf16_triton_decode_matches_the_float64_reference_on_the_gpu(entries):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("kind", ["W", "C", "H", "M"])
+@pytest.mark.parametrize("kind, fp8_indexer_keys", [("W", False), ("C", False), ("C", True), ("H", False),
+                                                     ("M", False)],
+                         ids=["W", "C", "C_fp8_indexer_keys", "H", "M"])
 @torch.no_grad()
-def test_a_captured_decode_step_replays_the_eager_steps(kind):
+def test_a_captured_decode_step_replays_the_eager_steps(kind, fp8_indexer_keys):
     """Prefill two identical caches; decode 12 tokens eagerly on one and by `DecodeGraph` replays on the other:
     same outputs and caches. The Triton decode kernel ran in the capture (counters); the replays run the same
     kernels on the same values, so they agree to bf16 rounding at most (atol 2⁻⁸ · max|out|: a cuBLAS GEMM may
@@ -161,7 +165,7 @@ def test_a_captured_decode_step_replays_the_eager_steps(kind):
     torch.manual_seed(0)
     layer = build_attention(config, kind=kind).cuda().bfloat16().eval()
     hidden = torch.randn(40, 3, config.hidden_size, device="cuda", dtype=torch.bfloat16)
-    caches = [LayerCache.for_layer(layer, 3, 40) for _ in range(2)]
+    caches = [LayerCache.for_layer(layer, 3, 40, fp8_indexer_keys=fp8_indexer_keys) for _ in range(2)]
     for cache in caches:
         layer(hidden[:27], inference_cache=cache)
     eager = torch.cat([layer(hidden[t:t + 1], inference_cache=caches[0])[0] for t in range(27, 39)])

@@ -26,19 +26,21 @@ def test_interpreter_cases():
     run_interpreted("interp_triton_decode_indexer.py")
 
 
-@pytest.mark.parametrize("keys_major", [True, False], ids=["keys_major", "heads_major"])
-def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(keys_major, tmp_path):
+@pytest.mark.parametrize("keys_major, fp8_keys", [(True, False), (False, False), (True, True)],
+                         ids=["keys_major", "heads_major", "keys_major_fp8_keys"])
+def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(keys_major, fp8_keys, tmp_path):
     """The bf16 kernel at dsv4 indexer dims compiles for sm_90a as a launch specialises it (triton bundles ptxas):
     its dots run on wgmma, the key loads are pipelined (cp.async), nothing spills, and its shared memory lets two
     programs share a multiprocessor (228 KiB per SM, 1 KiB of it reserved per program)."""
     from megatron_dsa.backends.triton_kernels import _decode_indexer_kernels as kernels
     from megatron_dsa.backends.triton_kernels import decode_indexer
 
-    signature = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*bf16", counts_ptr="*i64", out_ptr="*fp32", C="i32",
-                     HI="i32", DI="i32", COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr",
-                     BLOCK_D="constexpr", BLOCK_C="constexpr", PRECISION="constexpr", KEYS_MAJOR="constexpr")
+    signature = dict(q_ptr="*bf16", k_ptr="*fp8e4nv" if fp8_keys else "*bf16", key_scales_ptr="*fp32",
+                     w_ptr="*bf16", counts_ptr="*i64", out_ptr="*fp32", C="i32", HI="i32", DI="i32",
+                     COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr", BLOCK_D="constexpr",
+                     BLOCK_C="constexpr", PRECISION="constexpr", KEYS_MAJOR="constexpr", KEY_SCALES="constexpr")
     constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=decode_indexer.BLOCK_C[torch.bfloat16], PRECISION="tf32",
-                      KEYS_MAJOR=keys_major)
+                      KEYS_MAJOR=keys_major, KEY_SCALES=fp8_keys)
     compiled = compile_for_sm90(kernels, "decode_indexer_scores_kernel", signature, constexprs, decode_indexer.WARPS,
                                 decode_indexer.STAGES)
     ptx = compiled.asm["ptx"]
@@ -81,5 +83,38 @@ def test_bf16_triton_decode_scores_match_the_float64_reference_on_the_gpu(keys_m
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     finite = torch.isfinite(expected)
     magnitude = torch.einsum("bh,bhd,bjd->bj", weights.double().abs() * scale, q.double().abs(), keys.double().abs())
+    error = (got.double() - expected).abs()[finite]
+    assert (error <= 2 ** -14 * magnitude[finite]).all(), float((error / magnitude[finite]).max())
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp8_keys_on_the_gpu_match_the_float64_reference_of_their_codes_and_scales():
+    """The same shapes with e4m3 keys and one float32 scale per key (an FP8 cache): the kernel (counted: Triton
+    ran, not the fallback) against the float64 reference of the same codes and scales. Tolerance as above, with
+    the magnitude over the dequantized keys: the codes convert to bf16 exactly, and one more float32 product
+    (the key's scale) adds 2⁻²⁴ relative."""
+    from megatron_dsa.backends import call_counts, dispatch, reset_call_counts
+    from megatron_dsa.backends.registry import OpFamily
+    from megatron_dsa.ops.fp8_linear import quantize_rows
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batch, heads, dim, width = 8, 64, 128, 32768
+    q = torch.randn(batch, heads, dim, device="cuda", generator=g).bfloat16()
+    codes, scales = quantize_rows(torch.randn(batch * width, dim, device="cuda", generator=g).bfloat16())
+    codes, scales = codes.view(batch, width, dim), scales.view(batch, width)
+    weights = torch.randn(batch, heads, device="cuda", generator=g).bfloat16() * heads ** -0.5
+    counts = torch.tensor([0, 1, 100, 129, 16000, width - 1, width, width], device="cuda")
+    scale = dim ** -0.5
+    score = dispatch(OpFamily.DECODE_INDEXER_SCORES, "auto", device=q.device, dtype=q.dtype, heads=heads,
+                     head_dim=dim, key_dtype=codes.dtype)
+    reset_call_counts()
+    got = score(q, codes, weights, counts, scale, scales)
+    assert call_counts() == {("triton", "decode_indexer_scores"): 1}
+    keys = codes.double() * scales.double().unsqueeze(-1)
+    expected = reference_scores(q.double(), keys, weights.double(), counts, scale)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    magnitude = torch.einsum("bh,bhd,bjd->bj", weights.double().abs() * scale, q.double().abs(), keys.abs())
     error = (got.double() - expected).abs()[finite]
     assert (error <= 2 ** -14 * magnitude[finite]).all(), float((error / magnitude[finite]).max())

@@ -464,14 +464,15 @@ def _(backend, query, kv_new, window_rows, seqlens, window, entries, entry_ids, 
 
 @_custom_op("decode_indexer_scores")
 def decode_indexer_scores_op(backend: str, q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor,
-                             scale: float) -> Tensor:
+                             scale: float, key_scales: Optional[Tensor]) -> Tensor:
     """`decode_indexer_scores` family: `[B, C]` scores (compute dtype) of one query row per sequence against its
-    cached compressed keys, −inf past `counts[b]` (inference: no gradient)."""
-    return _kernel(OpFamily.DECODE_INDEXER_SCORES, backend)(q, keys, weights, counts, scale)
+    cached compressed keys (e4m3 with `key_scales`: an FP8 cache), −inf past `counts[b]` (inference: no
+    gradient)."""
+    return _kernel(OpFamily.DECODE_INDEXER_SCORES, backend)(q, keys, weights, counts, scale, key_scales)
 
 
 @decode_indexer_scores_op.register_fake
-def _(backend, q, keys, weights, counts, scale):
+def _(backend, q, keys, weights, counts, scale, key_scales):
     return q.new_empty(keys.shape[:2], dtype=compute_dtype(q.dtype))
 
 
@@ -539,8 +540,8 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
         decode_attention_op(backend, query, kv_new, window_rows, seqlens, int(window), entries, entry_ids, int(ratio),
                             sink, float(scale))),
     OpFamily.DECODE_INDEXER_SCORES: lambda backend: (
-        lambda q, keys, weights, counts, scale: decode_indexer_scores_op(backend, q, keys, weights, counts,
-                                                                         float(scale))),
+        lambda q, keys, weights, counts, scale, key_scales=None:
+        decode_indexer_scores_op(backend, q, keys, weights, counts, float(scale), key_scales)),
     OpFamily.FP8_GEMM: lambda backend: (lambda a, b, out_dtype: fp8_gemm_op(backend, a, b, out_dtype)),
     OpFamily.INDEXER_LOSS: _indexer_loss,
     OpFamily.INDEXER_KL_BWD: lambda backend: (

@@ -150,6 +150,7 @@ CALL_KEYS: dict[str, CallKey] = {
     "dense": CallKey((bool,), "the indexer loss scores every visible entry (not a top-k selection)"),
     "visible": CallKey((bool,), "the uniform visible-entry structure comes with the call"),
     "selected": CallKey((bool,), "decoding attends selected compressed entries"),
+    "key_dtype": CallKey((torch.dtype,), "the dtype of cached keys, where it is not the query's (an FP8 cache)"),
     "layout": CallKey((TokenLayout, HostLayout), "the rows' TokenLayout (probes see its HostLayout)"),
 }
 EXPLICIT = "explicit"  # set by the dispatcher, never by a caller: True when the backend was named
@@ -173,7 +174,7 @@ FAMILY_KEYS: dict[OpFamily, frozenset[str]] = {family: frozenset(keys) for famil
     OpFamily.DENSE_ATTENTION_BLOCK_FWD: _DENSE,
     OpFamily.DENSE_ATTENTION_BLOCK_BWD: _DENSE,
     OpFamily.DECODE_ATTENTION: (*_DEVICE, "heads", "head_dim", "selected"),
-    OpFamily.DECODE_INDEXER_SCORES: (*_DEVICE, "heads", "head_dim"),
+    OpFamily.DECODE_INDEXER_SCORES: (*_DEVICE, "heads", "head_dim", "key_dtype"),
     OpFamily.FP8_GEMM: _DEVICE,
 }.items()}
 

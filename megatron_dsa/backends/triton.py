@@ -31,7 +31,18 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         probes.dtype_problem(call, DTYPES.get(op, KERNEL_DTYPES)),
         _topk_width_problem(call.get("columns"), call.get("topk"), call.get("rows"), explicit)
         if op is OpFamily.TOPK else None,
+        _fp8_keys_problem(call) if op is OpFamily.DECODE_INDEXER_SCORES else None,
     )
+
+
+def _fp8_keys_problem(call: Mapping[str, Any]) -> Optional[str]:
+    """Triton converts e4m3 on GPUs of compute capability 8.9 and up (and in the interpreter)."""
+    if call.get("key_dtype") != decode_indexer.FP8_KEYS:
+        return None
+    capability = probes.cuda_capability(call.get("device"))
+    if capability is not None and capability < (8, 9):
+        return f"FP8 keys need compute capability >= 8.9, this GPU is SM{capability[0]}{capability[1]}"
+    return None
 
 
 def _topk_width_problem(columns: Optional[int], k: Optional[int], rows: Optional[int],

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.layers.cuda_graphs import warm_up_on_side_stream
-from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.layers.decoding import LayerCache, byte_view
 
 DEFAULT_WARMUP = 2
 
@@ -54,8 +54,10 @@ class _StepWrites:
         buffers += [state.rows for state in cache.compressors.values()]
         entry_rows = []
         # Row p // r of the compressed stores, row p of an M layer's latents.
-        for store, ratio in ((cache.entries, cache.ratio), (cache.indexer_keys, cache.ratio), (cache.latent, 1)):
+        for store, ratio in ((cache.entries, cache.ratio), (cache.indexer_keys, cache.ratio),
+                             (cache.indexer_key_scales, cache.ratio), (cache.latent, 1)):
             if store is not None and store.shape[1] > 0:
+                store = byte_view(store)  # FP8 indexer keys: torch indexes no float8
                 rows = torch.div(cache.seqlens, ratio, rounding_mode="floor").clamp(max=store.shape[1] - 1)
                 entry_rows.append((store, rows, store[torch.arange(cache.batch, device=rows.device), rows]))
         return cls(cache, cache.longest, cache.seqlens.clone(), [(t, t.clone()) for t in buffers], entry_rows)

@@ -10,7 +10,7 @@ What one layer keeps per sequence:
 |---|---|---|
 | W | the last `W−1` K = V rows (a ring buffer) | 0 |
 | H | the window ring; the compressor's unfinished group (its `kv` / `gate` projections); the compressed entries | `D / r` |
-| C | as H, the unfinished group also holding the previous group (the overlap half of ratio 4); the indexer's compressor state and compressed keys | `(D + DI) / r` |
+| C | as H, the unfinished group also holding the previous group (the overlap half of ratio 4); the indexer's compressor state and compressed keys (optionally FP8: e4m3 and one float32 scale per key) | `(D + DI) / r` |
 | M | the latent KV: normalised `kv_lora_rank` latent and the RoPE key | `kv_lora_rank + P` |
 
 Each sequence has its own length (`seqlens`, FlashAttention's `cache_seqlens`): a batch's prompts may
@@ -52,6 +52,8 @@ from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection,
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO
 from megatron_dsa.ops.decode_attention import entry_counts
+from megatron_dsa.ops.fp8_linear import quantize_rows
+from megatron_dsa.ops.indexer import FP8_KEYS
 from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
@@ -157,8 +159,10 @@ class LayerCache:
     the indexer's (`"indexer"`) compressor; `entries [B, ⌈capacity / r⌉, D]` compressed entries and
     `indexer_keys [B, ⌈capacity / r⌉, DI]` (entry `j` is valid once its group is complete, `j < seqlens // r`;
     a decode step writes the new token's unfinished group there too, never seen before it is rewritten
-    complete); `index` the step's static index tensors (`DecodeIndex`). M: `latent [B, capacity, kv_lora_rank + P]`,
-    each position's normalised KV latent then its RoPE key.
+    complete); `indexer_key_scales [B, ⌈capacity / r⌉]` float32 with FP8 indexer keys (`for_layer`'s
+    `fp8_indexer_keys`: e4m3 rows, key `j` standing for `indexer_keys[b, j] · indexer_key_scales[b, j]`), else None;
+    `index` the step's static index tensors (`DecodeIndex`). M: `latent [B, capacity, kv_lora_rank + P]`, each
+    position's normalised KV latent then its RoPE key.
     """
 
     kind: str
@@ -168,6 +172,7 @@ class LayerCache:
     compressors: dict[str, CompressorState] = field(default_factory=dict)
     entries: Optional[Tensor] = None
     indexer_keys: Optional[Tensor] = None
+    indexer_key_scales: Optional[Tensor] = None
     latent: Optional[Tensor] = None
     longest: int = 0
     ratio: int = 0  # the compressors' ratio r (0: none)
@@ -178,8 +183,12 @@ class LayerCache:
 
     @classmethod
     def for_layer(cls, layer: "HybridAttention", batch: int, capacity: int, dtype: Optional[torch.dtype] = None,
-                  device: Optional[torch.device] = None) -> "LayerCache":
-        """An empty cache for `layer` (its parameters' dtype and device unless given)."""
+                  device: Optional[torch.device] = None, fp8_indexer_keys: bool = False) -> "LayerCache":
+        """An empty cache for `layer` (its parameters' dtype and device unless given). `fp8_indexer_keys`: a C
+        layer keeps its indexer's compressed keys in e4m3 with one float32 scale per key (`amax / 448`, as
+        DeepSeek's inference keeps them): 132 bytes a key instead of 256 in bf16, which the decode step's
+        indexer reads in full every token. Its scores then differ from the full forward's by that rounding
+        (docs/user_guide.md, "Generate")."""
         if batch < 1 or capacity < 1:
             raise ValueError(f"an inference cache needs batch >= 1 and capacity >= 1, got {batch}, {capacity}")
         weight = layer.linear_q_down_proj.weight
@@ -203,6 +212,9 @@ class LayerCache:
             cache.entries = empty(batch, -(-capacity // attention.ratio), c.v_head_dim)
         if attention.indexer is not None:
             cache.indexer_keys = empty(batch, cache.entries.shape[1], c.dsa_indexer_head_dim)
+            if fp8_indexer_keys:
+                cache.indexer_keys = cache.indexer_keys.to(FP8_KEYS)
+                cache.indexer_key_scales = torch.ones(batch, cache.entries.shape[1], device=device)
         cache.index = DecodeIndex.build(batch, cache.ratio, 0 if cache.entries is None else cache.entries.shape[1],
                                         device)
         return cache
@@ -213,7 +225,7 @@ class LayerCache:
 
     def nbytes(self) -> int:
         """Bytes the cache's buffers hold."""
-        buffers = [self.window, self.entries, self.indexer_keys, self.latent]
+        buffers = [self.window, self.entries, self.indexer_keys, self.indexer_key_scales, self.latent]
         buffers += [state.rows for state in self.compressors.values()]
         return sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
@@ -289,9 +301,9 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
         else:
             indexer = attention.indexer
             _append_entries(indexer.compressor, cache.compressors["indexer"], projected, new, before,
-                            cache.indexer_keys, inv_freq)
+                            cache.indexer_keys, inv_freq, cache.indexer_key_scales)
             queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
-            keys = cache.indexer_keys.flatten(0, 1).to(queries.dtype)
+            keys = _stored_rows(cache.indexer_keys, cache.indexer_key_scales).flatten(0, 1).to(queries.dtype)
             selection = indexer.select((queries, keys, weights), entries,
                                        c.dsa_indexer_topk, window, kv_offset)
     attention.last_selection = selection
@@ -324,8 +336,9 @@ def _visible_entries(new: TokenLayout, entry_counts: Tensor, width: int, ratio: 
 
 
 def _append_entries(compressor: Compressor, state: CompressorState, projected: dict, new: TokenLayout,
-                    before: Tensor, store: Tensor, inv_freq: Tensor) -> None:
-    """Pool the entries the new rows complete into `store [B, C, Dc]` and keep their unfinished tokens.
+                    before: Tensor, store: Tensor, inv_freq: Tensor, scales: Optional[Tensor] = None) -> None:
+    """Pool the entries the new rows complete into `store [B, C, Dc]` (with `scales [B, C]`: an FP8 store,
+    `_encoded`) and keep their unfinished tokens.
 
     The compressor runs on one segment per sequence: its pending positions (from the first token of the
     previous group for ratio 4, else of the unfinished group), then its new rows, laid out as a piece of
@@ -350,8 +363,31 @@ def _append_entries(compressor: Compressor, state: CompressorState, projected: d
     new_rows = _new_slot_rows(compressor, projected)
     pooled = _pool(compressor, torch.cat((new_rows, state.rows.flatten(0, 1)))[source], layout, inv_freq)
     valid = layout.valid
-    store[layout.segment_ids[valid], layout.entry_index[valid]] = pooled[valid].to(store.dtype)
+    where = (layout.segment_ids[valid], layout.entry_index[valid])
+    values, row_scales = _encoded(pooled[valid], store, scales)
+    byte_view(store)[where] = byte_view(values)
+    if scales is not None:
+        scales[where] = row_scales
     _write_slots(state.rows, new_rows, new, before)
+
+
+def _encoded(rows: Tensor, store: Tensor, scales: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """`rows [n, Dc]` as `store` keeps them: in its dtype, or for an FP8 store (`scales` given) rounded to e4m3
+    with one float32 scale per row (`ops.fp8_linear.quantize_rows`) → `(values, row scales [n] or None)`."""
+    if scales is None:
+        return rows.to(store.dtype), None
+    values, row_scales = quantize_rows(rows)
+    return values, row_scales.squeeze(1).to(scales.dtype)
+
+
+def byte_view(t: Tensor) -> Tensor:
+    """An e4m3 tensor as its bytes (torch's index writes take no float8), any other as itself."""
+    return t.view(torch.uint8) if t.dtype == FP8_KEYS else t
+
+
+def _stored_rows(store: Tensor, scales: Optional[Tensor]) -> Tensor:
+    """The values `store [B, C, Dc]` holds: itself, or an FP8 store's rows times their `scales [B, C]` (float32)."""
+    return store if scales is None else store.to(scales.dtype) * scales.unsqueeze(-1)
 
 
 def _write_slots(buffer: Tensor, rows: Tensor, new: TokenLayout, before: Tensor) -> None:
@@ -402,9 +438,9 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
         entries = cache.entries
     if attention.indexer is not None:
         _pool_new_entry(attention.indexer.compressor, cache.compressors["indexer"], projected, group,
-                        cache.indexer_keys, inv_freq)
-        picks = _top_entries(attention.indexer, projected, qr, positions, cache.indexer_keys, c.dsa_indexer_topk,
-                             inv_freq, index)
+                        cache.indexer_keys, inv_freq, cache.indexer_key_scales)
+        picks = _top_entries(attention.indexer, projected, qr, positions, cache.indexer_keys,
+                             cache.indexer_key_scales, c.dsa_indexer_topk, inv_freq, index)
     kv_new = kv.to(cache.window.dtype)
     attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
                       head_dim=q.shape[2], selected=picks is not None)
@@ -468,9 +504,10 @@ class _NewTokenGroup(NamedTuple):
 
 
 def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: dict, group: _NewTokenGroup,
-                    store: Tensor, inv_freq: Tensor) -> None:
+                    store: Tensor, inv_freq: Tensor, scales: Optional[Tensor] = None) -> None:
     """Keep the new token's compressor projections and pool its group into entry `j = p // r` of `store [B, C,
-    Dc]`: complete where p completes the group (`(p + 1) % r == 0`); until then the entry is not visible
+    Dc]` (with `scales [B, C]`: an FP8 store, `_encoded`): complete where p completes the group (`(p + 1) % r ==
+    0`); until then the entry is not visible
     (`j >= (p + 1) // r`) and a later token rewrites it.
 
     Every sequence pools the state's `K` slots (oldest first) as one segment of a layout that owns one entry
@@ -480,7 +517,10 @@ def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: d
     if group.oldest_first is not None:
         flat = flat.index_select(0, group.oldest_first)
     pooled = _pool(compressor, flat, group.layout, inv_freq)
-    store.flatten(0, 1).index_copy_(0, group.entry_rows, pooled.to(store.dtype))
+    values, row_scales = _encoded(pooled, store, scales)
+    byte_view(store).flatten(0, 1).index_copy_(0, group.entry_rows, byte_view(values))
+    if scales is not None:
+        scales.flatten().index_copy_(0, group.entry_rows, row_scales)
 
 
 def _new_slot_rows(compressor: Compressor, projected: dict) -> Tensor:
@@ -503,16 +543,17 @@ def _pool(compressor: Compressor, rows: Tensor, layout: CompressedLayout, inv_fr
 
 
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
-                 topk: int, inv_freq: Tensor, index: DecodeIndex) -> Tensor:
+                 key_scales: Optional[Tensor], topk: int, inv_freq: Tensor, index: DecodeIndex) -> Tensor:
     """`[B, min(topk, C)]` entry numbers the indexer picks for each new token among its sequence's cached
-    compressed keys `keys [B, C, DI]` (the visible ones, `j < (p + 1) // r`), as a set: in any order, the slots
+    compressed keys `keys [B, C, DI]` (e4m3 with `key_scales [B, C]`: an FP8 cache; the visible ones, `j < (p + 1)
+    // r`), as a set: in any order, the slots
     without a pick −1 or not visible (the attention reads them so; `ops.indices.topk_columns`, `ordered`)."""
     queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
     batch, width = keys.shape[:2]
     counts = entry_counts(positions, indexer.compressor.ratio)
     score = dispatch(OpFamily.DECODE_INDEXER_SCORES, indexer.config, device=keys.device, dtype=queries.dtype,
-                     heads=queries.shape[1], head_dim=queries.shape[2])
-    scores = score(queries, keys, weights, counts, indexer.scale)
+                     heads=queries.shape[1], head_dim=queries.shape[2], key_dtype=keys.dtype)
+    scores = score(queries, keys, weights, counts, indexer.scale, key_scales)
     visible = index.entry_columns < counts.unsqueeze(1)
     pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width,
                     rows=batch)
@@ -557,8 +598,9 @@ class InferenceCache:
 
     @classmethod
     def for_layers(cls, layers: "list[HybridAttention]", batch: int, capacity: int,
-                   dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> "InferenceCache":
-        return cls([LayerCache.for_layer(layer, batch, capacity, dtype, device) for layer in layers])
+                   dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
+                   fp8_indexer_keys: bool = False) -> "InferenceCache":
+        return cls([LayerCache.for_layer(layer, batch, capacity, dtype, device, fp8_indexer_keys) for layer in layers])
 
     @property
     def seqlens(self) -> Tensor:
@@ -579,19 +621,23 @@ class CacheFootprint:
     per_sequence: int
 
 
-def cache_footprint(config: HybridAttentionConfig, kind: str, element_size: int = 2) -> CacheFootprint:
+def cache_footprint(config: HybridAttentionConfig, kind: str, element_size: int = 2,
+                    fp8_indexer_keys: bool = False) -> CacheFootprint:
     """What `LayerCache` holds for a layer of `kind` (a letter of `config.KINDS`) with `config`'s dims,
-    values of `element_size` bytes (2: bf16). Long sequences are dominated by `per_token`."""
+    values of `element_size` bytes (2: bf16; FP8 indexer keys: one byte a value and a float32 scale a key).
+    Long sequences are dominated by `per_token`."""
     c, spec = config, lookup_kind(kind)
     if not isinstance(spec.core, DenseMLACore):
         ratio, indexer = spec.compress_ratio(c), spec.has_indexer(c)
-        per_token = (c.v_head_dim + (c.dsa_indexer_head_dim if indexer else 0)) / ratio if ratio else 0.0
+        key_bytes = ((c.dsa_indexer_head_dim + 4 if fp8_indexer_keys else c.dsa_indexer_head_dim * element_size)
+                     if indexer else 0)
+        per_token = (c.v_head_dim * element_size + key_bytes) / ratio if ratio else 0.0
         fixed = max(c.csa_window_size - 1, 1) * c.v_head_dim
         if ratio:
             factor = 2 if ratio == OVERLAP_RATIO else 1  # coff: the ratio-4 compressor's doubled channels
             widths = [factor * c.v_head_dim] + ([factor * c.dsa_indexer_head_dim] if indexer else [])
             fixed += sum(2 * _pending_slots(ratio) * width for width in widths)  # kv and gate
-        return CacheFootprint(kind, per_token * element_size, fixed * element_size)
+        return CacheFootprint(kind, per_token, fixed * element_size)
     return CacheFootprint(kind, float(dense_mla_bytes_per_token(c, element_size)), 0)
 
 

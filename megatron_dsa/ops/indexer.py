@@ -5,7 +5,8 @@ larger than the scores for the DSv4 dims. The autograd Function below computes t
 at a time in forward and recomputes them in backward, saving only its inputs.
 
 `decode_indexer_scores` is the same score for a decode step: one query row per cached sequence against
-that sequence's compressed keys where the inference cache keeps them (`[B, C, DI]`), no candidate ids.
+that sequence's compressed keys where the inference cache keeps them (`[B, C, DI]`), no candidate ids; the
+cache may keep them in FP8 (e4m3 rows, one float32 scale per key).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron_dsa.ops.indices import UniformVisibleRows
 from megatron_dsa.ops.precision import compute_dtype
 
 CHUNK_ELEMENTS = 1 << 24  # per-head dot elements per chunk (64 MiB in float32)
+FP8_KEYS = torch.float8_e4m3fn  # an inference cache's FP8 indexer keys (with one float32 scale per key)
 
 
 def _chunks(rows: int, width: int, heads: int, dim: int):
@@ -96,28 +98,35 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
     return IndexerScoresFunction.apply(q, k, weights, candidates.long(), float(scale))
 
 
-def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor, scale: float) -> Tensor:
+def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor, scale: float,
+                          key_scales: Optional[Tensor] = None) -> Tensor:
     """The `decode_indexer_scores` op family's reference: `I(b, j) = Σ_h weights[b,h] · scale · ReLU(<q[b,h],
     keys[b,j]>)` for the first `counts[b]` keys of sequence b, −inf after them.
 
     q: `[B, HI, DI]` the new token's indexer queries; keys: `[B, C, DI]` each sequence's cached compressed
     indexer keys (any floating dtype, read as `keys.to(q.dtype)`); weights: `[B, HI]` head weights (already
     multiplied by `HI^−1/2`); counts: `[B]` integer keys each sequence's new token sees (values above C count as
-    C). Returns `[B, C]` in float32 (float64 for float64 q). Scored in chunks of sequences, so the per-head dots
-    `[B, HI, C]` never exist at once. No host read of `counts`: a CUDA graph can capture it.
+    C). key_scales: `[B, C]` float32, with e4m3 `keys` (`torch.float8_e4m3fn`, an FP8 cache) and only then: key
+    `j` stands for `keys[b, j] · key_scales[b, j]`; a scale is positive, so it leaves the ReLU and multiplies
+    the key's score (what the kernels do: the e4m3 rows convert to q's dtype exactly). Returns `[B, C]` in
+    float32 (float64 for float64 q). Scored in chunks of sequences, so the per-head dots `[B, HI, C]` never
+    exist at once. No host read of `counts`: a CUDA graph can capture it.
     """
-    check_decode_indexer_inputs(q, keys, weights, counts)
+    check_decode_indexer_inputs(q, keys, weights, counts, key_scales)
     compute = compute_dtype(q.dtype)
     batch, width = keys.shape[:2]
     scores = torch.empty((batch, width), dtype=compute, device=q.device)
     for chunk in _chunks(batch, width, q.shape[1], q.shape[2]):
         dots = torch.einsum("bhd,bjd->bhj", q[chunk].to(compute), keys[chunk].to(q.dtype).to(compute))
         scores[chunk] = torch.einsum("bh,bhj->bj", weights[chunk].to(compute) * scale, torch.relu(dots))
+        if key_scales is not None:
+            scores[chunk] *= key_scales[chunk].to(compute)
     seen = torch.arange(width, device=q.device) < counts.unsqueeze(1)
     return scores.masked_fill(~seen, float("-inf"))
 
 
-def check_decode_indexer_inputs(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor) -> None:
+def check_decode_indexer_inputs(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor,
+                                key_scales: Optional[Tensor] = None) -> None:
     """ValueError/TypeError naming the argument when the decode indexer's arguments disagree (shapes and dtypes
     only: no device read)."""
     if q.dim() != 3 or not q.is_floating_point():
@@ -133,6 +142,12 @@ def check_decode_indexer_inputs(q: Tensor, keys: Tensor, weights: Tensor, counts
         raise ValueError(f"decode indexer: counts must be [B] = [{batch}], got {tuple(counts.shape)}")
     if counts.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"decode indexer: counts must be int32/int64, got {counts.dtype}")
-    devices = {t.device for t in (q, keys, weights, counts)}
+    if (keys.dtype == FP8_KEYS) != (key_scales is not None):
+        raise TypeError(f"decode indexer: key_scales come with keys of dtype {FP8_KEYS} and only with them, got "
+                        f"keys {keys.dtype} and key_scales {'None' if key_scales is None else key_scales.dtype}")
+    if key_scales is not None and (key_scales.shape != keys.shape[:2] or key_scales.dtype != torch.float32):
+        raise ValueError(f"decode indexer: key_scales must be float32 [B, C] = {list(keys.shape[:2])}, got "
+                         f"{tuple(key_scales.shape)} {key_scales.dtype}")
+    devices = {t.device for t in (q, keys, weights, counts) + (() if key_scales is None else (key_scales,))}
     if len(devices) != 1:
         raise ValueError(f"decode indexer inputs must share one device, got {sorted(map(str, devices))}")

@@ -2,15 +2,17 @@
 point and launch rules: `decode_indexer.py`).
 
 Left undecorated: `lazy_jit.launcher` decorates it on first use. q `[B, HI, DI]`, keys `[B, C, DI]` (row stride
-`DI`, sequence stride `C·DI`), weights `[B, HI]`, counts `[B]`, scores `[B, C]` float32, all contiguous.
+`DI`, sequence stride `C·DI`), weights `[B, HI]`, counts `[B]`, scores `[B, C]` float32, all contiguous; with
+`KEY_SCALES` the keys are e4m3 and `key_scales [B, C]` float32 holds each key's scale.
 """
 
 import triton.language as tl
 
 
-def decode_indexer_scores_kernel(q_ptr, k_ptr, w_ptr, counts_ptr, out_ptr, C, HI, DI, COLS_PER_PROGRAM, scale,
-                                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                                 PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr):
+def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr, out_ptr, C, HI, DI,
+                                 COLS_PER_PROGRAM, scale, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 BLOCK_C: tl.constexpr, PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+                                 KEY_SCALES: tl.constexpr):
     """One (sequence b, column range): `scores[b, j] = scale · Σ_h w[b,h]·ReLU(<q[b,h], k[b,j]>)` for
     `j < counts[b]`, −inf for the rest of the range.
 
@@ -19,7 +21,8 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, w_ptr, counts_ptr, out_ptr, C, HI
     over the heads: `[BLOCK_C, DI] @ [DI, HI]` with `KEYS_MAJOR` (the heads lie along each accumulator row, so
     the sum stays inside a warp), else `[HI, DI] @ [DI, BLOCK_C]` (the sum runs across the warps). Columns past the count are never read: a loop over the
     counted blocks (a `for` loop, which Triton software-pipelines: the next blocks' keys load during this
-    block's dot), then one that only writes −inf."""
+    block's dot), then one that only writes −inf. e4m3 keys (`KEY_SCALES`) convert to q's dtype exactly; their
+    scale, positive, multiplies each key's score after the ReLU and the sum over heads."""
     b = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * COLS_PER_PROGRAM
     last = tl.minimum(first + COLS_PER_PROGRAM, C)
@@ -42,6 +45,8 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, w_ptr, counts_ptr, out_ptr, C, HI
         else:
             dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_H, BLOCK_C]
             scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+        if KEY_SCALES:
+            scores *= tl.load(key_scales_ptr + b * C + cols, mask=counted, other=0.0)
         tl.store(scores_of_b + cols, tl.where(counted, scores, float("-inf")), mask=cols < last)
     uncounted = first + tl.cdiv(tl.maximum(count - first, 0), BLOCK_C) * BLOCK_C
     for start in range(uncounted, last, BLOCK_C):

@@ -25,9 +25,10 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, multiprocessors, pow2
-from megatron_dsa.ops.indexer import check_decode_indexer_inputs
+from megatron_dsa.ops.indexer import FP8_KEYS, check_decode_indexer_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KEY_DTYPES = SUPPORTED_DTYPES + (FP8_KEYS,)  # e4m3 keys come with key_scales (an FP8 cache)
 # Keys per step: a [128, 128] bf16 tile is 32 KiB, three pipeline stages of it fit in shared memory with room
 # for a second program per multiprocessor; float32 tiles take twice the bytes and registers, so half the keys.
 BLOCK_C = {torch.float32: 64, torch.bfloat16: 128, torch.float16: 128}
@@ -49,13 +50,13 @@ def column_ranges(batch: int, columns: int, block_c: int, device: torch.device) 
 
 
 def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor, scale: float,
-                          ranges: Optional[int] = None) -> Tensor:
+                          key_scales: Optional[Tensor] = None, ranges: Optional[int] = None) -> Tensor:
     """The `decode_indexer_scores` contract (`ops.indexer.decode_indexer_scores`) → `[B, C]` float32, −inf past
     each sequence's count. `ranges` overrides the column ranges per sequence (tests; default `column_ranges`)."""
-    check_decode_indexer_inputs(q, keys, weights, counts)
-    if q.dtype not in SUPPORTED_DTYPES or keys.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"triton decode indexer runs {[str(d) for d in SUPPORTED_DTYPES]}, got q {q.dtype} and "
-                        f"keys {keys.dtype}")
+    check_decode_indexer_inputs(q, keys, weights, counts, key_scales)
+    if q.dtype not in SUPPORTED_DTYPES or keys.dtype not in KEY_DTYPES:
+        raise TypeError(f"triton decode indexer runs q of {[str(d) for d in SUPPORTED_DTYPES]} and keys of "
+                        f"{[str(d) for d in KEY_DTYPES]}, got q {q.dtype} and keys {keys.dtype}")
     require_triton(q.device, "decode indexer", "q's device")
     batch, heads, dim = q.shape
     width = keys.shape[1]
@@ -69,9 +70,11 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
     per_range = cdiv(cdiv(width, ranges), block_c) * block_c
     with _on_device(q.device):
         launcher(_kernels().decode_indexer_scores_kernel)[(batch, cdiv(width, per_range))](
-            q.contiguous(), keys.contiguous(), weights.contiguous(), counts.contiguous(), scores, width, heads, dim,
-            per_range, float(scale), BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_DOT), BLOCK_C=block_c,
-            PRECISION=dot_precision(q.dtype), KEYS_MAJOR=KEYS_MAJOR, num_warps=WARPS, num_stages=STAGES)
+            q.contiguous(), keys.contiguous(), scores if key_scales is None else key_scales.contiguous(),
+            weights.contiguous(), counts.contiguous(), scores, width, heads, dim, per_range, float(scale),
+            BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_DOT), BLOCK_C=block_c,
+            PRECISION=dot_precision(q.dtype), KEYS_MAJOR=KEYS_MAJOR, KEY_SCALES=key_scales is not None,
+            num_warps=WARPS, num_stages=STAGES)
     return scores
 
 
