@@ -35,6 +35,8 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--back-to-back", type=int, default=10, help="calls per timing, issued without a sync")
+    parser.add_argument("--fp8-keys", action="store_true",
+                        help="keys in e4m3 with a float32 scale each (an FP8 cache); GB/s counts their bytes")
     args = parser.parse_args()
     if not cuda_available("decode_indexer.py"):
         return 0
@@ -48,15 +50,19 @@ def main() -> int:
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(batch, args.heads, args.dim, device="cuda", generator=g).to(dtype)
         keys = torch.randn(batch, entries, args.dim, device="cuda", generator=g).to(dtype)
+        key_scales = None
+        if args.fp8_keys:
+            keys = keys.to(torch.float8_e4m3fn)
+            key_scales = torch.rand(batch, entries, device="cuda", generator=g) + 0.5
         weights = torch.randn(batch, args.heads, device="cuda", generator=g).to(dtype)
         counts = torch.full((batch,), entries, device="cuda")
         scale = args.dim ** -0.5
-        reference_ms = median_ms(lambda: reference_scores(q, keys, weights, counts, scale), args.repeats,
+        reference_ms = median_ms(lambda: reference_scores(q, keys, weights, counts, scale, key_scales), args.repeats,
                                  args.warmup, args.back_to_back)
-        key_bytes = keys.numel() * keys.element_size()
+        key_bytes = keys.numel() * keys.element_size() + (0 if key_scales is None else key_scales.numel() * 4)
         for keys_major, programs in itertools.product([True, False], args.programs_per_sm):
             decode_indexer.KEYS_MAJOR, decode_indexer.PROGRAMS_PER_SM = keys_major, programs
-            ms = median_ms(lambda: decode_indexer.decode_indexer_scores(q, keys, weights, counts, scale),
+            ms = median_ms(lambda: decode_indexer.decode_indexer_scores(q, keys, weights, counts, scale, key_scales),
                            args.repeats, args.warmup, args.back_to_back)
             variant = f"{'keys' if keys_major else 'heads'}-major, {programs}/SM"
             print(f"| {batch} | {entries} | {variant} | {ms * 1e3:.1f} | {key_bytes / ms / 1e6:,.0f} | "
