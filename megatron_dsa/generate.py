@@ -226,8 +226,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="capture the one-token decode step once as a CUDA graph and replay it (CUDA devices)")
     parser.add_argument("--fp8-indexer-keys", action="store_true",
-                        help="keep C layers' indexer keys in the cache in FP8 (e4m3, a scale per key): half their "
-                             "bytes, read every step; scores differ from the full forward's by that rounding")
+                        help="keep C layers' indexer keys in the cache in FP8 (e4m3, a scale per key) and score them "
+                             "with e4m3 queries: half their bytes, read every step; the scores differ from the full "
+                             "forward's by that rounding")
     return parser
 
 

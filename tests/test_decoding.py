@@ -193,9 +193,11 @@ def test_fp8_indexer_keys_hold_the_rounded_keys_and_change_nothing_else() -> Non
 
 @torch.no_grad()
 def test_fp8_indexer_keys_pick_the_top_k_of_the_scores_of_the_stored_keys() -> None:
-    """Decode steps of a C layer with FP8 indexer keys pick, as a set, the reference top-k of the reference scores
-    over the keys the cache holds (codes times scales): the step scores what it stored."""
+    """Decode steps of a C layer with FP8 indexer keys pick, as a set, the top-k of the scores of the keys the
+    cache holds (codes times scales) against the step's queries rounded to e4m3 (one scale per head row), both
+    dequantized and scored by the float64 reference: the step scores what it stored."""
     from megatron_dsa.ops.decode_attention import entry_counts
+    from megatron_dsa.ops.fp8_linear import quantize_rows
     from megatron_dsa.ops.indexer import decode_indexer_scores
     from megatron_dsa.ops.indices import topk_columns
 
@@ -213,7 +215,9 @@ def test_fp8_indexer_keys_pick_the_top_k_of_the_scores_of_the_stored_keys() -> N
         q, weights = queries[-1]
         counts = entry_counts(torch.full((2,), position), indexer.compressor.ratio)
         keys = cache.indexer_keys.double() * cache.indexer_key_scales.double().unsqueeze(-1)
-        scores = decode_indexer_scores(q, keys, weights, counts, indexer.scale)
+        q_codes, q_scales = quantize_rows(q.flatten(0, 1))
+        rounded = (q_codes.double() * q_scales).view(q.shape)
+        scores = decode_indexer_scores(rounded, keys, weights, counts, indexer.scale)
         visible = torch.arange(keys.shape[1]) < counts.unsqueeze(1)
         want = topk_columns(scores, visible, layer.config.dsa_indexer_topk)
         step = layer.core_attention.last_decode_picks

@@ -7,6 +7,7 @@ are integers and compared exactly.
 import pytest
 import torch
 
+from megatron_dsa.ops.fp8_linear import quantize_rows
 from megatron_dsa.ops.indexer import decode_indexer_scores, indexer_scores
 from megatron_dsa.ops.indices import topk_columns, visible_compressed_indices
 from megatron_dsa.ops.layout import TokenLayout
@@ -160,17 +161,19 @@ def test_decode_scores_name_the_bad_argument(change, error, match):
         decode_indexer_scores(*change(q, keys, w, torch.tensor([3, 0, 7, 9])), SCALE)
 
 
-def test_decode_scores_of_fp8_keys_are_those_of_the_keys_they_stand_for():
-    """e4m3 keys with one scale per key (an FP8 cache): the scores of the dequantized keys `keys · scale`, to
-    float64 rounding (the scale, positive, leaves the ReLU: the reference multiplies it after the head sum)."""
-    from megatron_dsa.ops.fp8_linear import quantize_rows
-
+def test_decode_scores_of_fp8_keys_are_those_of_the_rounded_queries_and_keys():
+    """e4m3 keys with one scale per key (an FP8 cache): the scores of the dequantized keys `keys · scale` against
+    the query rows rounded to e4m3 with one scale each (amax / 448), dequantized, to float64 rounding (the scales,
+    positive, leave the ReLU: the reference applies them to the weights and after the head sum)."""
     q, keys, w = _decode_inputs()
     counts = torch.tensor([3, 0, 7, 9])
     codes, scales = quantize_rows(keys.flatten(0, 1))
     codes, scales = codes.view(keys.shape), scales.view(keys.shape[:2]).float()
+    q_codes, q_scales = quantize_rows(q.flatten(0, 1))
+    rounded_q = (q_codes.to(F64) * q_scales).view(q.shape)
+    assert not torch.equal(rounded_q, q)
     got = decode_indexer_scores(q, codes, w, counts, SCALE, scales)
-    expected = decode_indexer_scores(q, codes.to(F64) * scales.to(F64).unsqueeze(-1), w, counts, SCALE)
+    expected = decode_indexer_scores(rounded_q, codes.to(F64) * scales.to(F64).unsqueeze(-1), w, counts, SCALE)
     assert got.dtype == F64
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 

@@ -38,9 +38,11 @@ def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(keys_major, 
     signature = dict(q_ptr="*bf16", k_ptr="*fp8e4nv" if fp8_keys else "*bf16", key_scales_ptr="*fp32",
                      w_ptr="*bf16", counts_ptr="*i64", out_ptr="*fp32", C="i32", HI="i32", DI="i32",
                      COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr", BLOCK_D="constexpr",
-                     BLOCK_C="constexpr", PRECISION="constexpr", KEYS_MAJOR="constexpr", KEY_SCALES="constexpr")
+                     BLOCK_C="constexpr", PRECISION="constexpr", KEYS_MAJOR="constexpr", KEY_SCALES="constexpr",
+                     FP8_MAX="constexpr", INV_FP8_MAX="constexpr", TINY="constexpr")
     constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=decode_indexer.BLOCK_C[torch.bfloat16], PRECISION="tf32",
-                      KEYS_MAJOR=keys_major, KEY_SCALES=fp8_keys)
+                      KEYS_MAJOR=keys_major, KEY_SCALES=fp8_keys, FP8_MAX=448.0, INV_FP8_MAX=1.0 / 448.0,
+                      TINY=torch.finfo(torch.float32).tiny)
     compiled = compile_for_sm90(kernels, "decode_indexer_scores_kernel", signature, constexprs, decode_indexer.WARPS,
                                 decode_indexer.STAGES)
     ptx = compiled.asm["ptx"]
@@ -91,9 +93,10 @@ def test_bf16_triton_decode_scores_match_the_float64_reference_on_the_gpu(keys_m
 @needs_gpu
 def test_fp8_keys_on_the_gpu_match_the_float64_reference_of_their_codes_and_scales():
     """The same shapes with e4m3 keys and one float32 scale per key (an FP8 cache): the kernel (counted: Triton
-    ran, not the fallback) against the float64 reference of the same codes and scales. Tolerance as above, with
-    the magnitude over the dequantized keys: the codes convert to bf16 exactly, and one more float32 product
-    (the key's scale) adds 2⁻²⁴ relative."""
+    ran, not the fallback; its dot an e4m3 MMA) against the float64 reference over the same key codes and scales
+    and the query rows rounded to e4m3 as the contract says (in float32 on the GPU, as the kernel rounds them:
+    the same codes). Tolerance as above, with the magnitude over the dequantized values: e4m3 products are exact
+    in float32, and the two scales add two float32 products (2⁻²³ relative)."""
     from megatron_dsa.backends import call_counts, dispatch, reset_call_counts
     from megatron_dsa.backends.registry import OpFamily
     from megatron_dsa.ops.fp8_linear import quantize_rows
@@ -112,9 +115,11 @@ def test_fp8_keys_on_the_gpu_match_the_float64_reference_of_their_codes_and_scal
     got = score(q, codes, weights, counts, scale, scales)
     assert call_counts() == {("triton", "decode_indexer_scores"): 1}
     keys = codes.double() * scales.double().unsqueeze(-1)
-    expected = reference_scores(q.double(), keys, weights.double(), counts, scale)
+    q_codes, q_scales = quantize_rows(q.float().flatten(0, 1))
+    rounded = (q_codes.double() * q_scales.double()).view(q.shape)
+    expected = reference_scores(rounded, keys, weights.double(), counts, scale)
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     finite = torch.isfinite(expected)
-    magnitude = torch.einsum("bh,bhd,bjd->bj", weights.double().abs() * scale, q.double().abs(), keys.abs())
+    magnitude = torch.einsum("bh,bhd,bjd->bj", weights.double().abs() * scale, rounded.abs(), keys.abs())
     error = (got.double() - expected).abs()[finite]
     assert (error <= 2 ** -14 * magnitude[finite]).all(), float((error / magnitude[finite]).max())

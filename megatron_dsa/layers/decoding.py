@@ -187,8 +187,9 @@ class LayerCache:
         """An empty cache for `layer` (its parameters' dtype and device unless given). `fp8_indexer_keys`: a C
         layer keeps its indexer's compressed keys in e4m3 with one float32 scale per key (`amax / 448`, as
         DeepSeek's inference keeps them): 132 bytes a key instead of 256 in bf16, which the decode step's
-        indexer reads in full every token. Its scores then differ from the full forward's by that rounding
-        (docs/user_guide.md, "Generate")."""
+        indexer reads in full every token, scoring them against its queries rounded to e4m3 too
+        (`ops.indexer.decode_indexer_scores`; the prefill path rounds its queries the same way). Its scores then
+        differ from the full forward's by that rounding (docs/user_guide.md, "Generate")."""
         if batch < 1 or capacity < 1:
             raise ValueError(f"an inference cache needs batch >= 1 and capacity >= 1, got {batch}, {capacity}")
         weight = layer.linear_q_down_proj.weight
@@ -304,6 +305,8 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
                             cache.indexer_keys, inv_freq, cache.indexer_key_scales)
             queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
             keys = _stored_rows(cache.indexer_keys, cache.indexer_key_scales).flatten(0, 1).to(queries.dtype)
+            if cache.indexer_key_scales is not None:  # as the decode step scores an FP8 cache: e4m3 queries too
+                queries = _rounded_to_e4m3(queries)
             selection = indexer.select((queries, keys, weights), entries,
                                        c.dsa_indexer_topk, window, kv_offset)
     attention.last_selection = selection
@@ -383,6 +386,12 @@ def _encoded(rows: Tensor, store: Tensor, scales: Optional[Tensor]) -> tuple[Ten
 def byte_view(t: Tensor) -> Tensor:
     """An e4m3 tensor as its bytes (torch's index writes take no float8), any other as itself."""
     return t.view(torch.uint8) if t.dtype == FP8_KEYS else t
+
+
+def _rounded_to_e4m3(rows: Tensor) -> Tensor:
+    """`rows [..., n]` rounded to e4m3 with one scale per row (`ops.fp8_linear.quantize_rows`), back in their dtype."""
+    codes, scales = quantize_rows(rows.flatten(0, -2))
+    return (codes.to(scales.dtype) * scales).view(rows.shape).to(rows.dtype)
 
 
 def _stored_rows(store: Tensor, scales: Optional[Tensor]) -> Tensor:

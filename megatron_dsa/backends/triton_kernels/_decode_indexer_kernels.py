@@ -3,16 +3,22 @@ point and launch rules: `decode_indexer.py`).
 
 Left undecorated: `lazy_jit.launcher` decorates it on first use. q `[B, HI, DI]`, keys `[B, C, DI]` (row stride
 `DI`, sequence stride `C·DI`), weights `[B, HI]`, counts `[B]`, scores `[B, C]` float32, all contiguous; with
-`KEY_SCALES` the keys are e4m3 and `key_scales [B, C]` float32 holds each key's scale.
+`KEY_SCALES` the keys are e4m3 and `key_scales [B, C]` float32 holds each key's scale, and the query rows are
+rounded to e4m3 too (one scale per head: `FP8_MAX`, `INV_FP8_MAX`, `TINY` as `fp8_quantize`), so that the dot is
+an e4m3 MMA reading the keys as they were loaded (converting them to bf16 for a bf16 MMA went through scalar
+shared-memory loads: 97 µs against 74 for bf16 keys at B = 32, 32768 keys, H200).
 """
 
 import triton.language as tl
+
+from megatron_dsa.backends.triton_kernels._fp8_quantize_kernels import round_to_e4m3
 
 
 def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr, out_ptr, C, HI, DI,
                                  COLS_PER_PROGRAM, scale, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                                  BLOCK_C: tl.constexpr, PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr,
-                                 KEY_SCALES: tl.constexpr):
+                                 KEY_SCALES: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                                 TINY: tl.constexpr):
     """One (sequence b, column range): `scores[b, j] = scale · Σ_h w[b,h]·ReLU(<q[b,h], k[b,j]>)` for
     `j < counts[b]`, −inf for the rest of the range.
 
@@ -21,8 +27,10 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr
     over the heads: `[BLOCK_C, DI] @ [DI, HI]` with `KEYS_MAJOR` (the heads lie along each accumulator row, so
     the sum stays inside a warp), else `[HI, DI] @ [DI, BLOCK_C]` (the sum runs across the warps). Columns past the count are never read: a loop over the
     counted blocks (a `for` loop, which Triton software-pipelines: the next blocks' keys load during this
-    block's dot), then one that only writes −inf. e4m3 keys (`KEY_SCALES`) convert to q's dtype exactly; their
-    scale, positive, multiplies each key's score after the ReLU and the sum over heads."""
+    block's dot), then one that only writes −inf. With e4m3 keys (`KEY_SCALES`) each query row is rounded to e4m3
+    with its own scale `max(amax, TINY) / FP8_MAX` (correctly rounded quotient, as `fp8_quantize`) and the dot
+    multiplies the codes; the head's scale joins its weight and the key's, positive, multiplies its score after
+    the ReLU and the sum over heads."""
     b = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * COLS_PER_PROGRAM
     last = tl.minimum(first + COLS_PER_PROGRAM, C)
@@ -32,13 +40,20 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr
     q = tl.load(q_ptr + (b * HI + heads[:, None]) * DI + dims[None, :],
                 mask=(heads[:, None] < HI) & (dims[None, :] < DI), other=0.0)
     w = tl.load(w_ptr + b * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+    if KEY_SCALES:
+        rows = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(rows), axis=1), TINY) * INV_FP8_MAX
+        quotient = tl.math.div_rn(rows, q_scale[:, None])
+        clamped = tl.where(quotient != quotient, quotient, tl.minimum(tl.maximum(quotient, -FP8_MAX), FP8_MAX))
+        q = round_to_e4m3(clamped).to(k_ptr.dtype.element_ty)
+        w = w * q_scale
     keys_of_b = k_ptr + b * C * DI
     scores_of_b = out_ptr + b * C
     for start in range(first, count, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
         counted = cols < count
         keys = tl.load(keys_of_b + cols[:, None] * DI + dims[None, :],
-                       mask=counted[:, None] & (dims[None, :] < DI), other=0.0).to(q.dtype)
+                       mask=counted[:, None] & (dims[None, :] < DI), other=0.0).to(q.dtype)  # e4m3: as loaded
         if KEYS_MAJOR:
             dots = tl.dot(keys, tl.trans(q), input_precision=PRECISION)  # [BLOCK_C, BLOCK_H]
             scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)

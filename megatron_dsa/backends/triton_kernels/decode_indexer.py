@@ -25,6 +25,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, multiprocessors, pow2
+from megatron_dsa.ops.fp8_linear import FP8_MAX
 from megatron_dsa.ops.indexer import FP8_KEYS, check_decode_indexer_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,6 +75,7 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
             weights.contiguous(), counts.contiguous(), scores, width, heads, dim, per_range, float(scale),
             BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_DOT), BLOCK_C=block_c,
             PRECISION=dot_precision(q.dtype), KEYS_MAJOR=KEYS_MAJOR, KEY_SCALES=key_scales is not None,
+            FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, TINY=torch.finfo(torch.float32).tiny,
             num_warps=WARPS, num_stages=STAGES)
     return scores
 
