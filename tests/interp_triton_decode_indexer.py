@@ -103,3 +103,14 @@ def test_decode_steps_with_the_triton_indexer_match_the_reference_decode():
     assert call_counts()[("triton", "decode_indexer_scores")] == 24
     assert torch.equal(picks[1], picks[0]) and (picks[0] >= 0).any()
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=1e-4)
+
+
+def test_fp8_keys_of_a_head_dim_below_the_e4m3_mma_contraction():
+    """DI = 16 (the tiny preset's): the kernel pads the e4m3 dot to its 32-wide contraction (GPUs refuse less)."""
+    from megatron_dsa.ops.fp8_linear import quantize_rows
+
+    q, keys, weights, counts = scores_inputs(4, 16, seed=2)
+    codes, scales = quantize_rows(keys.flatten(0, 1))
+    codes, scales = codes.view(keys.shape), scales.view(keys.shape[:2])
+    torch.testing.assert_close(triton_scores(q, codes, weights, counts, 0.37, scales),
+                               reference_scores(q, codes, weights, counts, 0.37, scales), **TOL)

@@ -30,6 +30,7 @@ from megatron_dsa.ops.indexer import FP8_KEYS, check_decode_indexer_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KEY_DTYPES = SUPPORTED_DTYPES + (FP8_KEYS,)  # e4m3 keys come with key_scales (an FP8 cache)
+MIN_FP8_DOT_K = 32  # an e4m3 MMA's shortest contraction: narrower head dims are zero-padded up to it
 # Keys per step: a [128, 128] bf16 tile is 32 KiB, three pipeline stages of it fit in shared memory with room
 # for a second program per multiprocessor; float32 tiles take twice the bytes and registers, so half the keys.
 BLOCK_C = {torch.float32: 64, torch.bfloat16: 128, torch.float16: 128}
@@ -73,7 +74,8 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
         launcher(_kernels().decode_indexer_scores_kernel)[(batch, cdiv(width, per_range))](
             q.contiguous(), keys.contiguous(), scores if key_scales is None else key_scales.contiguous(),
             weights.contiguous(), counts.contiguous(), scores, width, heads, dim, per_range, float(scale),
-            BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_DOT), BLOCK_C=block_c,
+            BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_DOT if key_scales is None else MIN_FP8_DOT_K),
+            BLOCK_C=block_c,
             PRECISION=dot_precision(q.dtype), KEYS_MAJOR=KEYS_MAJOR, KEY_SCALES=key_scales is not None,
             FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, TINY=torch.finfo(torch.float32).tiny,
             num_warps=WARPS, num_stages=STAGES)
