@@ -52,7 +52,7 @@ from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection,
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO
 from megatron_dsa.ops.decode_attention import entry_counts
-from megatron_dsa.ops.fp8_linear import quantize_rows
+from megatron_dsa.ops.fp8_linear import dequantize_rows, quantize_rows
 from megatron_dsa.ops.indexer import FP8_KEYS
 from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
@@ -154,8 +154,8 @@ class LayerCache:
     """What one layer keeps of `batch` sequences of at most `capacity` tokens (see the module docstring).
 
     seqlens: `[B]` int64 tokens cached per sequence (updated in place: a captured decode step reads it where it
-    is); `longest` a host-side upper bound of its largest value (checked against `capacity` without a sync). W/C/H: `window [B, max(W−1, 1), D]` K = V rows at
-    slot `position % (W−1)`; `compressors` the `CompressorState` of the attention's (`"attention"`) and
+    is); `longest` a host-side upper bound of its largest value (checked against `capacity` without a sync).
+    W/C/H: `window [B, max(W−1, 1), D]` K = V rows at slot `position % (W−1)`; `compressors` the `CompressorState` of the attention's (`"attention"`) and
     the indexer's (`"indexer"`) compressor; `entries [B, ⌈capacity / r⌉, D]` compressed entries and
     `indexer_keys [B, ⌈capacity / r⌉, DI]` (entry `j` is valid once its group is complete, `j < seqlens // r`;
     a decode step writes the new token's unfinished group there too, never seen before it is rewritten
@@ -389,14 +389,13 @@ def byte_view(t: Tensor) -> Tensor:
 
 
 def _rounded_to_e4m3(rows: Tensor) -> Tensor:
-    """`rows [..., n]` rounded to e4m3 with one scale per row (`ops.fp8_linear.quantize_rows`), back in their dtype."""
-    codes, scales = quantize_rows(rows.flatten(0, -2))
-    return (codes.to(scales.dtype) * scales).view(rows.shape).to(rows.dtype)
+    """`rows [..., n]` rounded to e4m3 with one scale per row (`ops.fp8_linear`), back in their dtype."""
+    return dequantize_rows(*quantize_rows(rows.flatten(0, -2))).view(rows.shape).to(rows.dtype)
 
 
 def _stored_rows(store: Tensor, scales: Optional[Tensor]) -> Tensor:
     """The values `store [B, C, Dc]` holds: itself, or an FP8 store's rows times their `scales [B, C]` (float32)."""
-    return store if scales is None else store.to(scales.dtype) * scales.unsqueeze(-1)
+    return store if scales is None else dequantize_rows(store, scales.unsqueeze(-1))
 
 
 def _write_slots(buffer: Tensor, rows: Tensor, new: TokenLayout, before: Tensor) -> None:
@@ -516,8 +515,7 @@ def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: d
                     store: Tensor, inv_freq: Tensor, scales: Optional[Tensor] = None) -> None:
     """Keep the new token's compressor projections and pool its group into entry `j = p // r` of `store [B, C,
     Dc]` (with `scales [B, C]`: an FP8 store, `_encoded`): complete where p completes the group (`(p + 1) % r ==
-    0`); until then the entry is not visible
-    (`j >= (p + 1) // r`) and a later token rewrites it.
+    0`); until then the entry is not visible (`j >= (p + 1) // r`) and a later token rewrites it.
 
     Every sequence pools the state's `K` slots (oldest first) as one segment of a layout that owns one entry
     per segment, whether or not its group is complete (fixed shapes, no branch on values)."""
@@ -555,8 +553,8 @@ def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positio
                  key_scales: Optional[Tensor], topk: int, inv_freq: Tensor, index: DecodeIndex) -> Tensor:
     """`[B, min(topk, C)]` entry numbers the indexer picks for each new token among its sequence's cached
     compressed keys `keys [B, C, DI]` (e4m3 with `key_scales [B, C]`: an FP8 cache; the visible ones, `j < (p + 1)
-    // r`), as a set: in any order, the slots
-    without a pick −1 or not visible (the attention reads them so; `ops.indices.topk_columns`, `ordered`)."""
+    // r`), as a set: in any order, the slots without a pick −1 or not visible (the attention reads them so;
+    `ops.indices.topk_columns`, `ordered`)."""
     queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
     batch, width = keys.shape[:2]
     counts = entry_counts(positions, indexer.compressor.ratio)

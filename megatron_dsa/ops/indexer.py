@@ -111,19 +111,19 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
     `j` stands for `keys[b, j] · key_scales[b, j]`, and each query row `q[b, h]` is rounded to e4m3 too, with its
     own scale (`ops.fp8_linear.quantize_rows`), so that a kernel can multiply the codes on an e4m3 MMA, as
     DeepSeek's FP8 indexer does; the scales are positive, so they leave the ReLU: the head's joins its weight,
-    the key's multiplies its score. Returns `[B, C]` in float32 (float64 for float64 q). Scored in chunks of sequences, so the per-head dots `[B, HI, C]` never
-    exist at once. No host read of `counts`: a CUDA graph can capture it.
+    the key's multiplies its score. Returns `[B, C]` in float32 (float64 for float64 q). Scored in chunks of
+    sequences, so the per-head dots `[B, HI, C]` never exist at once. No host read of `counts`: a CUDA graph can
+    capture it.
     """
     check_decode_indexer_inputs(q, keys, weights, counts, key_scales)
     compute = compute_dtype(q.dtype)
     batch, width = keys.shape[:2]
-    if key_scales is not None:  # the query rows as e4m3 codes, their scales with the head weights
+    if key_scales is not None:  # the query rows as e4m3 codes (exact in q's dtype), their scales with the weights
         codes, head_scales = quantize_rows(q.flatten(0, 1))
-        q, weights = codes.view(q.shape), weights.to(compute) * head_scales.view(weights.shape).to(compute)
+        q, weights = codes.view(q.shape).to(q.dtype), weights.to(compute) * head_scales.view(weights.shape)
     scores = torch.empty((batch, width), dtype=compute, device=q.device)
     for chunk in _chunks(batch, width, q.shape[1], q.shape[2]):
-        dots = torch.einsum("bhd,bjd->bhj", q[chunk].to(compute), keys[chunk].to(compute if key_scales is not None
-                                                                                 else q.dtype).to(compute))
+        dots = torch.einsum("bhd,bjd->bhj", q[chunk].to(compute), keys[chunk].to(q.dtype).to(compute))
         scores[chunk] = torch.einsum("bh,bhj->bj", weights[chunk].to(compute) * scale, torch.relu(dots))
         if key_scales is not None:
             scores[chunk] *= key_scales[chunk].to(compute)

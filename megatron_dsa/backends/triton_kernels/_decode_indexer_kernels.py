@@ -11,7 +11,7 @@ shared-memory loads: 97 µs against 74 for bf16 keys at B = 32, 32768 keys, H200
 
 import triton.language as tl
 
-from megatron_dsa.backends.triton_kernels._fp8_quantize_kernels import round_to_e4m3
+from megatron_dsa.backends.triton_kernels._fp8_quantize_kernels import e4m3_values, row_scale
 
 
 def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr, out_ptr, C, HI, DI,
@@ -25,12 +25,12 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr
     The sequence's queries `[HI, DI]` stay in registers; each step reads `BLOCK_C` keys once (the step's only
     memory traffic: the key read sets the kernel's time) and runs one dot whose ReLU is weighted and summed
     over the heads: `[BLOCK_C, DI] @ [DI, HI]` with `KEYS_MAJOR` (the heads lie along each accumulator row, so
-    the sum stays inside a warp), else `[HI, DI] @ [DI, BLOCK_C]` (the sum runs across the warps). Columns past the count are never read: a loop over the
-    counted blocks (a `for` loop, which Triton software-pipelines: the next blocks' keys load during this
-    block's dot), then one that only writes −inf. With e4m3 keys (`KEY_SCALES`) each query row is rounded to e4m3
-    with its own scale `max(amax, TINY) / FP8_MAX` (correctly rounded quotient, as `fp8_quantize`) and the dot
-    multiplies the codes; the head's scale joins its weight and the key's, positive, multiplies its score after
-    the ReLU and the sum over heads."""
+    the sum stays inside a warp), else `[HI, DI] @ [DI, BLOCK_C]` (the sum runs across the warps). Columns past
+    the count are never read: a loop over the counted blocks (a `for` loop, which Triton software-pipelines: the
+    next blocks' keys load during this block's dot), then one that only writes −inf. With e4m3 keys
+    (`KEY_SCALES`) each query row is rounded to e4m3 with its own scale `max(amax, TINY) / FP8_MAX` (correctly
+    rounded quotient, as `fp8_quantize`) and the dot multiplies the codes; the head's scale joins its weight and
+    the key's, positive, multiplies its score after the ReLU and the sum over heads."""
     b = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * COLS_PER_PROGRAM
     last = tl.minimum(first + COLS_PER_PROGRAM, C)
@@ -40,12 +40,10 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr
     q = tl.load(q_ptr + (b * HI + heads[:, None]) * DI + dims[None, :],
                 mask=(heads[:, None] < HI) & (dims[None, :] < DI), other=0.0)
     w = tl.load(w_ptr + b * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
-    if KEY_SCALES:
+    if KEY_SCALES:  # the query rows as e4m3 codes (as `fp8_quantize`), their scales with the head weights
         rows = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(rows), axis=1), TINY) * INV_FP8_MAX
-        quotient = tl.math.div_rn(rows, q_scale[:, None])
-        clamped = tl.where(quotient != quotient, quotient, tl.minimum(tl.maximum(quotient, -FP8_MAX), FP8_MAX))
-        q = round_to_e4m3(clamped).to(k_ptr.dtype.element_ty)
+        q_scale = row_scale(tl.max(tl.abs(rows), axis=1), INV_FP8_MAX, TINY)
+        q = e4m3_values(rows, q_scale, FP8_MAX).to(k_ptr.dtype.element_ty)
         w = w * q_scale
     keys_of_b = k_ptr + b * C * DI
     scores_of_b = out_ptr + b * C

@@ -36,6 +36,22 @@ def round_to_e4m3(y):
     return tl.where(tl.abs(y) < E4M3_MIN_NORMAL, subnormal, normal)
 
 
+@triton.jit
+def row_scale(amax, INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    """A row's scale `max(amax, TINY) · (1/FP8_MAX)` from its float32 `amax` (NaN stays NaN)."""
+    return tl.where(amax != amax, amax, tl.maximum(amax, TINY) * INV_FP8_MAX)  # maximum may drop a NaN
+
+
+@triton.jit
+def e4m3_values(x, scale, FP8_MAX: tl.constexpr):
+    """float32 `x [R, K]` over its rows' `scale [R]`, clamped to ±FP8_MAX and rounded to e4m3 (still float32, so
+    the cast to e4m3 that follows is exact). The quotient is correctly rounded, as the reference's tensor
+    division: on the GPU Triton's float32 `/` is approximate, and Triton 3.6's `fdiv` ignores its
+    `ieee_rounding` flag. The clamp keeps NaN."""
+    y = tl.math.div_rn(x, scale[:, None])
+    return round_to_e4m3(tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)))
+
+
 def row_amax_kernel(t_ptr, amax_bits_ptr, R, K, STRIDE_R, STRIDE_K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """amax_bits `[R]` int32, zeroed by the caller: per row, the atomic max over this program's tile of the
     float32 bits of `|t|`. Non-negative floats order as their bits do, and a NaN's bits lie above inf's, so a
@@ -57,14 +73,11 @@ def quantize_kernel(t_ptr, amax_bits_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRI
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     amax = tl.load(amax_bits_ptr + rows, mask=rows < R, other=0).to(tl.float32, bitcast=True)
-    scale = tl.where(amax != amax, amax, tl.maximum(amax, TINY) * INV_FP8_MAX)  # maximum may drop a NaN
+    scale = row_scale(amax, INV_FP8_MAX, TINY)
     if tl.program_id(1) == 0:
         tl.store(scale_ptr + rows, scale, mask=rows < R_OUT)
     x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K,
                 mask=(rows < R)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-    # Correctly rounded, as the reference's tensor division: on the GPU Triton's float32 `/` is approximate,
-    # and Triton 3.6's `fdiv` ignores its `ieee_rounding` flag.
-    y = tl.math.div_rn(x, scale[:, None])
-    y = round_to_e4m3(tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)))  # the clamp keeps NaN
+    y = e4m3_values(x, scale, FP8_MAX)
     tl.store(q_ptr + rows[:, None] * K_OUT + k[None, :], y.to(q_ptr.dtype.element_ty),
              mask=(rows < R_OUT)[:, None] & (k < K_OUT)[None, :])
