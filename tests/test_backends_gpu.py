@@ -247,7 +247,7 @@ def test_c_layer_with_the_cudnn_teacher_matches_the_unfused_teacher() -> None:
 
 # ---------------------------------------------------------------- dense attention (M kind)
 DENSE = [("flash_attn", "flash_attn.cute", "flash-attn-4 not installed"),
-         ("cudnn", "torch", ""), ("torch_sdpa", "torch", "")]
+         ("cudnn", "torch", ""), ("torch_sdpa", "torch", ""), ("triton", "triton", "triton not installed")]
 
 
 # Packed boundaries over 2048 rows. The tail case ends at 1400: rows 1400-2047 are a capacity tail, which
@@ -299,6 +299,67 @@ def test_dense_backends_match_unfused(backend, module, why, packed, groups) -> N
         assert_close_bf16(label, a, b, grad=True)
 
 
+def test_triton_dense_attention_at_dsv4_m_dims_matches_unfused() -> None:
+    """The `M` kind's own dims (qk 576 / v 512: only our Triton kernels and the reference take them), packed
+    with a capacity tail and GQA, and `auto` picks Triton for them (the counters)."""
+    heads, groups, rows, real_rows = 16, 4, 1100, 1000
+    layout = TokenLayout.packed(torch.tensor([0, 300, 301, 1000], device=CUDA), rows, CUDA, max_seqlen=699)
+    reset_call_counts()
+    attend = dispatch(OpFamily.DENSE_ATTENTION, "auto", device=CUDA, dtype=torch.bfloat16, head_dim=576,
+                      v_head_dim=512, heads=heads, groups=groups, layout=layout, lse_grad=False)
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    inputs = [torch.randn(rows, h, d, device=CUDA, generator=gen).bfloat16()
+              for h, d in ((heads, 576), (groups, 576), (groups, 512))]
+    upstream = torch.randn(real_rows, heads, 512, device=CUDA, generator=gen)
+
+    def run(fn):
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        out, lse = fn(q, k, v, layout, SCALE)
+        (out[:real_rows].float() * upstream).sum().backward()
+        return out[:real_rows], lse[:real_rows], q.grad, k.grad, v.grad
+
+    fused = run(attend)
+    assert call_counts()[("triton", "dense_attention")] == 1, call_counts()
+    reference = run(causal_attention)
+    assert_close_bf16("out", fused[0], reference[0], grad=False)
+    assert_close_bf16("lse", fused[1], reference[1], grad=False)
+    for label, a, b in zip(("dq", "dk", "dv"), fused[2:], reference[2:]):
+        assert_close_bf16(label, a, b, grad=True)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["diagonal_block", "earlier_block"])
+def test_triton_dense_blocks_match_unfused_blocks(causal) -> None:
+    """The context-parallel ring's block ops at the M kind's dims: forward, and backward from a merged output
+    and LSE (here: the block's own, scaled as a merge would leave them) against the reference block ops."""
+    from megatron_dsa.ops.dense_attention import block_attention_backward, block_attention_forward
+
+    heads, groups, n = 16, 16, 700
+    m = n if causal else 900
+    gen = torch.Generator(device=CUDA).manual_seed(9)
+    q = torch.randn(n, heads, 576, device=CUDA, generator=gen).bfloat16()
+    k = torch.randn(m, groups, 576, device=CUDA, generator=gen).bfloat16()
+    v = torch.randn(m, groups, 512, device=CUDA, generator=gen).bfloat16()
+    grad_out = torch.randn(n, heads, 512, device=CUDA, generator=gen)
+    reset_call_counts()
+    call = dict(device=CUDA, dtype=torch.bfloat16, head_dim=576, v_head_dim=512, heads=heads, groups=groups,
+                lse_grad=False)
+    out, lse = dispatch(OpFamily.DENSE_ATTENTION_BLOCK_FWD, "triton", **call)(q, k, v, SCALE, causal)
+    out_ref, lse_ref = block_attention_forward(q, k, v, SCALE, causal)
+    assert out.dtype == lse.dtype == torch.float32
+    assert_close_bf16("block out", out, out_ref, grad=False)
+    assert_close_bf16("block lse", lse, lse_ref, grad=False)
+    merged_lse = lse_ref + 0.3  # as if other blocks held more of the softmax mass
+    merged_out = out_ref * 0.7
+    grads = dispatch(OpFamily.DENSE_ATTENTION_BLOCK_BWD, "triton", **call)(q, k, v, merged_out, merged_lse, grad_out,
+                                                                          SCALE, causal)
+    grads_ref = block_attention_backward(q, k, v, merged_out, merged_lse, grad_out, SCALE, causal)
+    for label, a, b in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert a.dtype == torch.float32
+        assert_close_bf16(f"block {label}", a, b, grad=True)
+    counts = call_counts()
+    assert counts[("triton", "dense_attention_block_fwd")] == counts[("triton", "dense_attention_block_bwd")] == 1
+
+
 # ---------------------------------------------------------------- whole layer, auto vs unfused
 def layer_run(config: HybridAttentionConfig, kind: str, state, hidden: torch.Tensor):
     layer = HybridAttention(config, kind=kind).to(CUDA, torch.bfloat16).train()
@@ -316,7 +377,8 @@ def layer_run(config: HybridAttentionConfig, kind: str, state, hidden: torch.Ten
 M_FUSABLE = dict(v_head_dim=128, qk_head_dim=128, qk_pos_emb_head_dim=64, kv_lora_rank=512)  # dense kernels take ≤ 256
 
 
-@pytest.mark.parametrize("kind, overrides", [("W", {}), ("C", {}), ("H", {}), ("M", M_FUSABLE)])
+@pytest.mark.parametrize("kind, overrides", [("W", {}), ("C", {}), ("H", {}), ("M", M_FUSABLE), ("M", {})],
+                         ids=["W", "C", "H", "M_192_128", "M"])
 def test_layer_auto_matches_unfused_at_dsv4_flash_dims(kind, overrides) -> None:
     torch.manual_seed(0)
     config = HybridAttentionConfig.from_preset("dsv4-flash", num_layers=1, layer_pattern=kind, **overrides)
@@ -328,9 +390,11 @@ def test_layer_auto_matches_unfused_at_dsv4_flash_dims(kind, overrides) -> None:
     fused_ops = {op for backend, op in fused_counts if backend != "unfused"}
     sparse = {"sparse_attention_fwd", "sparse_attention_bwd"}
     expected = {"W": sparse, "C": sparse | {"topk"}, "H": sparse, "M": {"dense_attention"}}[kind]
-    # Triton (W/C/H) and torch SDPA (M) are there on every CUDA machine this package supports, so a
-    # layer that ran none of them lost its fused path.
+    # Triton (W/C/H, and M at any head dim) and torch SDPA (M at head dims ≤ 256) are there on every CUDA
+    # machine this package supports, so a layer that ran none of them lost its fused path.
     assert fused_ops & expected, f"no fused backend ran {sorted(expected)}: {fused_counts}"
+    if kind == "M" and not overrides:  # qk 576 / v 512: no vendor kernel takes them
+        assert fused_counts.get(("triton", "dense_attention")) == 1, fused_counts
     if kind == "C":  # the selection's top-k and rows come from Triton kernels wherever Triton runs
         assert fused_counts.get(("triton", "topk")) == 1, fused_counts
         assert fused_counts.get(("triton", "selection_rows")) == 1, fused_counts
@@ -346,7 +410,8 @@ def test_layer_auto_matches_unfused_at_dsv4_flash_dims(kind, overrides) -> None:
             assert_close_bf16(name, grads[name], grads_ref[name], grad=True)
 
 
-@pytest.mark.parametrize("kind, overrides", [("W", {}), ("C", {}), ("H", {}), ("M", M_FUSABLE)])
+@pytest.mark.parametrize("kind, overrides", [("W", {}), ("C", {}), ("H", {}), ("M", M_FUSABLE), ("M", {})],
+                         ids=["W", "C", "H", "M_192_128", "M"])
 def test_fused_layer_never_changes_a_saved_tensor(kind, overrides) -> None:
     """A1.1 on the fused path (`auto`): every tensor autograd saved, ours and the kernels', is
     unchanged when backward reads it (version counter and a bitwise copy: a kernel writing through

@@ -522,3 +522,20 @@ def nccl_fused_blocks_body(rank: int, world: int) -> None:
 @pytest.mark.multigpu
 def test_context_parallel_nccl_fused_dense_blocks():
     run_distributed(nccl_fused_blocks_body, 2, backend="nccl", timeout_s=300)
+
+
+def nccl_triton_blocks_body(rank: int, world: int) -> None:
+    """M kind at dsv4's head dims (qk 512 + 64, v 512), which no vendor kernel takes: the ring's blocks run our
+    Triton kernels under `auto`, and CP-2 equals one GPU (whose dense attention runs them too)."""
+    state = initialize_parallel_state(cp_size=world)
+    config = cp_config("M", "zigzag", "p2p", hidden_size=1024, num_attention_heads=8, num_query_groups=8,
+                       qk_head_dim=512, v_head_dim=512, qk_pos_emb_head_dim=64, dsa_indexer_head_dim=64)
+    reset_call_counts()
+    nccl_bf16_parity(rank, world, state, config, "M", 1024, 1, 7, "M/p2p triton blocks")
+    ran = {backend for (backend, op) in call_counts() if op.startswith("dense_attention")}
+    assert ran == {"triton"}, call_counts()
+
+
+@pytest.mark.multigpu
+def test_context_parallel_nccl_triton_dense_blocks_at_dsv4_dims():
+    run_distributed(nccl_triton_blocks_body, 2, backend="nccl", timeout_s=300)

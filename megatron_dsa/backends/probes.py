@@ -104,16 +104,16 @@ DENSE_MAX_HEAD_DIM = 256
 DENSE_HEAD_DIM_ALIGNMENT = 8
 
 
-def dense_problem(call: Mapping[str, Any]) -> Optional[str]:
-    """Shape rules shared by the dense fused kernels: no LSE gradient, head dims ≤ 256 and 16-byte
-    aligned, G | H."""
+def dense_problem(call: Mapping[str, Any], max_head_dim: int = DENSE_MAX_HEAD_DIM,
+                  alignment: int = DENSE_HEAD_DIM_ALIGNMENT) -> Optional[str]:
+    """Shape rules shared by the dense fused kernels: no LSE gradient, head dims ≤ `max_head_dim` (the
+    vendors': 256) and a multiple of `alignment` (theirs: 16 bytes), G | H."""
     if call.get("lse_grad"):
         return "the kernel's lse carries no gradient (lse_grad needed)"
     for name in ("head_dim", "v_head_dim"):
         dim = call.get(name)
-        if dim is not None and (dim > DENSE_MAX_HEAD_DIM or dim % DENSE_HEAD_DIM_ALIGNMENT):
-            return (f"{name} {dim} unsupported (needs <= {DENSE_MAX_HEAD_DIM} and a multiple of "
-                    f"{DENSE_HEAD_DIM_ALIGNMENT})")
+        if dim is not None and (dim > max_head_dim or dim % alignment):
+            return f"{name} {dim} unsupported (needs <= {max_head_dim} and a multiple of {alignment})"
     heads, groups = call.get("heads"), call.get("groups")
     if heads is not None and groups is not None and heads % groups:
         return f"{groups} kv groups do not divide {heads} heads"

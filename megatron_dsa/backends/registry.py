@@ -102,11 +102,12 @@ AUTO_ORDER: dict[OpFamily, tuple[str, ...]] = {
     OpFamily.NORM_ROPE: ("triton", "unfused"),
     OpFamily.RMS_NORM: ("triton", "unfused"),
     # FlashAttention-4: the fastest dense option measured on an H200 (FA2 on Hopper and Blackwell leaves
-    # whole-sequence batches to cuDNN SDPA: flash_attn's decline rule). torch SDPA (its memory-efficient
-    # kernel) is slow on Hopper for head dims 192/128: the last fused choice.
-    OpFamily.DENSE_ATTENTION: ("flash_attn", "cudnn", "torch_sdpa", "unfused"),
-    OpFamily.DENSE_ATTENTION_BLOCK_FWD: ("flash_attn", "torch_sdpa", "unfused"),
-    OpFamily.DENSE_ATTENTION_BLOCK_BWD: ("flash_attn", "torch_sdpa", "unfused"),
+    # whole-sequence batches to cuDNN SDPA: flash_attn's decline rule). Our Triton kernels take every head
+    # dim up to 576 (the vendors stop at 256: dsv4's M kind has qk 576 / v 512). torch SDPA (its
+    # memory-efficient kernel) is slow on Hopper for head dims 192/128: the last fused choice.
+    OpFamily.DENSE_ATTENTION: ("flash_attn", "cudnn", "triton", "torch_sdpa", "unfused"),
+    OpFamily.DENSE_ATTENTION_BLOCK_FWD: ("flash_attn", "triton", "torch_sdpa", "unfused"),
+    OpFamily.DENSE_ATTENTION_BLOCK_BWD: ("flash_attn", "triton", "torch_sdpa", "unfused"),
     OpFamily.DECODE_ATTENTION: ("triton", "unfused"),
     OpFamily.DECODE_INDEXER_SCORES: ("triton", "unfused"),
     # The reference rounds to FP8 and multiplies in float32: the same numbers, without FP8 tensor cores.

@@ -24,7 +24,6 @@ them in the graph's pool. Everything else is read where it lies; `seqlens` is re
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple, Optional
 
@@ -33,7 +32,8 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
-from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, multiprocessors, pow2
+from megatron_dsa.backends.triton_kernels.tiles import (MIN_DOT, cdiv, dot_precision, head_dim_chunks, multiprocessors,
+                                                       on_device, pow2)
 from megatron_dsa.ops.decode_attention import check_decode_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,12 +46,6 @@ INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one by one: a few spli
 INTERPRETER_BLOCK_K = 16
 COMBINE_ELEMENTS = 4096  # split × column elements the combine kernel holds per chunk
 
-
-def _head_dim_chunks(dim: int) -> tuple[int, int]:
-    """`(main, tail)` power-of-two chunks covering `dim` (tail 0: none), e.g. 576 → (512, 64)."""
-    main = max(MIN_DOT, 1 << (dim.bit_length() - 1))
-    rest = dim - main
-    return main, (pow2(rest, MIN_DOT) if rest > 0 else 0)
 
 
 class DecodeTiles(NamedTuple):
@@ -68,7 +62,7 @@ def decode_tiles(dtype: torch.dtype, heads: int, dim: int) -> DecodeTiles:
     heads × 256 columns or more."""
     if interpreting():
         return DecodeTiles(INTERPRETER_BLOCK_K, 4, 2)
-    wide = pow2(heads, MIN_DOT, MAX_BLOCK_H) * _head_dim_chunks(dim)[0] >= MAX_BLOCK_H * 256
+    wide = pow2(heads, MIN_DOT, MAX_BLOCK_H) * head_dim_chunks(dim)[0] >= MAX_BLOCK_H * 256
     return DecodeTiles(64 if dtype.itemsize == 2 and dim <= 512 else 32, 8 if wide else 4, 2)
 
 
@@ -109,14 +103,14 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
     per_split = cdiv(cdiv(slots, splits), block_k) * block_k
     splits = cdiv(slots, per_split)  # no empty split
     block_h = pow2(heads, MIN_DOT, MAX_BLOCK_H)
-    block_d, block_dt = _head_dim_chunks(dim)
+    block_d, block_dt = head_dim_chunks(dim)
     partials = (heads * batch * splits * dim, heads * batch * splits) if splits > 1 else (1, 1)
     part_acc = torch.empty(partials[0], dtype=torch.float32, device=query.device)
     part_max = torch.empty(partials[1], dtype=torch.float32, device=query.device)
     part_sum = torch.empty(partials[1], dtype=torch.float32, device=query.device)
     sink = sink.detach().to(torch.float32).contiguous()
     query = query.contiguous()
-    with _on_device(query.device):
+    with on_device(query.device):
         launcher(_kernels().decode_attention_split_kernel)[(batch * cdiv(heads, block_h), splits)](
             query, kv_new.contiguous(), window_rows.contiguous(),
             query if entries is None else entries.contiguous(),
@@ -140,6 +134,3 @@ def _kernels():
 
     return _decode_attention_kernels
 
-
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

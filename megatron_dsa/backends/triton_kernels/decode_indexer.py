@@ -16,7 +16,6 @@ Ranges past a sequence's count only write −inf.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -24,7 +23,7 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
-from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, multiprocessors, pow2
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, multiprocessors, on_device, pow2
 from megatron_dsa.ops.fp8_linear import FP8_MAX
 from megatron_dsa.ops.indexer import FP8_KEYS, check_decode_indexer_inputs
 
@@ -70,7 +69,7 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
     if ranges < 1:
         raise ValueError(f"triton decode indexer: ranges must be >= 1, got {ranges}")
     per_range = cdiv(cdiv(width, ranges), block_c) * block_c
-    with _on_device(q.device):
+    with on_device(q.device):
         launcher(_kernels().decode_indexer_scores_kernel)[(batch, cdiv(width, per_range))](
             q.contiguous(), keys.contiguous(), scores if key_scales is None else key_scales.contiguous(),
             weights.contiguous(), counts.contiguous(), scores, width, heads, dim, per_range, float(scale),
@@ -87,6 +86,3 @@ def _kernels():
 
     return _decode_indexer_kernels
 
-
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -68,7 +68,7 @@ from megatron_dsa.backends.registry import OpFamily, count_variant
 from megatron_dsa.backends.sparse_layout import INT32_ROWS, kernel_ids
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton, triton_decline_reason
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
-from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, head_dim_chunks, on_device, pow2
 
 logger = logging.getLogger("megatron_dsa.backends")
 
@@ -171,17 +171,10 @@ def _kernels() -> _Kernels:
 
 
 # ---------------------------------------------------------------- tiling and launch
-def _head_dim_chunks(dim: int) -> tuple[int, int]:
-    """`(main, tail)` power-of-two chunks covering `dim` (tail 0: none), e.g. 576 → (512, 64)."""
-    main = max(MIN_DOT, 1 << (dim.bit_length() - 1))
-    rest = dim - main
-    return main, (pow2(rest, MIN_DOT) if rest > 0 else 0)
-
-
 def _launch(kernel: Any, autotuned: bool, rows: int, heads: int, dim: int, *args: Any,
             column_chunks: bool = False, **meta: Any) -> None:
     """Launch one program per (row, head block); `column_chunks`: the kernel takes a `BLOCK_DC`."""
-    block_d, block_dt = _head_dim_chunks(dim)
+    block_d, block_dt = head_dim_chunks(dim)
     meta.update(BLOCK_D=block_d, BLOCK_DT=block_dt)
     if not autotuned:
         meta.update(BLOCK_H=_head_block(heads), BLOCK_K=INTERPRETER_BLOCK_K, num_warps=4, num_stages=1)
@@ -191,9 +184,6 @@ def _launch(kernel: Any, autotuned: bool, rows: int, heads: int, dim: int, *args
     # meet the row's kv rows in L2 together.
     kernel[lambda config: (rows * cdiv(heads, config["BLOCK_H"]),)](*args, **meta)
 
-
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------- the Hopper kernels
@@ -399,7 +389,7 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
     decline = hopper_decline(query)
     _log_kernel_choice("forward", decline)
     count_variant(BACKEND, OpFamily.SPARSE_ATTENTION_FWD, PORTABLE_VARIANT if decline else HOPPER_VARIANT)
-    with _on_device(query.device):
+    with on_device(query.device):
         if decline is None:
             _launch_hopper_forward(operands, out, lse, float(scale) * LOG2E)
         else:
@@ -440,7 +430,7 @@ def sparse_attention_backward(query: Tensor, kv: Tensor, indices: Tensor, sink: 
         decline = hopper_decline(query)
         _log_kernel_choice("backward", decline)
         count_variant(BACKEND, OpFamily.SPARSE_ATTENTION_BWD, PORTABLE_VARIANT if decline else HOPPER_VARIANT)
-        with _on_device(query.device):
+        with on_device(query.device):
             if decline is None:
                 _launch_hopper_backward(operands, *tensors, has_dlse=has_dlse)
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -23,6 +24,19 @@ def multiprocessors(device: torch.device) -> int:
 def pow2(size: int, floor: int = 1, cap: int = 1 << 30) -> int:
     """The smallest power of two >= size, clamped to `[floor, cap]`: a block that covers `size`."""
     return min(cap, max(floor, 1 << max(0, size - 1).bit_length()))
+
+
+def head_dim_chunks(dim: int) -> tuple[int, int]:
+    """`(main, tail)` power-of-two chunks covering `dim` (tail 0: none), e.g. 576 → (512, 64): kernels cover a
+    head dim with two power-of-two tiles instead of one of twice the size."""
+    main = max(MIN_DOT, 1 << (dim.bit_length() - 1))
+    rest = dim - main
+    return main, (pow2(rest, MIN_DOT) if rest > 0 else 0)
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Launches inside run on `device` (Triton launches on the current CUDA device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def dot_precision(dtype: torch.dtype) -> str:
