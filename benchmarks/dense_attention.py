@@ -38,6 +38,8 @@ def parse_args():
     parser.add_argument("--dims", default="576,512", help="qk and v head dims")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS,
                         help="the first is the baseline of `ratio`")
+    parser.add_argument("--show-tuning", action="store_true",
+                        help="print each Triton kernel's autotune candidates with their measured times")
     parser.add_argument("--skip-unfused-above", type=int, default=16384,
                         help="sequence length above which the unfused reference is not timed (minutes a call)")
     return parser.parse_args()
@@ -96,6 +98,19 @@ def main() -> None:
                   f"{total / baseline:.3f} |", flush=True)
         del q, k, v, grad
         torch.cuda.empty_cache()
+    if args.show_tuning and "triton" in args.backends:
+        show_tuning()
+
+
+def show_tuning() -> None:
+    """Each autotuned Triton dense kernel's candidates and their times (ms) for the last shape it tuned."""
+    from megatron_dsa.backends.triton_kernels import dense_attention as triton_dense
+
+    kernels = triton_dense._kernels()
+    for name in ("forward", "query_grad", "key_value_grad"):
+        tuner = getattr(kernels, name)
+        for config, times in sorted(getattr(tuner, "configs_timings", {}).items(), key=lambda item: item[1][0]):
+            print(f"# tuning {name}: {config} -> {times[0]:.3f} ms")
 
 
 if __name__ == "__main__":
