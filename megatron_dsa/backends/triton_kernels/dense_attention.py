@@ -39,15 +39,15 @@ LOG2E = math.log2(math.e)
 INTERPRETER_BLOCK = 16
 BACKEND, VARIANT = "triton", "portable"
 
-# CUDA autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages). At Dqk 576 / Dv 512 in bf16 the query
-# block and one stage of key and value blocks fill most of Hopper's shared memory, and a block loaded without
-# a pipeline passes through registers beside the [64, 512] float32 accumulator (sm_90a compiles: the forward
-# at 64 x 16 x 3 stages spills nothing, at 64 x 64 x 1 stage 420 bytes a thread), so the first candidates are
-# narrow, pipelined blocks. The last ones fit float32 inputs and GPUs with less shared memory; an oversized
-# candidate fails to launch and the autotuner skips it.
-FORWARD_CONFIGS = ((64, 16, 8, 3), (64, 32, 8, 2), (64, 16, 8, 2), (64, 64, 8, 1), (32, 32, 4, 1), (16, 16, 4, 1))
-QUERY_GRAD_CONFIGS = ((64, 16, 8, 2), (64, 16, 8, 1), (64, 32, 8, 1), (32, 16, 4, 2), (16, 16, 4, 1))
-KEY_VALUE_GRAD_CONFIGS = ((16, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 1), (16, 32, 4, 2), (16, 16, 4, 1))
+# CUDA autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), best first as an H200 timed them at the
+# dsv4 M dims (bf16, 64 heads, S = 4096; `benchmarks/dense_attention.py --show-tuning`): forward 64 x 64 x 1
+# stage 6.39 ms, 64 x 32 x 2 stages 6.63, 64 x 16 x 3 stages 9.08; query gradient 64 x 32 x 1 stage 12.9 ms,
+# 64 x 16 x 2 stages 15.0; value gradient 32 x 64 x 2 stages 6.28 ms, x 1 stage 7.60, 16-row blocks 9.6 and
+# more. The key gradient's two-stage candidate needs 272 KB of shared memory there and is skipped (it fails to
+# launch); the last candidates fit float32 inputs and GPUs with less shared memory.
+FORWARD_CONFIGS = ((64, 64, 8, 1), (64, 32, 8, 2), (32, 32, 4, 1), (16, 16, 4, 1))
+QUERY_GRAD_CONFIGS = ((64, 32, 8, 1), (64, 16, 8, 2), (32, 16, 4, 2), (16, 16, 4, 1))
+KEY_VALUE_GRAD_CONFIGS = ((32, 64, 8, 2), (32, 64, 8, 1), (16, 32, 4, 2), (16, 16, 4, 1))
 
 
 @dataclass(frozen=True)
