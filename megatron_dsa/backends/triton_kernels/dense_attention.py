@@ -162,9 +162,9 @@ def segment_bounds(layout: TokenLayout) -> tuple[Tensor, Tensor]:
     the last boundary belong to the last segment, which then ends at `T`). Kept with the layout."""
 
     def build() -> tuple[Tensor, Tensor]:
-        ends = layout.cu_seqlens.clone()
-        ends[-1] = layout.num_rows
-        return layout.segment_starts.to(torch.int32), ends[layout.segment_ids + 1].to(torch.int32)
+        # Built on the device from a host int (a fill, not a copy): no sync, and capturable in a CUDA graph.
+        segment_ends = torch.cat((layout.cu_seqlens[1:-1], layout.cu_seqlens.new_full((1,), layout.num_rows)))
+        return layout.segment_starts.to(torch.int32), segment_ends[layout.segment_ids].to(torch.int32)
 
     return layout.derived("triton_dense_segment_bounds", build)
 
