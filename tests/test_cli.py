@@ -161,7 +161,7 @@ def test_info_fits_a_100_column_terminal(verbose: bool, capsys: pytest.CaptureFi
     assert (detail in out) == verbose
     # auto's order table, one row per op family, with its pick for a call on this machine's device
     assert re.search(r"^  sparse_attention_fwd +flashmla > cudnn > triton > unfused +\w+$", out, re.M), out
-    assert re.search(r"^  dense_attention +flash_attn > cudnn > torch_sdpa > unfused +\w+$", out, re.M), out
+    assert re.search(r"^  dense_attention +flash_attn > cudnn > triton > torch_sdpa > unfused +\w+$", out, re.M), out
     assert torch.cuda.is_available() or re.search(r"^  rope +triton > unfused +unfused$", out, re.M), out
 
 
