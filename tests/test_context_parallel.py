@@ -507,35 +507,30 @@ def test_context_parallel_nccl_large_messages_ring():
     run_distributed(nccl_large_ring_body, 2, backend="nccl", timeout_s=180)
 
 
-def nccl_fused_blocks_body(rank: int, world: int) -> None:
-    """M kind at head dims the fused kernels take (qk 128 + 64, v 128): the ring's blocks run a fused
-    backend where one is installed (FlashAttention, torch's efficient kernel), and CP-2 equals one GPU."""
+# M kind dims for the ring's fused blocks: (heads = KV groups, qk head dim without RoPE, v head dim, tokens).
+DENSE_BLOCK_DIMS = {"fused": (16, 128, 128, 2048),  # what FlashAttention, cuDNN and torch SDPA take (qk 128 + 64)
+                    "dsv4": (8, 512, 512, 1024)}  # qk 512 + 64 / v 512: what only our Triton kernels take
+
+
+def nccl_dense_blocks_body(rank: int, world: int, dims: str) -> None:
+    """M kind, p2p ring: CP-2 equals one GPU, and the ring's blocks ran a fused backend under `auto`: at the
+    `fused` dims whichever is installed first (FlashAttention, our Triton kernels, torch's efficient kernel), at
+    dsv4's only our Triton kernels (and the one-GPU layer's dense attention too)."""
+    heads, qk, v, tokens = DENSE_BLOCK_DIMS[dims]
     state = initialize_parallel_state(cp_size=world)
-    config = cp_config("M", "zigzag", "p2p", hidden_size=1024, num_attention_heads=16, num_query_groups=16,
-                       qk_head_dim=128, v_head_dim=128, qk_pos_emb_head_dim=64, dsa_indexer_head_dim=64)
+    config = cp_config("M", "zigzag", "p2p", hidden_size=1024, num_attention_heads=heads, num_query_groups=heads,
+                       qk_head_dim=qk, v_head_dim=v, qk_pos_emb_head_dim=64, dsa_indexer_head_dim=64)
     reset_call_counts()
-    nccl_bf16_parity(rank, world, state, config, "M", 2048, 1, 7, "M/p2p fused blocks")
-    ran = {backend for (backend, op) in call_counts() if op.startswith("dense_attention_block")}
-    assert ran and "unfused" not in ran, call_counts()
+    nccl_bf16_parity(rank, world, state, config, "M", tokens, 1, 7, f"M/p2p {dims} blocks")
+    if dims == "dsv4":
+        assert {backend for (backend, op) in call_counts() if op.startswith("dense_attention")} == {"triton"}, \
+            call_counts()
+    else:
+        ran = {backend for (backend, op) in call_counts() if op.startswith("dense_attention_block")}
+        assert ran and "unfused" not in ran, call_counts()
 
 
 @pytest.mark.multigpu
-def test_context_parallel_nccl_fused_dense_blocks():
-    run_distributed(nccl_fused_blocks_body, 2, backend="nccl", timeout_s=300)
-
-
-def nccl_triton_blocks_body(rank: int, world: int) -> None:
-    """M kind at dsv4's head dims (qk 512 + 64, v 512), which no vendor kernel takes: the ring's blocks run our
-    Triton kernels under `auto`, and CP-2 equals one GPU (whose dense attention runs them too)."""
-    state = initialize_parallel_state(cp_size=world)
-    config = cp_config("M", "zigzag", "p2p", hidden_size=1024, num_attention_heads=8, num_query_groups=8,
-                       qk_head_dim=512, v_head_dim=512, qk_pos_emb_head_dim=64, dsa_indexer_head_dim=64)
-    reset_call_counts()
-    nccl_bf16_parity(rank, world, state, config, "M", 1024, 1, 7, "M/p2p triton blocks")
-    ran = {backend for (backend, op) in call_counts() if op.startswith("dense_attention")}
-    assert ran == {"triton"}, call_counts()
-
-
-@pytest.mark.multigpu
-def test_context_parallel_nccl_triton_dense_blocks_at_dsv4_dims():
-    run_distributed(nccl_triton_blocks_body, 2, backend="nccl", timeout_s=300)
+@pytest.mark.parametrize("dims", list(DENSE_BLOCK_DIMS))
+def test_context_parallel_nccl_fused_dense_blocks(dims):
+    run_distributed(nccl_dense_blocks_body, 2, dims, backend="nccl", timeout_s=300)

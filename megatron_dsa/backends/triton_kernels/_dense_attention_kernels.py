@@ -31,6 +31,32 @@ def _rows_of(ptr, rows, head, row_stride, head_stride):
 
 
 @triton.jit
+def _query_block(N, H: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`(row_block, head, group, rows [BLOCK_M], row_ok)` of a program of the grid `(row blocks, H)`, whose row
+    blocks run last to first: the longest causal blocks start first, and the blocks of one head run together,
+    meeting its keys in L2."""
+    row_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    return row_block, head, head // (H // G), rows, rows < N
+
+
+@triton.jit
+def _row_starts(starts_ptr, rows, row_ok, CAUSAL: tl.constexpr):
+    """The first row of each row's segment (causal); the rows themselves where nothing reads them."""
+    if CAUSAL:
+        return tl.load(starts_ptr + rows, mask=row_ok, other=0)
+    return rows
+
+
+@triton.jit
+def _store_columns(row_ptrs, cols, values, row_ok, D: tl.constexpr):
+    """Store `values [R, C]` at the columns `cols [C]` (those below `D`) of the rows `row_ptrs [R, 1]` that are ok,
+    in the pointers' dtype."""
+    tl.store(row_ptrs + cols[None, :], values.to(row_ptrs.dtype.element_ty), mask=row_ok[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
 def _visible(rows, keys, starts, row_ok, key_ok, CAUSAL: tl.constexpr):
     """`[R, K]` bool: key `keys[k]` is visible to query row `rows[r]`."""
     if CAUSAL:
@@ -47,11 +73,11 @@ def _base2_lse(lse_ptr, rows, head, row_ok, H):
 
 
 @triton.jit
-def _key_range(starts_ptr, first_row, last_row, M, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`[lo, hi)` of the key blocks rows `[first_row, last_row]` may see, `lo` a multiple of `BLOCK_N`."""
+def _key_range(starts_ptr, row_block, N, M, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`[lo, hi)` of the key blocks the rows of `row_block` may see, `lo` a multiple of `BLOCK_N`."""
     if CAUSAL:
-        lo = tl.load(starts_ptr + first_row)  # segment starts never decrease along the rows
-        hi = last_row + 1
+        lo = tl.load(starts_ptr + row_block * BLOCK_M)  # segment starts never decrease along the rows
+        hi = tl.minimum(row_block * BLOCK_M + BLOCK_M, N)
     else:
         lo = 0
         hi = M
@@ -67,31 +93,22 @@ def dense_attention_fwd_kernel(
     BLOCK_V: tl.constexpr, BLOCK_VT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """`out [N, H, DV]` and natural-log `lse [N, H]` (-inf and a zero output on rows without keys) for one
-    (query block, head). Grid `(row blocks, H)`, the row blocks last to first: the longest causal blocks
-    start first, and the blocks of one head run together, meeting its keys in L2."""
-    row_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    group = head // (H // G)
-    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
+    (query block, head) of the grid `(row blocks, H)` (`_query_block`)."""
+    row_block, head, group, rows, row_ok = _query_block(N, H, G, BLOCK_M)
     dk = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_V)
     q_rows = _rows_of(q_ptr, rows, head, q_row_stride, q_head_stride)
     q = row_tile(q_rows, dk, row_ok, DQK, True, DQK < BLOCK_D)
     if BLOCK_DT > 0:
         q_t = row_tile(q_rows, BLOCK_D + tl.arange(0, BLOCK_DT), row_ok, DQK, True, True)
-    if CAUSAL:
-        starts = tl.load(starts_ptr + rows, mask=row_ok, other=0)
-    else:
-        starts = rows  # unused
+    starts = _row_starts(starts_ptr, rows, row_ok, CAUSAL)
     acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     if BLOCK_VT > 0:
         acc_t = tl.zeros([BLOCK_M, BLOCK_VT], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], MAX_FLOOR, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    lo, hi = _key_range(starts_ptr, row_block * BLOCK_M, tl.minimum(row_block * BLOCK_M + BLOCK_M, N) - 1, M,
-                        CAUSAL, BLOCK_N)
+    lo, hi = _key_range(starts_ptr, row_block, N, M, CAUSAL, BLOCK_M, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < M
@@ -112,12 +129,9 @@ def dense_attention_fwd_kernel(
 
     inverse = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
     out_rows = out_ptr + (rows.to(tl.int64) * H + head)[:, None] * DV
-    tl.store(out_rows + dv[None, :], (acc * inverse[:, None]).to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (dv < DV)[None, :])
+    _store_columns(out_rows, dv, acc * inverse[:, None], row_ok, DV)
     if BLOCK_VT > 0:
-        dv_t = BLOCK_V + tl.arange(0, BLOCK_VT)
-        tl.store(out_rows + dv_t[None, :], (acc_t * inverse[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (dv_t < DV)[None, :])
+        _store_columns(out_rows, BLOCK_V + tl.arange(0, BLOCK_VT), acc_t * inverse[:, None], row_ok, DV)
     lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(lse_ptr + rows.to(tl.int64) * H + head, lse, mask=row_ok)
 
@@ -132,12 +146,9 @@ def dense_attention_bwd_dq_kernel(
     BLOCK_V: tl.constexpr, BLOCK_VT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """`dq [N, H, DQK]` for one (query block, head), and `delta [N, H] = <dO, O>` (float32) for the key and
-    value kernels. Probabilities `exp(s - lse)` from the given LSE (the merged one, for a ring block)."""
-    row_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    group = head // (H // G)
-    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
+    value kernels. Probabilities `exp(s - lse)` from the given LSE (the merged one, for a ring block). Grid as
+    the forward's."""
+    row_block, head, group, rows, row_ok = _query_block(N, H, G, BLOCK_M)
     dk = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_V)
     q_rows = _rows_of(q_ptr, rows, head, q_row_stride, q_head_stride)
@@ -159,13 +170,9 @@ def dense_attention_bwd_dq_kernel(
     do_t = do_t.to(q.dtype)
     tl.store(delta_ptr + rows.to(tl.int64) * H + head, delta, mask=row_ok)
     lse = _base2_lse(lse_ptr, rows, head, row_ok, H)
-    if CAUSAL:
-        starts = tl.load(starts_ptr + rows, mask=row_ok, other=0)
-    else:
-        starts = rows  # unused
+    starts = _row_starts(starts_ptr, rows, row_ok, CAUSAL)
 
-    lo, hi = _key_range(starts_ptr, row_block * BLOCK_M, tl.minimum(row_block * BLOCK_M + BLOCK_M, N) - 1, M,
-                        CAUSAL, BLOCK_N)
+    lo, hi = _key_range(starts_ptr, row_block, N, M, CAUSAL, BLOCK_M, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < M
@@ -188,12 +195,9 @@ def dense_attention_bwd_dq_kernel(
             dq_t = tl.dot(ds, k_t, dq_t, input_precision=DOT_PRECISION)
 
     dq_rows = dq_ptr + (rows.to(tl.int64) * H + head)[:, None] * DQK
-    tl.store(dq_rows + dk[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (dk < DQK)[None, :])
+    _store_columns(dq_rows, dk, dq * scale, row_ok, DQK)
     if BLOCK_DT > 0:
-        dk_t = BLOCK_D + tl.arange(0, BLOCK_DT)
-        tl.store(dq_rows + dk_t[None, :], (dq_t * scale).to(dq_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (dk_t < DQK)[None, :])
+        _store_columns(dq_rows, BLOCK_D + tl.arange(0, BLOCK_DT), dq_t * scale, row_ok, DQK)
 
 
 def dense_attention_bwd_dkv_kernel(
@@ -253,11 +257,8 @@ def dense_attention_bwd_dkv_kernel(
             if BLOCK_DT > 0:
                 q_t = row_tile(q_rows, BLOCK_D + tl.arange(0, BLOCK_DT), row_ok, DQK, True, True)
                 s = tl.dot(k_t, tl.trans(q_t), s, input_precision=DOT_PRECISION)
-            if CAUSAL:
-                starts = tl.load(starts_ptr + rows, mask=row_ok, other=0)
-            else:
-                starts = rows  # unused
-            visible = tl.trans(_visible(rows, keys, starts, row_ok, key_ok, CAUSAL))
+            visible = tl.trans(_visible(rows, keys, _row_starts(starts_ptr, rows, row_ok, CAUSAL), row_ok, key_ok,
+                                        CAUSAL))
             lse = _base2_lse(lse_ptr, rows, head, row_ok, H)
             p = tl.exp2(tl.where(visible, s * qk_scale, float("-inf")) - lse[None, :])
             do = row_tile(do_rows, dv, row_ok, DV, True, DV < BLOCK_V).to(k.dtype)
@@ -280,17 +281,11 @@ def dense_attention_bwd_dkv_kernel(
 
     if KEY_GRAD:
         grad_rows = grad_ptr + (keys.to(tl.int64) * G + group)[:, None] * DQK
-        tl.store(grad_rows + dk[None, :], (acc * scale).to(grad_ptr.dtype.element_ty),
-                 mask=key_ok[:, None] & (dk < DQK)[None, :])
+        _store_columns(grad_rows, dk, acc * scale, key_ok, DQK)
         if BLOCK_DT > 0:
-            dk_t = BLOCK_D + tl.arange(0, BLOCK_DT)
-            tl.store(grad_rows + dk_t[None, :], (acc_t * scale).to(grad_ptr.dtype.element_ty),
-                     mask=key_ok[:, None] & (dk_t < DQK)[None, :])
+            _store_columns(grad_rows, BLOCK_D + tl.arange(0, BLOCK_DT), acc_t * scale, key_ok, DQK)
     else:
         grad_rows = grad_ptr + (keys.to(tl.int64) * G + group)[:, None] * DV
-        tl.store(grad_rows + dv[None, :], acc.to(grad_ptr.dtype.element_ty),
-                 mask=key_ok[:, None] & (dv < DV)[None, :])
+        _store_columns(grad_rows, dv, acc, key_ok, DV)
         if BLOCK_VT > 0:
-            dv_t = BLOCK_V + tl.arange(0, BLOCK_VT)
-            tl.store(grad_rows + dv_t[None, :], acc_t.to(grad_ptr.dtype.element_ty),
-                     mask=key_ok[:, None] & (dv_t < DV)[None, :])
+            _store_columns(grad_rows, BLOCK_V + tl.arange(0, BLOCK_VT), acc_t, key_ok, DV)
