@@ -27,6 +27,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch.distributed as dist
 import yaml
 
 from megatron_dsa.checkpointing import CheckpointError
@@ -121,11 +122,17 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_d
         resume = resume_point(args, Path(job.train.out_dir))
     except (ValueError, TypeError, FileNotFoundError, yaml.YAMLError) as error:
         parser.error(str(error))
+    owns_process_group = not dist.is_initialized()  # torchrun's: the job makes it; a caller's stays the caller's
     try:
-        return run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite, progress_bar=not args.no_progress,
-                   dp=args.dp, dist_timeout_s=args.dist_timeout)
+        history = run(job, resume, tp=args.tp, cp=args.cp, overwrite=args.overwrite,
+                      progress_bar=not args.no_progress, dp=args.dp, dist_timeout_s=args.dist_timeout)
     except (JobStopped, CheckpointError, RankMismatchError, MissingRanksError) as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
+    if owns_process_group and dist.is_initialized():
+        # After the last save committed (`run` waits for it); NCCL warns at exit about a group left behind.
+        # Not on the error paths: a rank that failed may leave collectives in flight that a destroy waits on.
+        dist.destroy_process_group()
+    return history
 
 
 def layout_suffix(tp: int, sequence_parallel: bool, cp: int, dp: int = 1, dp_shard: bool = False) -> str:

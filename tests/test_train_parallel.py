@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from megatron_dsa.train import read_history
+from distributed import run_distributed
 
 STEPS = 3
 LAUNCH_TIMEOUT_S = 600
@@ -34,10 +35,11 @@ def losses(run_dir: Path) -> list[float]:
     return [step.loss for step in read_history(run_dir).steps]
 
 
-def launch(args: list[str], nproc: int) -> None:
-    command = ([sys.executable, "-m", "megatron_dsa.train"] if nproc == 1 else
-               [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--standalone", "-m", "megatron_dsa.train"])
+def launch(args: list[str], nproc: int, program: tuple[str, ...] = ("-m", "megatron_dsa.train")) -> None:
+    """Run the main job (or another `program`: a script path) on `nproc` processes (torchrun for more than one)."""
+    command = ([sys.executable, *program] if nproc == 1 else
+               [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+                *program])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # Generous: on a CPU shared with other jobs two ranks plus the launcher can take minutes, and a
     # tight limit failed a correct run now and then.
@@ -124,6 +126,34 @@ def sequence_parallel_training_body(rank: int, world: int, cp: int) -> None:
 
 @pytest.mark.parametrize("cp", [1, 2])
 def test_sequence_parallel_training_keeps_every_gradient_and_replica(cp: int) -> None:
-    from distributed import run_distributed
-
     run_distributed(sequence_parallel_training_body, 2 * cp, cp)
+
+
+# The main job as torchrun runs it, then a check on the process's state after it returned.
+LEFT_BEHIND_CHECK = """import sys
+import torch.distributed as dist
+from megatron_dsa.train import main
+main(sys.argv[1:])
+assert not dist.is_initialized(), "the job returned with its process group still alive"
+"""
+
+
+def test_the_job_destroys_the_process_group_it_made(tmp_path):
+    """Under torchrun the job makes the process group, so it destroys it once its last save committed: NCCL
+    warns at exit about a group left behind (gloo, here, does not; the state after `main` says it)."""
+    script = tmp_path / "job_then_check.py"
+    script.write_text(LEFT_BEHIND_CHECK)
+    launch(["--config", str(small_job(tmp_path)), "--steps", "1", "--out", str(tmp_path / "run"), "--cp", "2"], 2,
+           program=(str(script),))
+
+
+def callers_group_body(rank: int, world: int, job: str, out: str) -> None:
+    from megatron_dsa.train import main
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))  # as torchrun sets them
+    main(["--config", job, "--steps", "1", "--out", out, "--cp", "2", "--no-progress"])
+    assert torch.distributed.is_initialized(), "the job destroyed a process group its caller made"
+
+
+def test_the_job_leaves_a_process_group_its_caller_made(tmp_path):
+    run_distributed(callers_group_body, 2, str(small_job(tmp_path)), str(tmp_path / "run"), timeout_s=300)
