@@ -56,50 +56,53 @@ def main() -> None:
         return
     qk, v_dim = (int(d) for d in args.dims.split(","))
     groups = args.groups or args.heads
-    dtype = DTYPES[args.dtype]
     print(f"# dense causal attention, {torch.cuda.get_device_name()}, {args.dtype}, B={args.batch}, H={args.heads}, "
           f"G={groups}, qk {qk} / v {v_dim}; medians of {args.repeats}")
     print("| S | backend | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOPS | fwd+bwd TFLOPS | ratio |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for seq_len in args.seq_lens:
-        rows = seq_len * args.batch
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(rows, args.heads, qk, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        k = torch.randn(rows, groups, qk, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        v = torch.randn(rows, groups, v_dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        grad = torch.randn(rows, args.heads, v_dim, device="cuda", dtype=dtype, generator=gen)
-        layout = TokenLayout.uniform(args.batch, seq_len, q.device)
-        fwd_tflop, bwd_tflop = essential_tflop(seq_len, args.batch, args.heads, qk, v_dim)
-        baseline = None
-        for backend in args.backends:
-            if backend == "unfused" and seq_len > args.skip_unfused_above:
-                print(f"| {seq_len} | {backend} | skipped above --skip-unfused-above | | | | | |")
-                continue
-            try:
-                attend = dispatch(OpFamily.DENSE_ATTENTION, backend, device=q.device, dtype=dtype, head_dim=qk,
-                                  v_head_dim=v_dim, heads=args.heads, groups=groups, layout=layout, lse_grad=False)
-            except BackendUnavailableError as error:
-                print(f"| {seq_len} | {backend} | declines: {error} | | | | | |")
-                continue
-
-            def forward():
-                with torch.no_grad():
-                    return attend(q, k, v, layout, qk ** -0.5)
-
-            def forward_backward():
-                out, _ = attend(q, k, v, layout, qk ** -0.5)
-                torch.autograd.grad(out, (q, k, v), grad)
-
-            fwd_ms, bwd_ms = forward_backward_ms(forward, forward_backward, args.repeats, args.warmup)
-            total = fwd_ms + bwd_ms
-            baseline = baseline or total
-            print(f"| {seq_len} | {backend} | {fwd_ms:.3f} | {bwd_ms:.3f} | {total:.3f} | "
-                  f"{fwd_tflop / fwd_ms * 1e3:.0f} | {(fwd_tflop + bwd_tflop) / total * 1e3:.0f} | "
-                  f"{total / baseline:.3f} |", flush=True)
-        del q, k, v, grad
+        time_backends(args, seq_len, qk, v_dim, groups)
         torch.cuda.empty_cache()
     if args.show_tuning and "triton" in args.backends:
         show_tuning()
+
+
+def time_backends(args, seq_len: int, qk: int, v_dim: int, groups: int) -> None:
+    """One table row per backend at `seq_len` tokens a sequence."""
+    rows, dtype = seq_len * args.batch, DTYPES[args.dtype]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(rows, args.heads, qk, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    k = torch.randn(rows, groups, qk, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    v = torch.randn(rows, groups, v_dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    grad = torch.randn(rows, args.heads, v_dim, device="cuda", dtype=dtype, generator=gen)
+    layout = TokenLayout.uniform(args.batch, seq_len, q.device)
+    fwd_tflop, bwd_tflop = essential_tflop(seq_len, args.batch, args.heads, qk, v_dim)
+    baseline = None
+    for backend in args.backends:
+        if backend == "unfused" and seq_len > args.skip_unfused_above:
+            print(f"| {seq_len} | {backend} | skipped above --skip-unfused-above | | | | | |")
+            continue
+        try:
+            attend = dispatch(OpFamily.DENSE_ATTENTION, backend, device=q.device, dtype=dtype, head_dim=qk,
+                              v_head_dim=v_dim, heads=args.heads, groups=groups, layout=layout, lse_grad=False)
+        except BackendUnavailableError as error:
+            print(f"| {seq_len} | {backend} | declines: {error} | | | | | |")
+            continue
+
+        def forward():
+            with torch.no_grad():
+                return attend(q, k, v, layout, qk ** -0.5)
+
+        def forward_backward():
+            out, _ = attend(q, k, v, layout, qk ** -0.5)
+            torch.autograd.grad(out, (q, k, v), grad)
+
+        fwd_ms, bwd_ms = forward_backward_ms(forward, forward_backward, args.repeats, args.warmup)
+        total = fwd_ms + bwd_ms
+        baseline = baseline or total
+        print(f"| {seq_len} | {backend} | {fwd_ms:.3f} | {bwd_ms:.3f} | {total:.3f} | "
+              f"{fwd_tflop / fwd_ms * 1e3:.0f} | {(fwd_tflop + bwd_tflop) / total * 1e3:.0f} | "
+              f"{total / baseline:.3f} |", flush=True)
 
 
 def show_tuning() -> None:

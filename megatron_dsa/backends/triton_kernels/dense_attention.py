@@ -27,8 +27,7 @@ from torch import Tensor
 from megatron_dsa.backends.registry import OpFamily, count_variant
 from megatron_dsa.backends.dense_layout import isolate_non_finite
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
-from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, head_dim_chunks, on_device
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, dot_precision, head_dim_chunks, on_device
 from megatron_dsa.ops.layout import TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
 
