@@ -48,10 +48,11 @@ def test_auto_on_cpu_runs_the_reference_and_an_explicit_triton_request_says_why(
     (dict(groups=3), "3 kv groups do not divide 8 heads"),
     (dict(lse_grad=True), "lse carries no gradient"),
     (dict(dtype=torch.float64), "float64"),
+    (dict(dtype=torch.float32), "float32 dense attention runs faster on the unfused reference"),
 ])
 def test_the_triton_probe_names_what_it_cannot_take(overrides, reason, monkeypatch):
     """On a (pretended) GPU: the head dims past the kernels' registers, GQA that does not divide, an LSE
-    gradient, float64."""
+    gradient, float64, and (under `auto`) float32, which ran slower than the reference."""
     from megatron_dsa.backends import triton_kernels
 
     monkeypatch.setattr(triton_kernels.availability, "triton_decline_reason", lambda device, explicit=False: None)
@@ -60,6 +61,8 @@ def test_the_triton_probe_names_what_it_cannot_take(overrides, reason, monkeypat
     monkeypatch.setattr(triton_backend, "triton_decline_reason", lambda device, explicit=False: None)
     reason_given = triton_backend.probe(OpFamily.DENSE_ATTENTION, dense_call(**overrides))
     assert reason_given is not None and reason in reason_given
+    if overrides.get("dtype") == torch.float32:  # named, the kernels run it
+        assert triton_backend.probe(OpFamily.DENSE_ATTENTION, dense_call(**overrides, explicit=True)) is None
 
 
 @pytest.mark.parametrize("change, error, match", [
