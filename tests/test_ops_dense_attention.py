@@ -175,3 +175,19 @@ def test_grouped_heads_share_their_kv_rows_without_per_head_copies(groups):
         out, lse = attention_block(q, k, v, 0.25, causal=False)
         (out.square().sum() + lse.sum()).backward()
     assert mode.largest <= 8 * 16 * 512, mode.largest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_flags_and_stand_ins_of_non_finite_values(dtype):
+    """`non_finite_heads` (from one min/max pass) flags exactly the head vectors `isfinite(t).all(-1)` does, NaN
+    and both infinities alike, and an empty vector never; `finite_stand_in` zeroes exactly those elements."""
+    non_finite_heads, finite_stand_in = dense_module.non_finite_heads, dense_module.finite_stand_in
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(40, 3, 17, generator=g).to(dtype)
+    flat = t.view(-1)
+    for value, count in ((float("nan"), 5), (float("inf"), 3), (float("-inf"), 3)):
+        flat[torch.randint(0, flat.numel(), (count,), generator=g)] = value
+    assert torch.equal(non_finite_heads(t), ~torch.isfinite(t).all(-1))
+    assert non_finite_heads(t[..., :0]).shape == (40, 3) and not non_finite_heads(t[..., :0]).any()
+    stand_in = finite_stand_in(t)
+    assert torch.equal(stand_in, torch.where(torch.isfinite(t), t, torch.zeros((), dtype=dtype)))
