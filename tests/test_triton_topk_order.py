@@ -191,8 +191,10 @@ def test_gpu_unordered_decode_topk_is_the_reference_set(backend):
     try:
         pick = dispatch(OpFamily.TOPK, backend, device=scores.device, dtype=scores.dtype, topk=512, columns=cols,
                         rows=rows)
-    except BackendUnavailableError as error:  # cuDNN's frontend is an optional install (it ran: every GPU run here)
-        pytest.skip(f"{backend} top-k is not installed on this machine: {error}")
+    except BackendUnavailableError as error:
+        if backend != "cudnn":  # Triton runs on every GPU this package supports: its decline is a failure
+            raise
+        pytest.skip(f"cuDNN's top-k needs the optional cuDNN frontend (`[cudnn]` extra), not usable here: {error}")
     reset_call_counts()
     got = pick(scores, valid, 512, counts=counts, ordered=False)
     assert call_counts() == {(backend, "topk"): 1}
