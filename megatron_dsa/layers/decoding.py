@@ -52,7 +52,7 @@ from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection,
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO
 from megatron_dsa.ops.decode_attention import entry_counts
-from megatron_dsa.ops.fp8_linear import dequantize_rows, quantize_rows
+from megatron_dsa.ops.fp8_linear import dequantize_rows, quantize_rows, rounded_rows
 from megatron_dsa.ops.indexer import FP8_KEYS
 from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
@@ -306,7 +306,7 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
             queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
             keys = _stored_rows(cache.indexer_keys, cache.indexer_key_scales).flatten(0, 1).to(queries.dtype)
             if cache.indexer_key_scales is not None:  # as the decode step scores an FP8 cache: e4m3 queries too
-                queries = _rounded_to_e4m3(queries)
+                queries = rounded_rows(queries).to(queries.dtype)
             selection = indexer.select((queries, keys, weights), entries,
                                        c.dsa_indexer_topk, window, kv_offset)
     attention.last_selection = selection
@@ -386,11 +386,6 @@ def _encoded(rows: Tensor, store: Tensor, scales: Optional[Tensor]) -> tuple[Ten
 def byte_view(t: Tensor) -> Tensor:
     """An e4m3 tensor as its bytes (torch's index writes take no float8), any other as itself."""
     return t.view(torch.uint8) if t.dtype == FP8_KEYS else t
-
-
-def _rounded_to_e4m3(rows: Tensor) -> Tensor:
-    """`rows [..., n]` rounded to e4m3 with one scale per row (`ops.fp8_linear`), back in their dtype."""
-    return dequantize_rows(*quantize_rows(rows.flatten(0, -2))).view(rows.shape).to(rows.dtype)
 
 
 def _stored_rows(store: Tensor, scales: Optional[Tensor]) -> Tensor:

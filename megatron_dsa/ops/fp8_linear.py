@@ -63,10 +63,17 @@ def dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
     return q.to(scale.dtype) * scale
 
 
+def rounded_rows(t: Tensor) -> Tensor:
+    """`t [..., K]` rounded to e4m3 with one scale per row of its last dim (`quantize_rows`), back as the values
+    the codes stand for, in t's compute dtype (float32 for 16-bit t: the code times its scale is not always a
+    16-bit number)."""
+    return dequantize_rows(*quantize_rows(t.flatten(0, -2))).view(t.shape)
+
+
 def fp8_gemm_reference(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """The `fp8_gemm` contract, readably: a's and b's rows rounded to FP8 (`quantize_rows`), multiplied back
     by their scales and `a·bᵀ` computed in float32 (float64 for float64 rows); `[M, N]` in `out_dtype`."""
-    rounded_a, rounded_b = dequantize_rows(*quantize_rows(a)), dequantize_rows(*quantize_rows(b))
+    rounded_a, rounded_b = rounded_rows(a), rounded_rows(b)
     compute = torch.promote_types(rounded_a.dtype, rounded_b.dtype)
     return (rounded_a.to(compute) @ rounded_b.to(compute).t()).to(out_dtype)
 
