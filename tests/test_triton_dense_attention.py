@@ -106,11 +106,12 @@ def _signature(kernel_name: str, constexprs: dict) -> dict:
 ], ids=["forward", "query_grad", "key_grad", "value_grad"])
 def test_the_fastest_candidates_compile_for_hopper_within_its_shared_memory(kernel_name, candidate, extra, tmp_path):
     """The candidate measured fastest of each kernel (`dense_attention.FORWARD_CONFIGS` says where) compiles for
-    sm_90a at the dsv4 M dims in bf16, fits Hopper's 227 KB of shared memory, and uses no more than 255 registers
-    a thread (ptxas): one that did not fit would never launch, and the autotuner would silently run a slower one."""
+    sm_90a at the dsv4 M dims in bf16 and fits Hopper's 227 KB of shared memory (one that did not fit would never
+    launch, and the autotuner would silently run a slower one), and its register spills stay at most 1 KB a thread
+    (ptxas; 72-976 bytes when they were timed: a change that spilled much more would be slower)."""
     block_m, block_n, warps, stages = candidate
     constexprs = {**M_DIMS, **extra, "BLOCK_M": block_m, "BLOCK_N": block_n}
     compiled = compile_for_sm90(kernels, kernel_name, _signature(kernel_name, constexprs), constexprs, warps, stages)
     assert compiled.metadata.shared <= 227 * 1024
-    registers = int(re.search(r"Used (\d+) registers", ptxas_report(compiled.asm["ptx"], tmp_path)).group(1))
-    assert registers <= 255
+    spills = int(re.search(r"(\d+) bytes spill stores", ptxas_report(compiled.asm["ptx"], tmp_path)).group(1))
+    assert spills <= 1024
