@@ -199,6 +199,16 @@ def test_layer_benchmark_runs_fp8_projections_and_the_fp8_error_table() -> None:
     assert "W: fp8_gemm=unfused" in result.stdout
 
 
+def test_layer_parts_benchmark_sets_the_m_layer_against_its_attention_and_projections() -> None:
+    result = run_python("benchmarks/layer_parts.py", "--preset", "tiny", "--dims", "preset", "--seq-len", "48",
+                        "--dtype", "float32", "--repeats", "1", "--warmup", "0")
+    assert result.returncode == 0, result.stderr
+    assert "| dense attention (unfused) |" in result.stdout  # the backend the layer's own step counted
+    for weight in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"):
+        assert f"| {weight}.weight [" in result.stdout
+    assert "| **parts** |" in result.stdout and "| eager |" in result.stdout
+
+
 def test_decode_benchmark_smoke_mode_prints_its_table() -> None:
     result = run_python("benchmarks/decode.py", "--smoke", "--kinds", "CW")
     assert result.returncode == 0, result.stderr

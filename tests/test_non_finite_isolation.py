@@ -195,6 +195,30 @@ def test_fused_guard_isolates_a_leaky_kernel(tensor):
     assert torch.isfinite(out[6:]).all() and torch.isfinite(out[:3]).all()
 
 
+@pytest.mark.parametrize("value", list(BAD_VALUES), ids=list(BAD_VALUES))
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+def test_fused_guard_gradients_equal_the_reference(tensor, value):
+    """The guard's stand-ins pass their gradient through unchanged (no `isfinite` mask): q, k and v gradients
+    of the guarded leaky kernel equal the reference's, 0 at the bad element and on every row only dead rows
+    see, finite everywhere (a finite output gradient), in a packed layout with GQA."""
+    layout = TokenLayout.packed(torch.tensor([0, 6, 11], dtype=torch.int32), 11, torch.device("cpu"))
+    q, k, v = _qkv(11)
+    bad = dict(q=q, k=k, v=v)
+    bad[tensor] = bad[tensor].clone()
+    bad[tensor][3, 1, 0] = BAD_VALUES[value]
+    grad_out = torch.randn(11, q.shape[1], v.shape[2], dtype=F64)
+    grads = {}
+    for name, attend in (("guarded", isolate_non_finite(_leaky_kernel)), ("reference", causal_attention)):
+        inputs = [t.detach().clone().requires_grad_() for t in (bad["q"], bad["k"], bad["v"])]
+        out, _ = attend(*inputs, layout, 0.3)
+        torch.where(torch.isnan(out), 0.0, out * grad_out).sum().backward()  # NaN rows: no gradient
+        grads[name] = [t.grad for t in inputs]
+    for name, got, expected in zip("qkv", grads["guarded"], grads["reference"]):
+        assert torch.isfinite(got).all(), f"d{name}: non-finite"
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=f"d{name}")
+    assert (grads["guarded"]["qkv".index(tensor)][3, 1] == 0).all()
+
+
 # ------------------------------------------------------------------ GPU backends (lead runs these)
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flash_attn", "cudnn", "torch_sdpa"])

@@ -38,7 +38,7 @@ def varlen_boundaries(layout: TokenLayout, cover_tail: bool = False) -> tuple[Te
     layout is uniform), for kernels that skip rows past `max_seqlen`.
     """
     cu = layout.cu_seqlens.to(torch.int32).clone()
-    cu[-1] = layout.num_rows
+    cu[-1:].fill_(layout.num_rows)  # a fill kernel: a host int set by index is a synchronous copy (no graph capture)
     longest = layout.num_rows if cover_tail and layout.uniform_shape is None else layout.max_seqlen
     return cu, max(longest, 1)
 
@@ -73,26 +73,49 @@ def isolate_non_finite(attend: DenseAttention) -> DenseAttention:
     Fused kernels multiply masked probabilities (0) with every key row of a tile, and 0·NaN = NaN: a
     NaN at a later token of the tile, or (kernels that load whole tiles across a varlen boundary) in
     the next sequence, would reach rows that cannot see it. So the kernel runs on finite stand-ins (0
-    per non-finite element) and the rows that do see one are set to NaN afterwards, from per-segment
-    prefix counts: a few elementwise kernels, no host synchronisation. The NaN rows pass no gradient.
+    per non-finite element; their gradient passes through, `_StandIn`) and the rows that do see one are
+    set to NaN afterwards, from per-segment prefix counts: a few elementwise kernels, no host
+    synchronisation. The NaN rows pass no gradient.
     """
 
     @functools.wraps(attend)
     def isolated(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale: float) -> tuple[Tensor, Tensor]:
         heads = q.shape[1]
         bad_key = expand_groups((non_finite_heads(k) | non_finite_heads(v)).unsqueeze(-1), heads)[..., 0]
-        out, lse = attend(finite_stand_in(q), finite_stand_in(k), finite_stand_in(v), layout, scale)
+        out, lse = attend(_StandIn.apply(q), _StandIn.apply(k), _StandIn.apply(v), layout, scale)
         dead = non_finite_heads(q) | _sees_earlier_in_segment(bad_key, layout)
         return torch.where(dead.unsqueeze(-1), float("nan"), out), torch.where(dead, float("nan"), lse)
 
     return isolated
 
 
+class _StandIn(torch.autograd.Function):
+    """`finite_stand_in(t)` whose backward passes the kernel's gradient through unchanged.
+
+    `finite_stand_in`'s own backward multiplies by `isfinite(t)`: more passes over q, k and v (each read
+    twice, a boolean copy written and read) to zero gradients the kernel already makes 0. Every row holding a non-finite element is dead (its head's query), or is a key or value row that
+    only dead rows see; dead rows' outputs and LSE are replaced by NaN, which passes them no gradient, so
+    their dP and delta are 0 and so is every dS, dQ, dK and dV they contribute to; rows that cannot see the
+    key meet it with probability 0. Where a live row's output gradient is itself non-finite, both versions
+    pass the kernel's value (NaN · 0 is NaN)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor) -> Tensor:
+        return finite_stand_in(t)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
 def _sees_earlier_in_segment(flagged: Tensor, layout: TokenLayout) -> Tensor:
-    """`[T, H]` bool: some row of the same segment at or before this one is `flagged [T, H]`."""
-    counts = flagged.to(torch.int32).cumsum(0)
-    before = torch.cat((torch.zeros_like(counts[:1]), counts))[layout.segment_starts]
-    return counts > before
+    """`[T, H]` bool: some row of the same segment at or before this one is `flagged [T, H]`.
+
+    The prefix counts run along the rows of a head-major copy: torch scans a tensor's last dim in parallel,
+    its first dim one column per thread (0.76 ms for `[4096, 64]` on an H200, 3 ms at 16384 rows)."""
+    counts = flagged.t().to(torch.int32).cumsum(1, dtype=torch.int32)  # [H, T]
+    before = torch.cat((torch.zeros_like(counts[:, :1]), counts), dim=1)[:, layout.segment_starts]
+    return (counts > before).t()
 
 
 # (q [B,H,S,Dqk], k [B,H,S,Dqk], v [B,H,S,Dv], scale) -> (out [B,H,S,Dv], lse [B,H,≥S])
