@@ -482,6 +482,7 @@ class BlockAttentionFunction(torch.autograd.Function):
                     d_q, d_k, d_v = block_grads(q[query_rows], k, v, out[query_rows], lse[query_rows],
                                                 grad_out[query_rows], ctx.scale, causal)
                     grad_q[query_rows] += d_q
+                    del d_q  # a float32 block as large as q's piece: not alive beside the expansion's gradients
                     grad_rows[key_rows] += expansion.backward(keys, weight, d_k, d_v, grad_weight)
                 del k, v
 

@@ -232,8 +232,10 @@ class LatentUpProjection:
                  grad_weight: Optional[Tensor]) -> Tensor:
         """`dk [n, G, qk + P]`, `dv [n, G, Dv]` (compute dtype) → the rows' gradient `[n, R + P]` (compute
         dtype); `dW = [dk_nope | dv]ᵀ · latent` is added into `grad_weight` when given. The product with
-        `W` runs in W's dtype, as `linear_kv_up_proj`'s backward does (no float32 copy of W per block)."""
-        grad_kv = torch.cat((grad_k[..., :self.qk_head_dim], grad_v), dim=-1).flatten(1).to(weight.dtype)
+        `W` runs in W's dtype, as `linear_kv_up_proj`'s backward does (no float32 copy of W per block); the two
+        gradients are cast before they are joined (no float32 `[n, G·(qk + Dv)]` copy per block)."""
+        grad_kv = torch.cat((grad_k[..., :self.qk_head_dim].to(weight.dtype), grad_v.to(weight.dtype)),
+                            dim=-1).flatten(1)
         latent = rows[:, :weight.shape[1]]
         if grad_weight is not None:
             grad_weight += grad_kv.t() @ latent.to(weight.dtype)
