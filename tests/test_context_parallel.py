@@ -9,6 +9,7 @@ indexer losses of the CP ranks add up to the single-process loss; the selected c
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,7 +27,7 @@ from megatron_dsa.layers.rows import token_rows
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import ColumnParallelLinear, initialize_parallel_state
-from megatron_dsa.parallel.context import shard_packed, shard_sequence, unshard_sequence
+from megatron_dsa.parallel.context import ContextParallelPlan, shard_packed, shard_sequence, unshard_sequence
 from megatron_dsa.parallel.sharding import load_full_state_dict, partition_dims
 
 ATOL = 1e-12
@@ -534,3 +535,62 @@ def nccl_dense_blocks_body(rank: int, world: int, dims: str) -> None:
 @pytest.mark.parametrize("dims", list(DENSE_BLOCK_DIMS))
 def test_context_parallel_nccl_fused_dense_blocks(dims):
     run_distributed(nccl_dense_blocks_body, 2, dims, backend="nccl", timeout_s=300)
+
+
+# ------------------------------------------------------------------ the M ring's blocks
+def _positions(plan: ContextParallelPlan, rank: int) -> list[tuple[int, int]]:
+    """`(sequence, position)` of every local row of `rank`, in row order."""
+    return [(piece.sequence, piece.start + offset) for piece in plan.pieces(rank) for offset in range(piece.length)]
+
+
+@pytest.mark.parametrize("cp,partition,key_rows", [(2, "zigzag", 1), (2, "zigzag", 3), (4, "zigzag", 5),
+                                                   (2, "contiguous", 4), (4, "contiguous", 7), (4, "zigzag", 10**6)])
+def test_ring_schedule_meets_every_visible_pair_once(cp, partition, key_rows):
+    """Key chunks of at most `key_rows` rows: the blocks of every rank, over every visiting rank, meet each
+    (query, key) pair of a sequence with the key at or before the query exactly once, and no other pair; a
+    causal block is a square whose rows and keys sit at the same positions."""
+    plan = ContextParallelPlan.build([24, 40], cp, partition)
+    for rank in range(cp):
+        schedule = context_parallel._RingSchedule(plan, rank, key_rows=key_rows)
+        queries_at, met = _positions(plan, rank), Counter()
+        for source in range(cp):
+            keys_at = _positions(plan, source)
+            for keys, blocks in schedule.blocks(source):
+                assert 0 < keys.stop - keys.start <= key_rows
+                for rows, causal in blocks:
+                    if causal:
+                        assert [queries_at[i] for i in range(rows.start, rows.stop)] == keys_at[keys]
+                    for i in range(rows.start, rows.stop):
+                        for j in range(keys.start, keys.stop):
+                            if not causal or j - keys.start <= i - rows.start:
+                                met[queries_at[i], keys_at[j]] += 1
+        every_key = [at for source in range(cp) for at in _positions(plan, source)]
+        visible = {(query, key) for query in queries_at for key in every_key
+                   if key[0] == query[0] and key[1] <= query[1]}
+        assert set(met) == visible and set(met.values()) == {1}, f"rank {rank}"
+
+
+@pytest.mark.parametrize("key_rows", [1, 4, 64])
+def test_ring_blocks_in_key_chunks_equal_causal_attention(key_rows):
+    """One rank holding two sequences (CP-1, rows already all here): the block-by-block attention with key
+    chunks of `key_rows` rows equals the reference causal attention, output and the gradients of q and of
+    the packed K/V rows, float64."""
+    from megatron_dsa.ops.dense_attention import causal_attention
+    from megatron_dsa.ops.layout import TokenLayout
+
+    torch.manual_seed(0)
+    plan = ContextParallelPlan.build([12, 20], 1, "contiguous")
+    q = torch.randn(32, 4, 6, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(32, 2, 6, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(32, 2, 5, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(32, 4, 5, dtype=torch.float64)
+    keys = context_parallel.PackedKeyValues.ring_keys(k, v)
+    schedule = context_parallel._RingSchedule(plan, 0, key_rows=key_rows)
+    out = context_parallel.BlockAttentionFunction.apply(q, keys.rows, None, keys.expansion, schedule, None, 0.4,
+                                                        "unfused", False)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    layout = TokenLayout.packed(torch.tensor([0, 12, 32], dtype=torch.int32), 32, torch.device("cpu"))
+    expected_out, _ = causal_attention(q, k, v, layout, 0.4)
+    expected = (expected_out, *torch.autograd.grad(expected_out, (q, k, v), grad))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)

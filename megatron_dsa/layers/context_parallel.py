@@ -397,26 +397,49 @@ def block_call(q: Tensor, expansion: KeyExpansion) -> dict:
                 lse_grad=False)  # the ring merges the LSE itself: no gradient flows into it
 
 
-class _RingSchedule:
-    """Which (query piece, key piece) blocks meet when rank `source`'s rows visit this rank."""
+# Key rows a ring block expands to K/V at once. A block's temporaries grow with its key rows, not with the
+# rank's: at dsv4's M dims (64 groups, qk 448 + 64, v 512) 1024 key rows up-project to 126 MB, make 67 MB of K
+# and, in backward, 268 MB of float32 dK and dV; a whole piece (4096 rows at S = 16384 under CP-2) made 4× that.
+RING_KEY_ROWS = 1024
 
-    def __init__(self, plan: ContextParallelPlan, rank: int):
-        self.plan, self.rank = plan, rank
+
+class _RingSchedule:
+    """Which (query rows, key rows) blocks meet when rank `source`'s rows visit this rank.
+
+    A key piece is cut into chunks of at most `key_rows` rows; the diagonal block of a piece then becomes, per
+    key chunk, a causal square (the query rows at the chunk's own positions) and a fully visible block (the
+    piece's query rows after it): the same (query, key) pairs, each met once."""
+
+    def __init__(self, plan: ContextParallelPlan, rank: int, key_rows: int = RING_KEY_ROWS):
+        if key_rows < 1:
+            raise ValueError(f"key_rows must be >= 1, got {key_rows}")
+        self.plan, self.rank, self.key_rows = plan, rank, key_rows
         self.query_pieces = plan.pieces(rank)
         self.query_bounds = _piece_bounds(self.query_pieces)
 
     def blocks(self, source: int) -> list[tuple[slice, list[tuple[slice, bool]]]]:
-        """`(key rows, [(query rows, causal), ...])` for every key piece of `source` some query piece
-        attends (a block of another sequence, or with keys all in the future, is skipped)."""
+        """`(key rows, [(query rows, causal), ...])` for every key chunk of `source` some query row attends
+        (a block of another sequence, or with keys all in the future, is skipped)."""
         key_pieces = self.plan.pieces(source)
         found = []
         for key_piece, key_rows in zip(key_pieces, _piece_bounds(key_pieces)):
             relations = [(query_rows, block_relation(q_piece, key_piece))
                          for q_piece, query_rows in zip(self.query_pieces, self.query_bounds)
                          if q_piece.sequence == key_piece.sequence]
-            queries = [(query_rows, relation == "causal") for query_rows, relation in relations if relation != "skip"]
-            if queries:
-                found.append((key_rows, queries))
+            for start in range(key_rows.start, key_rows.stop, self.key_rows):
+                chunk = slice(start, min(start + self.key_rows, key_rows.stop))
+                queries = []
+                for query_rows, relation in relations:
+                    if relation == "full":
+                        queries.append((query_rows, False))
+                    elif relation == "causal":  # the same positions: rows of the chunk, then the rows after it
+                        first = query_rows.start + (chunk.start - key_rows.start)
+                        after = first + (chunk.stop - chunk.start)
+                        queries.append((slice(first, after), True))
+                        if after < query_rows.stop:
+                            queries.append((slice(after, query_rows.stop), False))
+                if queries:
+                    found.append((chunk, queries))
         return found
 
 
