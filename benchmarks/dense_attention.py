@@ -1,9 +1,9 @@
 """Forward and backward time of the dense causal attention of the `M` kind per backend, on the same inputs:
 `q [S·B, H, Dqk]`, `k [S·B, G, Dqk]`, `v [S·B, G, Dv]`, B whole sequences of S tokens, through the
 `dense_attention` family (`dispatch` with the backend named; a backend that declines the shape is listed
-with its reason). Defaults: the dsv4-flash `M` kind (64 heads and KV groups, qk 576 / v 512, which only our
-Triton kernels and the unfused reference take); `--dims 192,128` gives DeepSeek-V3's MLA dims, where
-FlashAttention and cuDNN run too.
+with its reason). Defaults: the dsv4-flash `M` kind (64 heads and KV groups, qk 448 + 64 = 512 / v 512, which
+only our Triton kernels and the unfused reference take; `--dims 576,512` is the widest they take); `--dims
+192,128` gives DeepSeek-V3's MLA dims, where FlashAttention and cuDNN run too.
 
 TFLOPS count the essential work of causal attention, `S·(S+1)/2` (query, key) pairs per sequence and head:
 forward `2·(Dqk + Dv)` per pair, backward `2·(3·Dqk + 2·Dv)` (scores again, dP, dV, dQ, dK). `ratio` is the
@@ -35,7 +35,7 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--groups", type=int, default=None, help="KV groups (default: one per head)")
-    parser.add_argument("--dims", default="576,512", help="qk and v head dims")
+    parser.add_argument("--dims", default="512,512", help="qk and v head dims")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS,
                         help="the first is the baseline of `ratio`")
     parser.add_argument("--show-tuning", action="store_true",

@@ -263,14 +263,18 @@ def m_layer_memory(world: int = 1, rank: int = 0, state=None, comm: str = "p2p")
     return memory.peak, saved
 
 
-# (peak, saved) bounds per CP size, measured: CP-2 0.524 / 0.455 of CP-1 (all_gather 0.524 / 0.464), CP-4
-# 0.293 / 0.281 (all_gather 0.299 / 0.295). Before the ring carried the MLA latent: 0.685 / 0.568 and
-# 0.385 / 0.338 (all_gather 0.685 / 0.683 and 0.471 / 0.511); before it merged blocks online, kept no list
-# of partials and sent dK/dV sums in K/V's dtype: 0.92 / 0.67 at CP-2.
-MEMORY_BOUNDS = {2: (0.55, 0.48), 4: (0.30, 0.30)}
+# (peak, saved) bounds per CP size, measured: CP-2 0.439 / 0.455 of CP-1 (all_gather 0.439 / 0.464), CP-4
+# 0.261 / 0.281, with key chunks a quarter of a CP-2 piece; with a whole piece per block: CP-2 0.507 (0.524 in
+# an earlier measurement, before the ring's backward was trimmed), CP-4 0.284.
+# Before the ring carried the MLA latent: 0.685 / 0.568 and 0.385 / 0.338 (all_gather 0.685 / 0.683 and
+# 0.471 / 0.511); before it merged blocks online, kept no list of partials and sent dK/dV sums in K/V's
+# dtype: 0.92 / 0.67 at CP-2.
+MEMORY_BOUNDS = {2: (0.47, 0.48), 4: (0.28, 0.30)}
 
 
 def m_memory_body(rank: int, world: int, comms: tuple[str, ...], single_peak: int, single_saved: int) -> None:
+    # Key chunks a quarter of a CP-2 piece, as at 16k tokens on a GPU (pieces of 4096 rows, chunks of 1024).
+    context_parallel.RING_KEY_ROWS = MEMORY_ROWS // 16
     state = initialize_parallel_state(cp_size=world)
     peak_bound, saved_bound = MEMORY_BOUNDS[world]
     for comm in comms:

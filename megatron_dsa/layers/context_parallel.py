@@ -410,7 +410,8 @@ class _RingSchedule:
     key chunk, a causal square (the query rows at the chunk's own positions) and a fully visible block (the
     piece's query rows after it): the same (query, key) pairs, each met once."""
 
-    def __init__(self, plan: ContextParallelPlan, rank: int, key_rows: int = RING_KEY_ROWS):
+    def __init__(self, plan: ContextParallelPlan, rank: int, key_rows: Optional[int] = None):
+        key_rows = RING_KEY_ROWS if key_rows is None else key_rows
         if key_rows < 1:
             raise ValueError(f"key_rows must be >= 1, got {key_rows}")
         self.plan, self.rank, self.key_rows = plan, rank, key_rows

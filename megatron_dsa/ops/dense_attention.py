@@ -63,7 +63,7 @@ def _query_chunks(rows: int, keys: int, heads: int, longest: int, causal: bool, 
 # GQA without copies: query head `h` reads KV group `h // (H/G)`, so the query rows `[n, H, ·]` are viewed as
 # `[n, G, H/G, ·]` and each group's heads meet its K/V rows in one GEMM of `n·H/G` rows (with one group, M's
 # latent attention, all `n·H` rows in one). Repeating K/V per head instead cost `[rows, H, D]` float32 copies
-# of K and V (9.6 + 8.6 GB at 64k tokens, 64 heads, dims 576/512) and GEMMs of only the chunk's rows.
+# of K and V (8.6 GB each at 64k tokens, 64 heads, head dims 512) and GEMMs of only the chunk's rows.
 def per_group_product(rows: Tensor, keys: Tensor) -> Tensor:
     """`rows [n, H, D]` · `keys [m, G, D]` per group → `[n, H, m]` (row n, head h: `rows[n, h]·keys[:, h // (H/G)]`)."""
     n, heads, groups = rows.shape[0], rows.shape[1], keys.shape[1]
