@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig, make_graphed_layers
-from megatron_dsa.backends import call_counts, reset_call_counts
+from megatron_dsa.backends import BackendUnavailableError, OpFamily, call_counts, dispatch, reset_call_counts
+from megatron_dsa.ops.layout import TokenLayout
 from test_backends_gpu import assert_close_bf16, cosine
 from test_packed_gpu import (GRAPH_LAYOUTS, GRAPH_MAX_SEQLEN, assert_close_f32, cuda_layer, cuda_pack,  # noqa: F401
                              no_tf32)
@@ -120,9 +121,6 @@ def test_graphed_m_layer_at_deepseek_v3_dims_matches_eager_on_every_dense_backen
 
 def dispatch_or_skip(backend: str) -> str:
     """Skip when `backend`'s optional package is absent (the vendor stack); any other decline fails."""
-    from megatron_dsa.backends import BackendUnavailableError, OpFamily, dispatch
-    from megatron_dsa.ops.layout import TokenLayout
-
     try:
         dispatch(OpFamily.DENSE_ATTENTION, backend, device=CUDA, dtype=torch.bfloat16, head_dim=192, v_head_dim=128,
                  heads=16, groups=16, layout=TokenLayout.uniform(1, 1024, CUDA), lse_grad=False)
