@@ -27,7 +27,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.layers.context_parallel import ContextParallelRows, context_halo
-from megatron_dsa.ops.dense_attention import attention_block, merge_attention
+from megatron_dsa.ops.dense_attention import accumulate_attention, attention_block, merge_attention
 from megatron_dsa.ops.rope import plain_inv_freq, rope
 from megatron_dsa.packed_seq import PackedSeqParams
 from megatron_dsa.parallel import initialize_parallel_state
@@ -217,6 +217,31 @@ def test_block_with_minus_inf_lse_contributes_nothing():
     for extra in (garbage, empty):
         out2, lse2 = merge_attention([extra, part, extra])
         assert torch.equal(lse2, lse) and torch.allclose(out2, out, rtol=0, atol=ATOL)
+
+
+def test_accumulating_in_place_equals_merging():
+    """The ring's in-place accumulation (`accumulate_attention`, block after block into one running result)
+    equals `merge_attention` of all blocks at once: rows that see no key yet (lse −inf: out stays 0), rows a
+    block does not reach, a NaN block (its rows NaN in both), logits up to ~1e4. fp64, 1e-12."""
+    torch.manual_seed(5)
+    n, heads, d = 7, 3, 4
+    parts = []
+    for index in range(4):
+        lse = torch.randn(n, heads, dtype=torch.float64) * (1e4 if index == 2 else 3.0)
+        lse[index] = float("-inf")  # a row this block does not reach
+        lse[6, 0] = float("-inf")  # row 6, head 0: no block reaches it
+        out = torch.where(torch.isneginf(lse).unsqueeze(-1), 0.0, torch.randn(n, heads, d, dtype=torch.float64))
+        parts.append((out, lse))
+    parts[3][0][5, 1], parts[3][1][5, 1] = float("nan"), float("nan")
+    out = torch.zeros(n, heads, d, dtype=torch.float64)
+    lse = torch.full((n, heads), float("-inf"), dtype=torch.float64)
+    for part in parts:
+        accumulate_attention(out, lse, part)
+    expected_out, expected_lse = merge_attention(parts)
+    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12, equal_nan=True)
+    assert torch.equal(out[6, 0], torch.zeros(d, dtype=torch.float64)) and torch.isneginf(lse[6, 0])
+    assert torch.isnan(out[5, 1]).all() and torch.isnan(lse[5, 1])
 
 
 def test_all_empty_row_gives_zero_without_nan_forward_and_backward():

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from megatron_dsa.backends import AUTO, OpFamily, Requested, dispatch
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.device_cache import DeviceCache, KeepsDeviceValues, device_cached_property
-from megatron_dsa.ops.dense_attention import merge_attention
+from megatron_dsa.ops.dense_attention import accumulate_attention
 from megatron_dsa.ops.indices import INVALID, VisibleEntries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
@@ -475,8 +475,7 @@ class BlockAttentionFunction(torch.autograd.Function):
             for key_rows, queries in schedule.blocks(source):
                 k, v = expansion.keys_values(rows_source[key_rows], weight)
                 for query_rows, causal in queries:
-                    block = attend(q[query_rows], k, v, scale, causal)
-                    out[query_rows], lse[query_rows] = merge_attention([(out[query_rows], lse[query_rows]), block])
+                    accumulate_attention(out[query_rows], lse[query_rows], attend(q[query_rows], k, v, scale, causal))
                 del k, v  # one key piece's K/V alive at a time
         out = out.to(q.dtype)
         ctx.save_for_backward(q, rows, weight, out, lse)

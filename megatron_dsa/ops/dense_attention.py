@@ -305,3 +305,17 @@ def merge_attention(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]
     weights = torch.where(torch.isfinite(lses), torch.exp(lses - safe_total), torch.zeros_like(lses))
     out = sum(w.unsqueeze(-1) * o for w, (o, _) in zip(weights, parts))
     return out, total
+
+
+def accumulate_attention(out: Tensor, lse: Tensor, part: tuple[Tensor, Tensor]) -> None:
+    """Merge one more block's `(out_b [n, H, Dv], lse_b [n, H])` into a running result `out`, `lse` in place:
+    what `merge_attention([(out, lse), part])` returns (up to rounding), in one pass over `out` and one over
+    `out_b` where the merge writes two weighted copies and their sum. For an accumulator autograd does not
+    see (the context-parallel ring's forward)."""
+    part_out, part_lse = part
+    total = torch.logaddexp(lse, part_lse)  # −inf where both are −inf (no visible key yet); NaN where either is
+    safe_total = torch.where(torch.isfinite(total), total, 0.0)
+    keep = torch.where(torch.isfinite(lse), torch.exp(lse - safe_total), 0.0)
+    add = torch.where(torch.isfinite(part_lse), torch.exp(part_lse - safe_total), 0.0)
+    out.mul_(keep.unsqueeze(-1)).addcmul_(part_out, add.unsqueeze(-1))
+    lse.copy_(total)
