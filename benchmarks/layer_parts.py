@@ -86,7 +86,8 @@ def projection_parts(layer: HybridAttention) -> list[tuple[str, int, int]]:
 
 
 def projection_ms(width_in: int, width_out: int, tokens: int, args: argparse.Namespace) -> float:
-    """Forward (`x·Wᵀ`), input gradient (`dy·W`) and weight gradient (`dyᵀ·x`) of one weight over `tokens` rows."""
+    """Forward (`x·Wᵀ`), input gradient (`dy·W`) and weight gradient (`dyᵀ·x`) of one weight `[out, in]` over
+    `tokens` rows."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     x = torch.randn(tokens, width_in, device=device, dtype=dtype)
     weight = torch.randn(width_out, width_in, device=device, dtype=dtype)

@@ -92,12 +92,12 @@ def isolate_non_finite(attend: DenseAttention) -> DenseAttention:
 class _StandIn(torch.autograd.Function):
     """`finite_stand_in(t)` whose backward passes the kernel's gradient through unchanged.
 
-    `finite_stand_in`'s own backward multiplies by `isfinite(t)`: more passes over q, k and v (each read
-    twice, a boolean copy written and read) to zero gradients the kernel already makes 0. Every row holding a non-finite element is dead (its head's query), or is a key or value row that
-    only dead rows see; dead rows' outputs and LSE are replaced by NaN, which passes them no gradient, so
-    their dP and delta are 0 and so is every dS, dQ, dK and dV they contribute to; rows that cannot see the
-    key meet it with probability 0. Where a live row's output gradient is itself non-finite, both versions
-    pass the kernel's value (NaN · 0 is NaN)."""
+    `finite_stand_in`'s own backward multiplies by `isfinite(t)`, so autograd kept q, k and v for it and read
+    them again, to zero gradients the kernel already makes 0. Every row holding a non-finite element is dead
+    (its head's query), or is a key or value row that only dead rows see; dead rows' outputs and LSE are
+    replaced by NaN, which passes them no gradient, so their dP and delta are 0 and so is every dS, dQ, dK and
+    dV they contribute to; rows that cannot see the key meet it with probability 0. Where a live row's output
+    gradient is itself non-finite, both versions pass the kernel's value (NaN · 0 is NaN)."""
 
     @staticmethod
     def forward(ctx, t: Tensor) -> Tensor:

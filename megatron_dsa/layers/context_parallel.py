@@ -476,7 +476,7 @@ class BlockAttentionFunction(torch.autograd.Function):
                 k, v = expansion.keys_values(rows_source[key_rows], weight)
                 for query_rows, causal in queries:
                     accumulate_attention(out[query_rows], lse[query_rows], attend(q[query_rows], k, v, scale, causal))
-                del k, v  # one key piece's K/V alive at a time
+                del k, v  # one key chunk's K/V alive at a time
         out = out.to(q.dtype)
         ctx.save_for_backward(q, rows, weight, out, lse)
         ctx.expansion, ctx.schedule, ctx.group, ctx.scale, ctx.backend, ctx.ring = (expansion, schedule, group,
