@@ -126,7 +126,7 @@ def dispatch_or_skip(backend: str) -> str:
                  heads=16, groups=16, layout=TokenLayout.uniform(1, 1024, CUDA), lse_grad=False)
     except BackendUnavailableError as error:
         if backend in ("flash_attn", "cudnn") and "not importable" in str(error):
-            pytest.skip(f"{backend}: {error}")
+            pytest.skip(f"{backend}'s optional package is not installed on this machine (the vendor stack): {error}")
         raise
     return backend
 

@@ -1,6 +1,6 @@
-"""Dense causal attention as Triton kernels, for the `M` kind's head dims (qk 576 / v 512 at dsv4 dims), which
-no vendor kernel takes (they stop at 256): the `dense_attention` family and the context-parallel ring's
-`dense_attention_block_fwd` / `_bwd` (kernels: `_dense_attention_kernels`).
+"""Dense causal attention as Triton kernels, for the `M` kind's head dims (qk 448 + 64 / v 512 at dsv4's dims;
+up to 576), which no vendor kernel takes (they stop at 256): the `dense_attention` family and the
+context-parallel ring's `dense_attention_block_fwd` / `_bwd` (kernels: `_dense_attention_kernels`).
 
 Same contracts as the unfused reference (`ops.dense_attention`): `q [T, H, Dqk]`, `k [T, G, Dqk]`,
 `v [T, G, Dv]` with `G | H`, causal within each segment of a `TokenLayout` (a row sees the keys of its
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.registry import OpFamily, count_variant
-from megatron_dsa.backends.dense_layout import isolate_non_finite
+from megatron_dsa.backends.dense_layout import isolate_non_finite, varlen_boundaries
 from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, dot_precision, head_dim_chunks, on_device
 from megatron_dsa.ops.layout import TokenLayout
@@ -38,8 +38,8 @@ LOG2E = math.log2(math.e)
 INTERPRETER_BLOCK = 16
 BACKEND, VARIANT = "triton", "portable"
 
-# CUDA autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), best first as an H200 timed them at the
-# dsv4 M dims (bf16, 64 heads, S = 4096; `benchmarks/dense_attention.py --show-tuning`): forward 64 x 64 x 1
+# CUDA autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), best first as an H200 timed them at qk 576
+# / v 512 (bf16, 64 heads, S = 4096; `benchmarks/dense_attention.py --show-tuning`): forward 64 x 64 x 1
 # stage 6.39 ms, 64 x 32 x 2 stages 6.63, 64 x 16 x 3 stages 9.08; query gradient 64 x 32 x 1 stage 12.9 ms,
 # 64 x 16 x 2 stages 15.0; value gradient 32 x 64 x 2 stages 6.28 ms, x 1 stage 7.60, 16-row blocks 9.6 and
 # more. The key gradient's two-stage candidate needs 272 KB of shared memory there and is skipped (it fails to
@@ -161,9 +161,8 @@ def segment_bounds(layout: TokenLayout) -> tuple[Tensor, Tensor]:
     the last boundary belong to the last segment, which then ends at `T`). Kept with the layout."""
 
     def build() -> tuple[Tensor, Tensor]:
-        # Built on the device from a host int (a fill, not a copy): no sync, and capturable in a CUDA graph.
-        segment_ends = torch.cat((layout.cu_seqlens[1:-1], layout.cu_seqlens.new_full((1,), layout.num_rows)))
-        return layout.segment_starts.to(torch.int32), segment_ends[layout.segment_ids].to(torch.int32)
+        segment_ends = varlen_boundaries(layout)[0][1:]  # the last boundary moved to T, as FlashAttention's
+        return layout.segment_starts.to(torch.int32), segment_ends[layout.segment_ids]
 
     return layout.derived("triton_dense_segment_bounds", build)
 
