@@ -2,10 +2,13 @@
 
     python benchmarks/context_parallel.py --cp 2 4 --seq-len 32768 131072 --kind C --preset dsv4-flash
     python benchmarks/context_parallel.py --tp 2 --cp 2 --seq-len 32768 --kind C   # TP-2 × CP-2, 4 GPUs
+    python benchmarks/context_parallel.py --kind M --cp 2 --seq-len 16384 --ring-key-rows 1024 2048 4096
 
 Runs the single-GPU layer (TP-1 × CP-1) and then each TP × CP-N layout on TP·N GPUs (NCCL, one process
 per GPU) on the same global sequence, and prints a markdown table of median fwd+bwd step times and
 per-rank peak memory, with their ratios to the single GPU. An out-of-memory run is reported as such.
+`--ring-key-rows` (M only) times each CP layout once per size of the ring's key chunks
+(`layers.context_parallel.RING_KEY_ROWS`: the rows a ring block expands to K/V at once, memory against time).
 GPU only.
 """
 
@@ -26,6 +29,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
+from megatron_dsa.layers import context_parallel  # noqa: E402
 from megatron_dsa.parallel import initialize_parallel_state  # noqa: E402
 from megatron_dsa.parallel.context import shard_sequence  # noqa: E402
 
@@ -64,6 +68,8 @@ def run_single(args: argparse.Namespace) -> tuple[float, float]:
 def rank_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
+    if args.key_rows is not None:
+        context_parallel.RING_KEY_ROWS = args.key_rows
     dist.init_process_group("nccl", rank=rank, world_size=args.tp * args.cp)
     state = initialize_parallel_state(tp_size=args.tp, cp_size=args.cp)
     layer = build(args, state)
@@ -106,14 +112,22 @@ def main() -> None:
     parser.add_argument("--comm", default="p2p", choices=("p2p", "all_gather"))
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ring-key-rows", type=int, nargs="+", default=[None], metavar="ROWS",
+                        help=f"M: the ring's key chunk sizes to time (default {context_parallel.RING_KEY_ROWS})")
     args = parser.parse_args()
+    if args.kind != "M" and args.ring_key_rows != [None]:
+        parser.error("--ring-key-rows applies to --kind M only (the ring of dense MLA blocks)")
+    if any(rows is not None and rows < 1 for rows in args.ring_key_rows):
+        parser.error("--ring-key-rows must be >= 1")
     cp_sizes, seq_lens = args.cp, args.seq_len
     if torch.cuda.device_count() < args.tp * max(cp_sizes):
         sys.exit(f"needs {args.tp * max(cp_sizes)} CUDA GPUs, found {torch.cuda.device_count()}")
     print(f"kind {args.kind}, preset {args.preset}, bf16, B=1, {args.comm} zigzag; median of {args.repeats} "
           f"fwd+bwd steps; peak = largest per-rank peak above the inputs; ratios against TP-1 × CP-1")
-    print("\n| S | layout | GPUs | ms | time ratio | peak MiB | memory ratio |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    chunks = args.kind == "M"
+    print("\n| S | layout | GPUs |" + (" ring key rows |" if chunks else "")
+          + " ms | time ratio | peak MiB | memory ratio |")
+    print("|---:|---|---:|" + ("---:|" if chunks else "") + "---:|---:|---:|---:|")
     ratio = lambda a, b: f"{a / b:.2f}" if b == b and a == a else "n/a"  # noqa: E731
     for seq_len in seq_lens:
         args.seq_len = seq_len
@@ -122,13 +136,16 @@ def main() -> None:
         except torch.cuda.OutOfMemoryError:
             single = (float("nan"), float("nan"))
         torch.cuda.empty_cache()
-        print(f"| {seq_len} | TP-1 × CP-1 | 1 | {single[0]:.0f} | 1.00 | {single[1]:.0f} | 1.00 |", flush=True)
+        print(f"| {seq_len} | TP-1 × CP-1 | 1 |" + (" – |" if chunks else "")
+              + f" {single[0]:.0f} | 1.00 | {single[1]:.0f} | 1.00 |", flush=True)
         for cp in cp_sizes:
-            args.cp = cp
-            parallel = run_parallel(args)
-            print(f"| {seq_len} | TP-{args.tp} × CP-{cp} | {args.tp * cp} | {parallel[0]:.0f} | "
-                  f"{ratio(parallel[0], single[0])} | {parallel[1]:.0f} | {ratio(parallel[1], single[1])} |",
-                  flush=True)
+            for key_rows in args.ring_key_rows:
+                args.cp, args.key_rows = cp, key_rows
+                parallel = run_parallel(args)
+                key_rows = context_parallel.RING_KEY_ROWS if key_rows is None else key_rows
+                print(f"| {seq_len} | TP-{args.tp} × CP-{cp} | {args.tp * cp} |" + (f" {key_rows} |" if chunks else "")
+                      + f" {parallel[0]:.0f} | {ratio(parallel[0], single[0])} | {parallel[1]:.0f} | "
+                      f"{ratio(parallel[1], single[1])} |", flush=True)
 
 
 if __name__ == "__main__":
