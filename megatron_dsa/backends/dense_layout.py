@@ -24,6 +24,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from megatron_dsa.backends.registry import OpFamily, count_variant
+from megatron_dsa.backends.triton_kernels import finite_stand_in as triton_stand_in
+from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.dense_attention import finite_stand_in, non_finite_heads
 from megatron_dsa.ops.layout import TokenLayout
 
@@ -75,22 +78,34 @@ def isolate_non_finite(attend: DenseAttention) -> DenseAttention:
     the next sequence, would reach rows that cannot see it. So the kernel runs on finite stand-ins (0
     per non-finite element; their gradient passes through, `_StandIn`) and the rows that do see one are
     set to NaN afterwards, from per-segment prefix counts: a few elementwise kernels, no host
-    synchronisation. The NaN rows pass no gradient.
+    synchronisation. The NaN rows pass no gradient. Each of q, k and v is read once for its stand-in and
+    its flags together (`_StandIn`).
     """
 
     @functools.wraps(attend)
     def isolated(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale: float) -> tuple[Tensor, Tensor]:
         heads = q.shape[1]
-        bad_key = expand_groups((non_finite_heads(k) | non_finite_heads(v)).unsqueeze(-1), heads)[..., 0]
-        out, lse = attend(_StandIn.apply(q), _StandIn.apply(k), _StandIn.apply(v), layout, scale)
-        dead = non_finite_heads(q) | _sees_earlier_in_segment(bad_key, layout)
+        (q_in, bad_q), (k_in, bad_k), (v_in, bad_v) = (_StandIn.apply(t) for t in (q, k, v))
+        bad_key = expand_groups((bad_k | bad_v).unsqueeze(-1), heads)[..., 0]
+        out, lse = attend(q_in, k_in, v_in, layout, scale)
+        dead = bad_q | _sees_earlier_in_segment(bad_key, layout)
         return torch.where(dead.unsqueeze(-1), float("nan"), out), torch.where(dead, float("nan"), lse)
 
     return isolated
 
 
+def stand_in_and_flags(t: Tensor) -> tuple[Tensor, Tensor]:
+    """`t [R, H, D]` → `(finite_stand_in(t), non_finite_heads(t))`: in one pass over t where Triton runs (a CUDA
+    device; counted as Triton's `non_finite_guard` variant of `dense_attention`), else the two torch ops."""
+    if triton_decline_reason(t.device) is None and t.dtype in triton_stand_in.SUPPORTED_DTYPES:
+        count_variant("triton", OpFamily.DENSE_ATTENTION, "non_finite_guard")
+        return triton_stand_in.finite_stand_in_with_flags(t)
+    return finite_stand_in(t), non_finite_heads(t)
+
+
 class _StandIn(torch.autograd.Function):
-    """`finite_stand_in(t)` whose backward passes the kernel's gradient through unchanged.
+    """`(finite_stand_in(t), non_finite_heads(t))` (`stand_in_and_flags`) whose backward passes the kernel's
+    gradient through unchanged; the flags have none.
 
     `finite_stand_in`'s own backward multiplies by `isfinite(t)`, so autograd kept q, k and v for it and read
     them again, to zero gradients the kernel already makes 0. Every row holding a non-finite element is dead
@@ -100,11 +115,13 @@ class _StandIn(torch.autograd.Function):
     gradient is itself non-finite, both versions pass the kernel's value (NaN · 0 is NaN)."""
 
     @staticmethod
-    def forward(ctx, t: Tensor) -> Tensor:
-        return finite_stand_in(t)
+    def forward(ctx, t: Tensor) -> tuple[Tensor, Tensor]:
+        stand_in, flagged = stand_in_and_flags(t)
+        ctx.mark_non_differentiable(flagged)
+        return stand_in, flagged
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
+    def backward(ctx, grad: Tensor, _flags_grad: None) -> Tensor:
         return grad
 
 

@@ -1,0 +1,72 @@
+"""The non-finite guard's Triton pass in the CPU interpreter against the two torch ops it replaces,
+`ops.dense_attention.finite_stand_in` and `non_finite_heads`, bit for bit (signed zeros included).
+
+Run by `test_triton_finite_stand_in.py::test_interpreted_kernel` in a child process with `TRITON_INTERPRET=1`
+(see `triton_support.py`).
+"""
+
+import pytest
+import torch
+
+from megatron_dsa.backends.dense_layout import stand_in_and_flags
+from megatron_dsa.backends.registry import reset_call_counts, variant_counts
+from megatron_dsa.backends.triton_kernels.finite_stand_in import finite_stand_in_with_flags
+from megatron_dsa.ops.dense_attention import finite_stand_in, non_finite_heads
+
+from triton_support import interpreter  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("interpreter")
+
+
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random values with NaN, +inf, −inf and −0.0 in some head vectors (several in one), the rest finite."""
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    flat = t.view(-1, shape[-1])
+    for vector, dim, value in ((0, 0, float("nan")), (3, shape[-1] - 1, float("inf")), (5, 1, float("-inf")),
+                               (5, 2, float("nan")), (6, 0, -0.0)):
+        flat[vector % flat.shape[0], dim] = value
+    return t
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as integers of its width: `torch.equal` on them tells −0.0 from 0.0 and compares NaN."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_matches_the_torch_ops(t: torch.Tensor) -> None:
+    stand_in, flags = finite_stand_in_with_flags(t)
+    assert stand_in.is_contiguous() and stand_in.dtype == t.dtype and stand_in.shape == t.shape
+    assert torch.equal(bits(stand_in), bits(finite_stand_in(t)))
+    assert flags.dtype == torch.bool and torch.equal(flags, non_finite_heads(t))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(9, 3, 12), (4, 1, 7), (2, 5, 40)])
+def test_stand_in_and_flags_match_the_torch_ops(dtype, shape):
+    """Widths that are and are not powers of two, vector counts that leave a tail in the last program."""
+    assert_matches_the_torch_ops(poisoned(shape, dtype))
+
+
+def test_a_head_slice_of_wider_rows_is_read_in_place():
+    """v is a slice of the up-projection's `[T, G, qk + Dv]` rows: head and row strides of the wide tensor."""
+    wide = poisoned((8, 3, 20), torch.bfloat16)
+    v = wide[..., 12:]
+    assert not v.is_contiguous()
+    assert_matches_the_torch_ops(v)
+    assert_matches_the_torch_ops(wide.transpose(0, 1))  # rows closer than heads
+
+
+def test_empty_tensors():
+    for shape in ((0, 2, 4), (3, 2, 0)):
+        stand_in, flags = finite_stand_in_with_flags(torch.zeros(shape))
+        assert stand_in.shape == shape and flags.shape == shape[:2] and not flags.any()
+
+
+def test_the_guard_counts_the_kernel_where_triton_runs():
+    """The interpreter stands in for a CUDA device only for calls that name Triton: the guard itself (a
+    helper of every fused dense backend) takes the torch ops here, and counts nothing."""
+    reset_call_counts()
+    t = poisoned((4, 2, 8), torch.float32)
+    stand_in, flags = stand_in_and_flags(t)
+    assert torch.equal(flags, non_finite_heads(t)) and variant_counts() == {}
