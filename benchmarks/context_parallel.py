@@ -7,8 +7,8 @@
 Runs the single-GPU layer (TP-1 × CP-1) and then each TP × CP-N layout on TP·N GPUs (NCCL, one process
 per GPU) on the same global sequence, and prints a markdown table of median fwd+bwd step times and
 per-rank peak memory, with their ratios to the single GPU. An out-of-memory run is reported as such.
-`--ring-key-rows` (M only) times each CP layout once per size of the ring's key chunks
-(`layers.context_parallel.RING_KEY_ROWS`: the rows a ring block expands to K/V at once, memory against time).
+`--ring-key-rows` (M only) times each CP layout once per size of the ring's key chunks (the config's
+`cp_ring_key_rows`: the rows a ring block expands to K/V at once, memory against time).
 GPU only.
 """
 
@@ -29,9 +29,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
-from megatron_dsa.layers import context_parallel  # noqa: E402
 from megatron_dsa.parallel import initialize_parallel_state  # noqa: E402
 from megatron_dsa.parallel.context import shard_sequence  # noqa: E402
+
+DEFAULT_KEY_ROWS = HybridAttentionConfig.cp_ring_key_rows
 
 
 def measure(layer: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int) -> tuple[float, float]:
@@ -53,7 +54,7 @@ def measure(layer: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int) 
 
 def build(args: argparse.Namespace, state=None) -> torch.nn.Module:
     config = HybridAttentionConfig.from_preset(args.preset, num_layers=1, layer_pattern=args.kind,
-                                               cp_comm_type=args.comm)
+                                               cp_comm_type=args.comm, cp_ring_key_rows=args.key_rows)
     torch.manual_seed(0)
     return HybridAttention(config, kind=args.kind, parallel_state=state).cuda().bfloat16()
 
@@ -68,8 +69,6 @@ def run_single(args: argparse.Namespace) -> tuple[float, float]:
 def rank_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
-    if args.key_rows is not None:
-        context_parallel.RING_KEY_ROWS = args.key_rows
     dist.init_process_group("nccl", rank=rank, world_size=args.tp * args.cp)
     state = initialize_parallel_state(tp_size=args.tp, cp_size=args.cp)
     layer = build(args, state)
@@ -112,13 +111,14 @@ def main() -> None:
     parser.add_argument("--comm", default="p2p", choices=("p2p", "all_gather"))
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ring-key-rows", type=int, nargs="+", default=[None], metavar="ROWS",
-                        help=f"M: the ring's key chunk sizes to time (default {context_parallel.RING_KEY_ROWS})")
+    parser.add_argument("--ring-key-rows", type=int, nargs="+", default=[DEFAULT_KEY_ROWS], metavar="ROWS",
+                        help="M: the ring's key chunk sizes to time (`cp_ring_key_rows`)")
     args = parser.parse_args()
-    if args.kind != "M" and args.ring_key_rows != [None]:
+    if args.kind != "M" and args.ring_key_rows != [DEFAULT_KEY_ROWS]:
         parser.error("--ring-key-rows applies to --kind M only (the ring of dense MLA blocks)")
-    if any(rows is not None and rows < 1 for rows in args.ring_key_rows):
+    if min(args.ring_key_rows) < 1:
         parser.error("--ring-key-rows must be >= 1")
+    args.key_rows = DEFAULT_KEY_ROWS
     cp_sizes, seq_lens = args.cp, args.seq_len
     if torch.cuda.device_count() < args.tp * max(cp_sizes):
         sys.exit(f"needs {args.tp * max(cp_sizes)} CUDA GPUs, found {torch.cuda.device_count()}")
@@ -142,7 +142,6 @@ def main() -> None:
             for key_rows in args.ring_key_rows:
                 args.cp, args.key_rows = cp, key_rows
                 parallel = run_parallel(args)
-                key_rows = context_parallel.RING_KEY_ROWS if key_rows is None else key_rows
                 print(f"| {seq_len} | TP-{args.tp} × CP-{cp} | {args.tp * cp} |" + (f" {key_rows} |" if chunks else "")
                       + f" {parallel[0]:.0f} | {ratio(parallel[0], single[0])} | {parallel[1]:.0f} | "
                       f"{ratio(parallel[1], single[1])} |", flush=True)

@@ -222,6 +222,7 @@ class HybridAttentionConfig:
     sequence_parallel: bool = False  # hidden states between layers split along the sequence over TP
     cp_comm_type: str = "p2p"  # context parallelism: "p2p" ring or "all_gather"
     cp_partition: str = "zigzag"  # "zigzag" (load-balanced, 2·cp chunks) or "contiguous"
+    cp_ring_key_rows: int = 1024  # M under CP: key rows a ring block expands to K/V at once (memory vs time)
 
     # Memory: keep only the layer's input rows for backward and recompute the attention (projections,
     # compressor, indexer, core attention, grouped output projection) there.
@@ -247,7 +248,7 @@ class HybridAttentionConfig:
         # Sizes first: num_layers = 0 is that mistake, not a layer_pattern of the wrong length.
         _require_positive(self, "hidden_size", "num_attention_heads", "num_layers", "q_lora_rank",
                           "v_head_dim", "o_groups", "o_lora_rank", "csa_window_size",
-                          "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+                          "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "cp_ring_key_rows")
         self.layer_pattern = self._expand_pattern(self.layer_pattern)
         if self.qk_pos_emb_head_dim <= 0 or self.qk_pos_emb_head_dim % 2:
             raise ValueError(f"qk_pos_emb_head_dim must be a positive even number (rotary pairs), "

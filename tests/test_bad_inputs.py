@@ -61,6 +61,8 @@ BAD_ATTENTION = [
     case("eps-negative", dict(layernorm_epsilon=-1e-6), ValueError, "layernorm_epsilon must be > 0"),
     case("cp_comm_type", dict(cp_comm_type="ring"), ValueError, "cp_comm_type must be 'p2p' or 'all_gather'"),
     case("cp_partition", dict(cp_partition="striped"), ValueError, "cp_partition must be 'zigzag' or 'contiguous'"),
+    case("cp_ring_key_rows-zero", dict(cp_ring_key_rows=0), ValueError, "cp_ring_key_rows must be a positive integer"),
+    case("cp_ring_key_rows-float", dict(cp_ring_key_rows=1024.0), ValueError, "cp_ring_key_rows must be an integer"),
     case("bias", dict(add_bias_linear=True), ValueError, "add_bias_linear=True is not supported"),
     case("backend-empty", dict(attention_backend=""), ValueError, "attention_backend must be a non-empty string"),
     case("backend-int", dict(attention_backend=3), ValueError, "attention_backend must be a string"),

@@ -237,10 +237,12 @@ def test_m_ring_blocks_run_the_dispatched_block_ops(world, comm, block_backend):
 MEMORY_ROWS = 1024
 
 
-def m_layer_memory(world: int = 1, rank: int = 0, state=None, comm: str = "p2p") -> tuple[int, int]:
+def m_layer_memory(world: int = 1, rank: int = 0, state=None, comm: str = "p2p",
+                   key_rows: int = MEMORY_ROWS // 16) -> tuple[int, int]:
     """(peak live bytes of fwd+bwd, bytes saved for backward) of a bf16 M layer on this rank's share of
     `MEMORY_ROWS` tokens. Dims in dsv4-flash's proportions (H = G, qk = v head dim), the logit chunk half the
-    query block, as at 16k tokens on a GPU: what scales with CP there scales here."""
+    query block, as at 16k tokens on a GPU: what scales with CP there scales here. The ring's key chunks
+    (`cp_ring_key_rows`) are a quarter of a CP-2 piece by default, as 1024 rows are at 16k tokens."""
     import megatron_dsa.ops.dense_attention as dense
 
     heads, head_dim = 8, 64
@@ -248,7 +250,7 @@ def m_layer_memory(world: int = 1, rank: int = 0, state=None, comm: str = "p2p")
     config = HybridAttentionConfig.from_preset(
         "tiny", num_layers=1, layer_pattern="M", hidden_size=512, num_attention_heads=heads, num_query_groups=heads,
         qk_head_dim=head_dim - 16, qk_pos_emb_head_dim=16, v_head_dim=head_dim, kv_lora_rank=64, q_lora_rank=128,
-        o_groups=8, o_lora_rank=128, cp_comm_type=comm)
+        o_groups=8, o_lora_rank=128, cp_comm_type=comm, cp_ring_key_rows=key_rows)
     torch.manual_seed(0)
     layer = HybridAttention(config, kind="M", parallel_state=state).bfloat16()
     x = shard_sequence(torch.randn(MEMORY_ROWS, 1, 512).bfloat16(), world, rank, "zigzag").requires_grad_()
@@ -273,8 +275,6 @@ MEMORY_BOUNDS = {2: (0.47, 0.48), 4: (0.28, 0.30)}
 
 
 def m_memory_body(rank: int, world: int, comms: tuple[str, ...], single_peak: int, single_saved: int) -> None:
-    # Key chunks a quarter of a CP-2 piece, as at 16k tokens on a GPU (pieces of 4096 rows, chunks of 1024).
-    context_parallel.RING_KEY_ROWS = MEMORY_ROWS // 16
     state = initialize_parallel_state(cp_size=world)
     peak_bound, saved_bound = MEMORY_BOUNDS[world]
     for comm in comms:

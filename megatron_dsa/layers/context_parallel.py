@@ -60,8 +60,8 @@ class ContextParallelRows(KeepsDeviceValues):
 
     Everything it holds is a function of its fields, built on the host and copied to the device once:
     `for_input` shares one object per plan input (the sequence lengths, padded and real), rank, group,
-    halo, device, comm type and B, so the layers of a step (those of one halo) and later steps of the
-    same shapes or packing reuse it instead of rebuilding the plan and its index tensors every call."""
+    halo, device, comm type, ring key rows and B, so the layers of a step (those of one halo) and later steps
+    of the same shapes or packing reuse it instead of rebuilding the plan and its index tensors every call."""
 
     plan: ContextParallelPlan
     rank: int
@@ -70,6 +70,7 @@ class ContextParallelRows(KeepsDeviceValues):
     device: torch.device
     comm_type: str = "p2p"
     batch: Optional[int] = None
+    ring_key_rows: int = HybridAttentionConfig.cp_ring_key_rows  # the config's (`_RingSchedule`)
 
     @classmethod
     def for_input(cls, hidden: Tensor, packed: Optional[PackedSeqParams], parallel_state: ParallelState,
@@ -92,10 +93,11 @@ class ContextParallelRows(KeepsDeviceValues):
 
         def build() -> "ContextParallelRows":
             plan = ContextParallelPlan.build(lengths, state.cp_size, config.cp_partition, real)
-            return cls(plan, state.cp_rank, state.cp_group, halo, hidden.device, config.cp_comm_type, batch)
+            return cls(plan, state.cp_rank, state.cp_group, halo, hidden.device, config.cp_comm_type, batch,
+                       config.cp_ring_key_rows)
 
         key = (lengths, real, state.cp_size, config.cp_partition, state.cp_rank, state.cp_group, halo, hidden.device,
-               config.cp_comm_type, batch)
+               config.cp_comm_type, batch, config.cp_ring_key_rows)
         rows = _SHARED_ROWS.get(key, hidden.device, build)
         if packed is not None and hidden.shape[0] != rows.plan.local_rows(rows.rank):
             raise ValueError(f"packed hidden_states has {hidden.shape[0]} rows but this CP rank holds "
@@ -116,7 +118,8 @@ class ContextParallelRows(KeepsDeviceValues):
 
     def attend_causal(self, q: Tensor, keys: KeyValueSource, scale: float, backend: Requested) -> Tensor:
         """Causal attention over every rank's keys of the same sequences (`ring_attention`)."""
-        return ring_attention(q, keys.ring_keys(), self.plan, self.rank, self.group, scale, self.comm_type, backend)
+        return ring_attention(q, keys.ring_keys(), self.plan, self.rank, self.group, scale, self.comm_type, backend,
+                              self.ring_key_rows)
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -373,16 +376,18 @@ class PackedKeyValues:
 
 
 def ring_attention(q: Tensor, keys: RingKeys, plan: ContextParallelPlan, rank: int, group: ProcessGroup,
-                   scale: float, comm_type: str, backend: Requested = AUTO) -> Tensor:
+                   scale: float, comm_type: str, backend: Requested = AUTO,
+                   key_rows: int = HybridAttentionConfig.cp_ring_key_rows) -> Tensor:
     """Causal attention of this rank's query pieces over every rank's key pieces (dense `M` kind).
 
     q `[N, H, Dqk]` and `keys.rows [N, F]` are this rank's rows (pieces in order). Returns `[N, H, Dv]`
     (sized by the query heads and the expansion's V head dim). The rows travel (`p2p`: around the ring;
     `all_gather`: all at once, their gradient reduce-scattered back) and each visiting key piece is
     expanded to K/V where it is attended. Each (query piece, key piece) block runs the dispatched
-    `dense_attention_block_fwd` / `_bwd` ops of `backend` (a name, `auto` or the layer config).
+    `dense_attention_block_fwd` / `_bwd` ops of `backend` (a name, `auto` or the layer config). Key pieces are
+    expanded in chunks of at most `key_rows` rows (`_RingSchedule`).
     """
-    schedule = _RingSchedule(plan, rank)
+    schedule = _RingSchedule(plan, rank, key_rows)
     rows = keys.rows
     if comm_type == "all_gather":
         rows = all_gather_rows(rows, group)
@@ -397,21 +402,20 @@ def block_call(q: Tensor, expansion: KeyExpansion) -> dict:
                 lse_grad=False)  # the ring merges the LSE itself: no gradient flows into it
 
 
-# Key rows a ring block expands to K/V at once. A block's temporaries grow with its key rows, not with the
-# rank's: at dsv4's M dims (64 groups, qk 448 + 64, v 512) 1024 key rows up-project to 126 MB, make 67 MB of K
-# and, in backward, 268 MB of float32 dK and dV; a whole piece (4096 rows at S = 16384 under CP-2) made 4× that.
-RING_KEY_ROWS = 1024
-
-
 class _RingSchedule:
     """Which (query rows, key rows) blocks meet when rank `source`'s rows visit this rank.
 
-    A key piece is cut into chunks of at most `key_rows` rows; the diagonal block of a piece then becomes, per
-    key chunk, a causal square (the query rows at the chunk's own positions) and a fully visible block (the
-    piece's query rows after it): the same (query, key) pairs, each met once."""
+    A key piece is cut into chunks of at most `key_rows` rows (the config's `cp_ring_key_rows`); the diagonal
+    block of a piece then becomes, per key chunk, a causal square (the query rows at the chunk's own positions)
+    and a fully visible block (the piece's query rows after it): the same (query, key) pairs, each met once.
 
-    def __init__(self, plan: ContextParallelPlan, rank: int, key_rows: Optional[int] = None):
-        key_rows = RING_KEY_ROWS if key_rows is None else key_rows
+    A block's temporaries grow with its key rows, not with the rank's: at dsv4's M dims (64 groups, qk 448 + 64,
+    v 512) 1024 key rows up-project to 126 MB, make 67 MB of K and, in backward, 268 MB of float32 dK and dV; a
+    whole piece (4096 rows at S = 16384 under CP-2) made 4× that. On H200s 1024-row chunks took CP-2's peak at
+    16k from 0.69 to 0.46 of CP-1's and CP-4's to 0.30, for 4–7% more time than 2048-row ones
+    (docs/performance.md)."""
+
+    def __init__(self, plan: ContextParallelPlan, rank: int, key_rows: int):
         if key_rows < 1:
             raise ValueError(f"key_rows must be >= 1, got {key_rows}")
         self.plan, self.rank, self.key_rows = plan, rank, key_rows
