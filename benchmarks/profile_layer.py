@@ -2,9 +2,12 @@
 
     python benchmarks/profile_layer.py --preset dsv4-flash --seq-len 4096 --kind C
     python benchmarks/profile_layer.py --kind C --projection-precision fp8
+    python benchmarks/profile_layer.py --kind M --dims deepseek-v3      # the M kind at DeepSeek-V3's MLA dims
 
 Also prints which backend ran each op family and, for every op family, why `auto` declined the
-backends it skipped (the dispatcher's log). GPU only.
+backends it skipped (the dispatcher's log), and the step's GPU timeline: the time some kernel ran against
+the span from the first kernel's start to the last one's end, and the longest idle gaps with the kernel
+each one waited for (where an eager step waits on its host). GPU only.
 """
 
 from __future__ import annotations
@@ -23,23 +26,52 @@ from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
 from megatron_dsa.backends import call_counts, reset_call_counts, variant_counts  # noqa: E402
 from megatron_dsa.config import PROJECTION_PRECISIONS  # noqa: E402
 
+from layer_parts import DIMS  # noqa: E402  (this directory)
+
+# Idle gaps listed, longest first.
+GAPS_LISTED = 8
+
+
+def timeline(prof: profile) -> str:
+    """The profiled step's GPU busy time (the union of its kernels' intervals) against their span, and the
+    longest gaps between kernels, each with the kernel that ended it."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not kernels:
+        return "no kernels recorded"
+    busy, gaps, reach = 0.0, [], kernels[0][0]
+    for start, end, name in kernels:
+        if start > reach:
+            gaps.append((start - reach, name))
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = reach - kernels[0][0]
+    lines = [f"GPU timeline: {len(kernels)} kernels, busy {busy / 1e3:.3f} ms of a {span / 1e3:.3f} ms span "
+             f"({(span - busy) / 1e3:.3f} ms idle in {len(gaps)} gaps); longest gaps (µs, the kernel that ended it):"]
+    lines += [f"  {gap:8.1f}  {name[:90]}" for gap, name in sorted(gaps, reverse=True)[:GAPS_LISTED]]
+    return "\n".join(lines)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="dsv4-flash")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--kind", default="C", choices=list("WCHM"))
+    parser.add_argument("--dims", default="preset", choices=sorted(DIMS),
+                        help="M: the preset's own dims or DeepSeek-V3's MLA (as benchmarks/layer_parts.py)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--projection-precision", default="native", choices=PROJECTION_PRECISIONS)
     parser.add_argument("--rows", type=int, default=15, help="kernels listed")
     parser.add_argument("--trace", help="also write a Chrome trace (host and GPU timelines) here")
     args = parser.parse_args()
+    if args.dims != "preset" and args.kind != "M":
+        parser.error("--dims applies to --kind M only")
     if not torch.cuda.is_available():
         print("benchmarks/profile_layer.py: needs a CUDA GPU; nothing to profile here")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = HybridAttentionConfig.from_preset(args.preset, attention_backend=args.backend,
-                                               projection_precision=args.projection_precision)
+                                               projection_precision=args.projection_precision, **DIMS[args.dims])
     layer = HybridAttention(config, kind=args.kind).cuda().bfloat16().train()
     x = torch.randn(args.seq_len, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
@@ -59,6 +91,7 @@ def main() -> int:
         step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    print(timeline(prof))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     print(", ".join(sorted(f"{op}={backend}" for (backend, op), n in call_counts().items() if n)))
