@@ -1,24 +1,21 @@
-"""The non-finite guard's Triton passes in the CPU interpreter against the torch ops they replace, bit for bit
-(signed zeros and NaN payloads included): the stand-in and flags (`ops.dense_attention.finite_stand_in`,
-`non_finite_heads`) and the fill of flagged rows (`torch.where`).
+"""The non-finite guard's Triton pass in the CPU interpreter against the two torch ops it replaces,
+`ops.dense_attention.finite_stand_in` and `non_finite_heads`, bit for bit (signed zeros included).
 
-Run by `test_triton_non_finite_guard.py::test_interpreted_kernel` in a child process with `TRITON_INTERPRET=1`
+Run by `test_triton_finite_stand_in.py::test_interpreted_kernel` in a child process with `TRITON_INTERPRET=1`
 (see `triton_support.py`).
 """
 
 import pytest
 import torch
 
-from megatron_dsa.backends.dense_layout import fill_dead_rows, stand_in_and_flags
+from megatron_dsa.backends.dense_layout import stand_in_and_flags
 from megatron_dsa.backends.registry import reset_call_counts, variant_counts
-from megatron_dsa.backends.triton_kernels.non_finite_guard import fill_flagged, finite_stand_in_with_flags
+from megatron_dsa.backends.triton_kernels.finite_stand_in import finite_stand_in_with_flags
 from megatron_dsa.ops.dense_attention import finite_stand_in, non_finite_heads
 
 from triton_support import interpreter  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
-SHAPES = [(9, 3, 12), (4, 1, 7), (2, 5, 40)]  # widths that are and are not powers of two, tails in the last program
 
 
 def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -42,26 +39,13 @@ def assert_matches_the_torch_ops(t: torch.Tensor) -> None:
     assert stand_in.is_contiguous() and stand_in.dtype == t.dtype and stand_in.shape == t.shape
     assert torch.equal(bits(stand_in), bits(finite_stand_in(t)))
     assert flags.dtype == torch.bool and torch.equal(flags, non_finite_heads(t))
-    for fill in (float("nan"), 0.0):
-        filled = fill_flagged(t, flags, fill)
-        assert filled.is_contiguous() and filled.dtype == t.dtype
-        assert torch.equal(bits(filled), bits(torch.where(flags.unsqueeze(-1), fill, t)))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_passes_match_the_torch_ops(dtype, shape):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(9, 3, 12), (4, 1, 7), (2, 5, 40)])
+def test_stand_in_and_flags_match_the_torch_ops(dtype, shape):
+    """Widths that are and are not powers of two, vector counts that leave a tail in the last program."""
     assert_matches_the_torch_ops(poisoned(shape, dtype))
-
-
-def test_fill_leaves_unflagged_rows_bit_for_bit():
-    """Flags that are not the tensor's own (the guard fills the rows that see a bad key, not only its own rows):
-    every other row comes back bit for bit, a flagged row is all fill."""
-    t = poisoned((9, 3, 12), torch.bfloat16)
-    flags = torch.zeros(9, 3, dtype=torch.bool)
-    flags[1, 2] = flags[8, 0] = True
-    filled = fill_flagged(t, flags, float("nan"))
-    assert torch.equal(bits(filled[~flags]), bits(t[~flags])) and torch.isnan(filled[flags]).all()
 
 
 def test_a_head_slice_of_wider_rows_is_read_in_place():
@@ -77,15 +61,12 @@ def test_empty_tensors():
     for shape in ((0, 2, 4), (3, 2, 0)):
         stand_in, flags = finite_stand_in_with_flags(torch.zeros(shape))
         assert stand_in.shape == shape and flags.shape == shape[:2] and not flags.any()
-        assert fill_flagged(torch.zeros(shape), flags, 0.0).shape == shape
 
 
-def test_the_guard_takes_the_torch_ops_under_the_interpreter():
-    """The interpreter stands in for a CUDA device only for calls that name Triton: the guard's helpers (of every
-    fused dense backend) take the torch ops here, with the same values."""
+def test_the_guard_counts_the_kernel_where_triton_runs():
+    """The interpreter stands in for a CUDA device only for calls that name Triton: the guard itself (a
+    helper of every fused dense backend) takes the torch ops here, and counts nothing."""
     reset_call_counts()
     t = poisoned((4, 2, 8), torch.float32)
     stand_in, flags = stand_in_and_flags(t)
-    assert torch.equal(flags, non_finite_heads(t))
-    assert torch.equal(bits(fill_dead_rows(t, flags, 0.0)), bits(torch.where(flags.unsqueeze(-1), 0.0, t)))
-    assert variant_counts() == {}
+    assert torch.equal(flags, non_finite_heads(t)) and variant_counts() == {}
