@@ -70,3 +70,32 @@ def test_the_guard_counts_the_kernel_where_triton_runs():
     t = poisoned((4, 2, 8), torch.float32)
     stand_in, flags = stand_in_and_flags(t)
     assert torch.equal(flags, non_finite_heads(t)) and variant_counts() == {}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+def test_the_guard_on_its_triton_pass_equals_the_reference(monkeypatch, tensor, value):
+    """`isolate_non_finite` around a kernel that leaks NaN (a whole-tile softmax and `P @ V`), its stand-ins forced
+    onto the Triton kernel as on a GPU (counted per tensor): output, LSE and the q, k, v gradients equal the
+    reference attention's (float64, packed layout with GQA), NaN rows included; the other sequence finite."""
+    from megatron_dsa.backends import dense_layout
+    from megatron_dsa.ops.dense_attention import causal_attention
+    from megatron_dsa.ops.layout import TokenLayout
+    from test_non_finite_isolation import BAD_VALUES, _leaky_kernel, _qkv
+
+    monkeypatch.setattr(dense_layout, "triton_decline_reason", lambda device: None)
+    layout = TokenLayout.packed(torch.tensor([0, 6, 11], dtype=torch.int32), 11, torch.device("cpu"))
+    inputs = dict(zip("qkv", _qkv(11)))
+    inputs[tensor][3, 1, 0] = BAD_VALUES[value]
+    grad_out = torch.randn(11, 4, 8, dtype=torch.float64)
+    results = {}
+    reset_call_counts()
+    for name, attend in (("guarded", dense_layout.isolate_non_finite(_leaky_kernel)), ("reference", causal_attention)):
+        leaves = [inputs[key].clone().requires_grad_() for key in "qkv"]
+        out, lse = attend(*leaves, layout, 0.3)
+        torch.where(torch.isnan(out), 0.0, out * grad_out).sum().backward()
+        results[name] = (out.detach(), lse, *(leaf.grad for leaf in leaves))
+    assert variant_counts() == {("triton", "dense_attention", "non_finite_guard"): 3}
+    for what, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["guarded"], results["reference"]):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-12, atol=1e-12, msg=what)
+    assert torch.isfinite(results["guarded"][0][6:]).all()  # the other sequence
