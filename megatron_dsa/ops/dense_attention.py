@@ -301,10 +301,19 @@ def merge_attention(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]
     empty = torch.isneginf(lses).all(0)
     total = torch.where(empty, float("-inf"),
                         torch.logsumexp(torch.where(empty.unsqueeze(0), 0.0, lses), dim=0))
-    safe_total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-    weights = torch.where(torch.isfinite(lses), torch.exp(lses - safe_total), torch.zeros_like(lses))
+    weights = _block_weights(lses, _finite_or_zero(total))
     out = sum(w.unsqueeze(-1) * o for w, (o, _) in zip(weights, parts))
     return out, total
+
+
+def _finite_or_zero(total: Tensor) -> Tensor:
+    """The merged LSE with 0 where it is not finite (no visible key, or NaN): a safe offset for `_block_weights`."""
+    return torch.where(torch.isfinite(total), total, 0.0)
+
+
+def _block_weights(lse: Tensor, safe_total: Tensor) -> Tensor:
+    """Each block's share of the merged output, `exp(lse − total)`; 0 for a block that saw no key (or a NaN one)."""
+    return torch.where(torch.isfinite(lse), torch.exp(lse - safe_total), 0.0)
 
 
 def accumulate_attention(out: Tensor, lse: Tensor, part: tuple[Tensor, Tensor]) -> None:
@@ -314,8 +323,7 @@ def accumulate_attention(out: Tensor, lse: Tensor, part: tuple[Tensor, Tensor]) 
     see (the context-parallel ring's forward)."""
     part_out, part_lse = part
     total = torch.logaddexp(lse, part_lse)  # −inf where both are −inf (no visible key yet); NaN where either is
-    safe_total = torch.where(torch.isfinite(total), total, 0.0)
-    keep = torch.where(torch.isfinite(lse), torch.exp(lse - safe_total), 0.0)
-    add = torch.where(torch.isfinite(part_lse), torch.exp(part_lse - safe_total), 0.0)
+    safe_total = _finite_or_zero(total)
+    keep, add = _block_weights(lse, safe_total), _block_weights(part_lse, safe_total)
     out.mul_(keep.unsqueeze(-1)).addcmul_(part_out, add.unsqueeze(-1))
     lse.copy_(total)
