@@ -118,8 +118,8 @@ class ContextParallelRows(KeepsDeviceValues):
 
     def attend_causal(self, q: Tensor, keys: KeyValueSource, scale: float, backend: Requested) -> Tensor:
         """Causal attention over every rank's keys of the same sequences (`ring_attention`)."""
-        return ring_attention(q, keys.ring_keys(), self.plan, self.rank, self.group, scale, self.comm_type, backend,
-                              self.ring_key_rows)
+        return ring_attention(q, keys.ring_keys(), self.plan, self.rank, self.group, scale, self.comm_type,
+                              self.ring_key_rows, backend)
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -376,8 +376,7 @@ class PackedKeyValues:
 
 
 def ring_attention(q: Tensor, keys: RingKeys, plan: ContextParallelPlan, rank: int, group: ProcessGroup,
-                   scale: float, comm_type: str, backend: Requested = AUTO,
-                   key_rows: int = HybridAttentionConfig.cp_ring_key_rows) -> Tensor:
+                   scale: float, comm_type: str, key_rows: int, backend: Requested = AUTO) -> Tensor:
     """Causal attention of this rank's query pieces over every rank's key pieces (dense `M` kind).
 
     q `[N, H, Dqk]` and `keys.rows [N, F]` are this rank's rows (pieces in order). Returns `[N, H, Dv]`
