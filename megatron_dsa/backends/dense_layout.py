@@ -78,8 +78,8 @@ def isolate_non_finite(attend: DenseAttention) -> DenseAttention:
     the next sequence, would reach rows that cannot see it. So the kernel runs on finite stand-ins (0
     per non-finite element; their gradient passes through, `_StandIn`) and the rows that do see one are
     set to NaN afterwards, from per-segment prefix counts: a few elementwise kernels, no host
-    synchronisation. The NaN rows pass no gradient. Each of q, k and v is read once for its stand-in and
-    its flags together (`_StandIn`).
+    synchronisation. The NaN rows pass no gradient. Where Triton runs, each of q, k and v is read once for
+    its stand-in and its flags together (`stand_in_and_flags`).
     """
 
     @functools.wraps(attend)
