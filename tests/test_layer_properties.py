@@ -338,3 +338,20 @@ def test_bf16_forward_backward_is_finite_and_close(case):
         assert torch.isfinite(layer.last_indexer_loss)
     cosine, similarity = _similarities(out, fp64(x)[0])
     assert cosine > 0.99 and similarity > 0.99, (cosine, similarity)
+
+
+def test_mla_keys_and_values_from_the_up_projection_match_split_and_cat():
+    """`LatentUpProjection.keys_values_of` (K joined by two copies, its own backward) against the plain split and
+    `cat` of the expanded RoPE key: the same K and V, and `gradcheck` of both outputs in float64 (GQA groups,
+    the gradient of the shared RoPE key summed over them)."""
+    from megatron_dsa.layers.cores import LatentUpProjection
+
+    up = LatentUpProjection(groups=3, qk_head_dim=5, v_head_dim=4)
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(7, 3 * (5 + 4), generator=gen, dtype=torch.float64, requires_grad=True)
+    rope = torch.randn(7, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = up.keys_values_of(kv, rope)
+    k_nope, v_want = kv.unflatten(1, (3, -1)).split((5, 4), dim=-1)
+    assert torch.equal(k, torch.cat((k_nope, rope.unsqueeze(1).expand(-1, 3, -1)), dim=-1))
+    assert torch.equal(v, v_want)
+    assert torch.autograd.gradcheck(lambda a, b: up.keys_values_of(a, b), (kv, rope))
