@@ -31,9 +31,9 @@ def finite_stand_in_with_flags(t: Tensor) -> tuple[Tensor, Tensor]:
     require_triton(t.device, "finite stand-in", "t's device")
     rows, heads, width = t.shape
     stand_in = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    flags = torch.zeros(rows, heads, dtype=torch.int8, device=t.device)
-    if stand_in.numel() == 0:
-        return stand_in, flags.bool()
+    if stand_in.numel() == 0:  # no element, nothing non-finite
+        return stand_in, torch.zeros(rows, heads, dtype=torch.bool, device=t.device)
+    flags = torch.empty(rows, heads, dtype=torch.int8, device=t.device)  # the kernel writes every flag
     if t.stride(2) != 1:
         t = t.contiguous()
     from megatron_dsa.backends.triton_kernels import _finite_stand_in_kernels as kernels
