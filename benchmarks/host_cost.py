@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from timing import cuda_available  # noqa: E402
-from megatron_dsa.backends.triton_kernels import finite_stand_in, lazy_jit, rms_norm, rope  # noqa: E402
+from megatron_dsa.backends.triton_kernels import lazy_jit, non_finite_guard, rms_norm, rope  # noqa: E402
 
 CALLS = 2000
 
@@ -52,7 +52,7 @@ def triton_rows() -> list[tuple[str, float]]:
     cases = [("triton rms_norm [256, 512]", lambda: rms_norm.rms_norm(x, weight, 1e-6)),
              ("triton rms_norm [256, 512], input requiring grad", lambda: rms_norm.rms_norm(grad_x, weight, 1e-6)),
              ("triton rope [64, 4, 128]", lambda: rope.rope(heads, positions, inv_freq)),
-             ("triton finite stand-in [64, 4, 128]", lambda: finite_stand_in.finite_stand_in_with_flags(heads))]
+             ("triton finite stand-in [64, 4, 128]", lambda: non_finite_guard.finite_stand_in_with_flags(heads))]
     rows = []
     for name, issue in cases:
         before = dict(lazy_jit.LAUNCHES)

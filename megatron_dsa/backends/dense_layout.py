@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.registry import OpFamily, count_variant
-from megatron_dsa.backends.triton_kernels import finite_stand_in as triton_stand_in
+from megatron_dsa.backends.triton_kernels import non_finite_guard as triton_guard
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.dense_attention import finite_stand_in, non_finite_heads
 from megatron_dsa.ops.layout import TokenLayout
@@ -77,30 +77,46 @@ def isolate_non_finite(attend: DenseAttention) -> DenseAttention:
     NaN at a later token of the tile, or (kernels that load whole tiles across a varlen boundary) in
     the next sequence, would reach rows that cannot see it. So the kernel runs on finite stand-ins (0
     per non-finite element; their gradient passes through, `_StandIn`) and the rows that do see one are
-    set to NaN afterwards, from per-segment prefix counts: a few elementwise kernels, no host
-    synchronisation. The NaN rows pass no gradient. Where Triton runs, each of q, k and v is read once for
-    its stand-in and its flags together (`stand_in_and_flags`).
+    set to NaN afterwards (`_DeadRows`), from per-segment prefix counts: a few elementwise kernels, no
+    host synchronisation. The NaN rows pass no gradient. Where Triton runs, each of q, k and v is read once
+    for its stand-in and flags, and the NaN rows are written without being read (`triton_kernels.
+    non_finite_guard`; counted once per call as Triton's `non_finite_guard` variant of `dense_attention`).
     """
 
     @functools.wraps(attend)
     def isolated(q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout, scale: float) -> tuple[Tensor, Tensor]:
+        if _guard_runs_triton(q):
+            count_variant("triton", OpFamily.DENSE_ATTENTION, "non_finite_guard")
         heads = q.shape[1]
         (q_in, bad_q), (k_in, bad_k), (v_in, bad_v) = (_StandIn.apply(t) for t in (q, k, v))
         bad_key = expand_groups((bad_k | bad_v).unsqueeze(-1), heads)[..., 0]
         out, lse = attend(q_in, k_in, v_in, layout, scale)
         dead = bad_q | _sees_earlier_in_segment(bad_key, layout)
-        return torch.where(dead.unsqueeze(-1), float("nan"), out), torch.where(dead, float("nan"), lse)
+        return _DeadRows.apply(out, dead), torch.where(dead, float("nan"), lse)
 
     return isolated
 
 
+def _guard_runs_triton(t: Tensor) -> bool:
+    """The guard's passes over `t` run as Triton kernels: on a CUDA device (the CPU interpreter serves named
+    requests only) and a dtype they take."""
+    return triton_decline_reason(t.device) is None and t.dtype in triton_guard.SUPPORTED_DTYPES
+
+
 def stand_in_and_flags(t: Tensor) -> tuple[Tensor, Tensor]:
-    """`t [R, H, D]` → `(finite_stand_in(t), non_finite_heads(t))`: in one pass over t where Triton runs (a CUDA
-    device; counted as Triton's `non_finite_guard` variant of `dense_attention`), else the two torch ops."""
-    if triton_decline_reason(t.device) is None and t.dtype in triton_stand_in.SUPPORTED_DTYPES:
-        count_variant("triton", OpFamily.DENSE_ATTENTION, "non_finite_guard")
-        return triton_stand_in.finite_stand_in_with_flags(t)
+    """`t [R, H, D]` → `(finite_stand_in(t), non_finite_heads(t))`: in one pass over t where Triton runs, else the
+    two torch ops."""
+    if _guard_runs_triton(t):
+        return triton_guard.finite_stand_in_with_flags(t)
     return finite_stand_in(t), non_finite_heads(t)
+
+
+def fill_dead_rows(t: Tensor, dead: Tensor, fill: float) -> Tensor:
+    """`torch.where(dead.unsqueeze(-1), fill, t)` for `t [R, H, D]`, `dead [R, H]` bool: one Triton pass that does
+    not read the dead rows where Triton runs."""
+    if _guard_runs_triton(t):
+        return triton_guard.fill_flagged(t, dead, fill)
+    return torch.where(dead.unsqueeze(-1), fill, t)
 
 
 class _StandIn(torch.autograd.Function):
@@ -123,6 +139,21 @@ class _StandIn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor, _flags_grad: None) -> Tensor:
         return grad
+
+
+class _DeadRows(torch.autograd.Function):
+    """`out [T, H, Dv]` with NaN in the rows `dead [T, H]` marks; their gradient is 0 (`torch.where`'s, with
+    `fill_dead_rows` both ways)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, dead: Tensor) -> Tensor:
+        ctx.save_for_backward(dead)
+        return fill_dead_rows(out, dead, float("nan"))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (dead,) = ctx.saved_tensors
+        return fill_dead_rows(grad, dead, 0.0), None
 
 
 def _sees_earlier_in_segment(flagged: Tensor, layout: TokenLayout) -> Tensor:
