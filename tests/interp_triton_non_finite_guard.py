@@ -89,3 +89,30 @@ def test_the_guard_takes_the_torch_ops_under_the_interpreter():
     assert torch.equal(flags, non_finite_heads(t))
     assert torch.equal(bits(fill_dead_rows(t, flags, 0.0)), bits(torch.where(flags.unsqueeze(-1), 0.0, t)))
     assert variant_counts() == {}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+def test_the_guard_on_its_triton_passes_equals_the_reference(monkeypatch, tensor, value):
+    """`isolate_non_finite` around a kernel that leaks NaN (a whole-tile softmax and `P @ V`), its passes forced
+    onto the Triton kernels as on a GPU: output, LSE and the q, k, v gradients equal the reference attention's
+    (float64, packed layout with GQA), NaN rows included; every live row finite."""
+    from megatron_dsa.backends import dense_layout
+    from megatron_dsa.ops.dense_attention import causal_attention
+    from megatron_dsa.ops.layout import TokenLayout
+    from test_non_finite_isolation import BAD_VALUES, _leaky_kernel, _qkv
+
+    monkeypatch.setattr(dense_layout, "_guard_runs_triton", lambda t: True)
+    layout = TokenLayout.packed(torch.tensor([0, 6, 11], dtype=torch.int32), 11, torch.device("cpu"))
+    inputs = dict(zip("qkv", _qkv(11)))
+    inputs[tensor][3, 1, 0] = BAD_VALUES[value]
+    grad_out = torch.randn(11, 4, 8, dtype=torch.float64)
+    results = {}
+    for name, attend in (("guarded", dense_layout.isolate_non_finite(_leaky_kernel)), ("reference", causal_attention)):
+        leaves = [inputs[key].clone().requires_grad_() for key in "qkv"]
+        out, lse = attend(*leaves, layout, 0.3)
+        torch.where(torch.isnan(out), 0.0, out * grad_out).sum().backward()
+        results[name] = (out.detach(), lse, *(leaf.grad for leaf in leaves))
+    for what, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["guarded"], results["reference"]):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-12, atol=1e-12, msg=what)
+    assert torch.isfinite(results["guarded"][0][6:]).all()  # the other sequence
