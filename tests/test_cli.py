@@ -210,12 +210,14 @@ def test_layer_parts_benchmark_sets_the_m_layer_against_its_attention_and_projec
 
 
 def test_decode_benchmark_smoke_mode_prints_its_table() -> None:
-    result = run_python("benchmarks/decode.py", "--smoke", "--kinds", "CW")
+    result = run_python("benchmarks/decode.py", "--smoke", "--kinds", "CW", "--projection-precision", "native", "fp8")
     assert result.returncode == 0, result.stderr
-    assert "| kind | B | context | eager µs | graph µs |" in result.stdout
+    assert "| kind | projections | B | context | eager µs | graph µs |" in result.stdout
     for kind, batch, context in (("C", 1, 64), ("C", 2, 200), ("W", 2, 64)):
-        assert f"| {kind} | {batch} | {context} |" in result.stdout
+        for precision in ("native", "fp8"):
+            assert f"| {kind} | {precision} | {batch} | {context} |" in result.stdout
     assert "decode_attention=unfused" in result.stdout  # the decode step ran (auto on the CPU)
+    assert "C (fp8): " in result.stdout and "fp8_gemm=unfused" in result.stdout
 
 
 def test_layer_benchmark_times_a_stack_of_chained_layers() -> None:

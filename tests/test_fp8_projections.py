@@ -22,7 +22,8 @@ from megatron_dsa.backends import BackendUnavailableError, call_counts, reset_ca
 from megatron_dsa.backends import probes, torch_scaled_mm
 from megatron_dsa.layers.projection_gemms import Fp8Gemms
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules
-from megatron_dsa.ops.fp8_linear import FP8_MAX, fp8_gemm_reference, fp8_grouped_linear, fp8_linear, quantize_rows
+from megatron_dsa.ops.fp8_linear import (FP8_MAX, RoundedWeight, fp8_gemm_reference, fp8_grouped_linear, fp8_linear,
+                                         quantize_rows)
 from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.stacked_projection import stacked_projection
 from megatron_dsa.parallel import initialize_parallel_state
@@ -217,28 +218,35 @@ FP8_PROJECTIONS = {
 }
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("kind", "WCHM")
-def test_the_fp8_gemms_take_exactly_the_documented_projection_weights(kind, monkeypatch):
+def test_the_fp8_gemms_take_exactly_the_documented_projection_weights(kind, grad, monkeypatch):
     """Every weight row the forward's FP8 GEMMs multiply by is a row of a documented projection weight, and
     every row of those weights is multiplied once (stacked, grouped or alone), each GEMM's other operand being
-    token rows: no parameter outside the list is rounded to FP8, and no projection is skipped or repeated."""
+    token rows: no parameter outside the list is rounded to FP8, and no projection is skipped or repeated.
+    Without a gradient the GEMMs of single weights take their kept FP8 codes (`RoundedWeights`; the stacked
+    input projection, a new stack each call without an inference cache, is rounded in its GEMM)."""
     torch.manual_seed(0)
     layer = HybridAttention(tiny(kind, projection_precision="fp8"), kind=kind)
     weights = dict(layer.named_parameters())
-    owner = {}
+    owner, owner_of_codes = {}, {}
     for name in FP8_PROJECTIONS[kind]:
         weight = weights[name if name == "linear_o_group_proj" else f"{name}.weight"]  # [G·Ro, H·D/G] grouped
         owner.update({row.numpy().tobytes(): name for row in weight.detach()})
-    seen = []
+        owner_of_codes.update({row.numpy().tobytes(): name for row in quantize_rows(weight.detach())[0].view(torch.uint8)})
+    seen, took_codes = [], []
 
-    def recording(a, b, out_dtype):
-        seen.extend(owner.get(row.detach().numpy().tobytes(), "unknown") for row in b)
+    def recording(a, b, out_dtype, b_scales=None):
+        took_codes.append(b_scales is not None)
+        rows, owners = (b.detach(), owner) if b_scales is None else (b.view(torch.uint8), owner_of_codes)
+        seen.extend(owners.get(row.numpy().tobytes(), "unknown") for row in rows)
         assert a.shape[0] == 2 * 16, "the other operand is the token rows"
-        return fp8_gemm_reference(a, b, out_dtype)
+        return fp8_gemm_reference(a, b, out_dtype, b_scales)
 
     monkeypatch.setattr(Fp8Gemms, "gemm", lambda self, x: recording)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         layer(torch.randn(16, 2, 128))
+    assert any(took_codes) != grad, "codes taken exactly where no gradient is needed"
     counts = {name: seen.count(name) for name in set(seen)}
     expected = {name: sum(1 for n in owner.values() if n == name) for name in FP8_PROJECTIONS[kind]}
     assert counts == expected
@@ -276,13 +284,15 @@ def test_fp8_runs_under_autocast_with_float32_weights():
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
 
 
-def test_fp8_decode_step_equals_the_forward_up_to_summation_order():
+@pytest.mark.parametrize("kind", "WC")
+def test_fp8_decode_step_equals_the_forward_up_to_summation_order(kind):
     """Per-row scales: a token's products do not depend on the other tokens in the GEMM, so decoding token by
-    token gives what the whole forward gives (a per-tensor scale would not)."""
+    token gives what the whole forward gives (a per-tensor scale would not); the decode step's stacked input
+    projection multiplies by the kept FP8 codes of its cache's kept stack."""
     from megatron_dsa.layers.decoding import LayerCache
 
     torch.manual_seed(0)
-    layer = HybridAttention(tiny("W", projection_precision="fp8"), kind="W").eval()
+    layer = HybridAttention(tiny(kind, projection_precision="fp8"), kind=kind).eval()
     x = torch.randn(6, 2, 128)
     with torch.no_grad():
         full, _ = layer(x)
@@ -290,6 +300,75 @@ def test_fp8_decode_step_equals_the_forward_up_to_summation_order():
         prefix, _ = layer(x[:5], inference_cache=cache)
         last, _ = layer(x[5:], inference_cache=cache)
     torch.testing.assert_close(torch.cat((prefix, last)), full, rtol=1e-4, atol=1e-5)
+
+
+def test_the_reference_gemm_takes_a_weight_already_rounded():
+    a, b = torch.randn(6, 40, dtype=torch.float64), torch.randn(24, 40, dtype=torch.float64)
+    rounded = RoundedWeight.of(b)
+    assert rounded.codes.shape == (1, 24, 40) and rounded.scales.shape == (1, 24, 1)
+    kept = fp8_gemm_reference(a, rounded.codes[0], torch.float64, rounded.scales[0])
+    assert torch.equal(kept, fp8_gemm_reference(a, b, torch.float64))
+    grouped = RoundedWeight.of(b).in_groups(3)
+    assert torch.equal(grouped.codes[1], quantize_rows(b[8:16])[0]) and grouped.scales.shape == (3, 8, 1)
+    with pytest.raises(ValueError, match=r"rounded weight codes \(1, 24, 40\).*weight \(12, 40\)"):
+        fp8_linear(a, b[:12], fp8_gemm_reference, rounded=rounded)
+
+
+def counting_roundings(monkeypatch) -> list:
+    calls = []
+    original = RoundedWeight.of.__func__
+
+    def counted(cls, weight):
+        calls.append(tuple(weight.shape))
+        return original(cls, weight)
+
+    monkeypatch.setattr(RoundedWeight, "of", classmethod(counted))
+    return calls
+
+
+def kept_codes(layer: HybridAttention) -> int:
+    """Weights whose FP8 codes the layer keeps (its own products' and its submodules', the indexer's)."""
+    return sum(len(module.gemms.rounded) for module in layer.modules() if isinstance(getattr(module, "gemms", None),
+                                                                                  Fp8Gemms))
+
+
+@pytest.mark.parametrize("kind", "WCHM")
+def test_inference_rounds_each_weight_once_and_equals_the_training_forward(kind, monkeypatch):
+    """Forward calls without a gradient round each projection weight once and keep the codes: the next call
+    rounds nothing and both equal, bit for bit, a forward that rounds the weights in every GEMM (one with a
+    gradient, which keeps nothing and drops what was kept)."""
+    torch.manual_seed(0)
+    layer = HybridAttention(tiny(kind, projection_precision="fp8"), kind=kind)
+    x = torch.randn(16, 2, 128)
+    roundings = counting_roundings(monkeypatch)
+    trained, _ = layer(x)
+    assert roundings == [] and kept_codes(layer) == 0
+    with torch.no_grad():
+        first, _ = layer(x)
+        rounded_first = len(roundings)
+        second, _ = layer(x)
+    # The input projection is one stacked GEMM only with a kept stack (an inference cache's); here each
+    # linear multiplies alone, so every linear weight but that stack's is kept.
+    assert rounded_first >= 3 and len(roundings) == rounded_first and kept_codes(layer) == rounded_first
+    assert torch.equal(first, trained.detach()) and torch.equal(second, trained.detach())
+    layer(x)[0].sum().backward()
+    assert kept_codes(layer) == 0, "a forward with gradients keeps no FP8 copy"
+
+
+def test_a_weight_changed_in_place_is_rounded_again(monkeypatch):
+    """An optimizer step (in place) or `load_state_dict` changes the weights: the next inference call rounds
+    them again and equals a new layer with the same weights."""
+    torch.manual_seed(0)
+    layer = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
+    x = torch.randn(16, 2, 128)
+    with torch.no_grad():
+        layer(x)
+        layer.linear_q_up_proj.weight.mul_(1.5)
+        layer.load_state_dict({"linear_o_group_proj": torch.randn_like(layer.linear_o_group_proj)}, strict=False)
+        changed, _ = layer(x)
+        fresh = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
+        fresh.load_state_dict(layer.state_dict())
+        assert torch.equal(changed, fresh(x)[0])
 
 
 # ------------------------------------------------------------------------------ config and backend errors
@@ -417,6 +496,8 @@ def test_scaled_mm_matches_the_reference(shape):
     fused, reference = torch_scaled_mm.fp8_gemm(a, b, torch.float32), fp8_gemm_reference(a, b, torch.float32)
     assert fused.shape == (m, n)
     assert relative_error(fused, reference) < 4e-3  # bf16 output rounding (2⁻⁹) dominates
+    rounded = RoundedWeight.of(b)  # kept codes (inference): the same codes and scales, so the same product
+    assert torch.equal(torch_scaled_mm.fp8_gemm(a, rounded.codes[0], torch.float32, rounded.scales[0]), fused)
 
 
 @pytest.mark.gpu

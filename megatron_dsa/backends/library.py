@@ -477,14 +477,15 @@ def _(backend, q, keys, weights, counts, scale, key_scales):
 
 
 @_custom_op("fp8_gemm")
-def fp8_gemm_op(backend: str, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """`fp8_gemm` family: `a [M, K]·b [N, K]ᵀ` in `out_dtype`, the rows of both rounded to FP8 (no gradient:
-    `ops.fp8_linear.Fp8Linear` runs its backward GEMMs through this family too)."""
-    return _kernel(OpFamily.FP8_GEMM, backend)(a, b, out_dtype)
+def fp8_gemm_op(backend: str, a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor]) -> Tensor:
+    """`fp8_gemm` family: `a [M, K]·b [N, K]ᵀ` in `out_dtype`, the rows of both rounded to FP8 (b's already where
+    `b_scales` come with its codes; no gradient: `ops.fp8_linear.Fp8Linear` runs its backward GEMMs through this
+    family too)."""
+    return _kernel(OpFamily.FP8_GEMM, backend)(a, b, out_dtype, b_scales)
 
 
 @fp8_gemm_op.register_fake
-def _(backend, a, b, out_dtype):
+def _(backend, a, b, out_dtype, b_scales):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -542,7 +543,8 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
     OpFamily.DECODE_INDEXER_SCORES: lambda backend: (
         lambda q, keys, weights, counts, scale, key_scales=None:
         decode_indexer_scores_op(backend, q, keys, weights, counts, float(scale), key_scales)),
-    OpFamily.FP8_GEMM: lambda backend: (lambda a, b, out_dtype: fp8_gemm_op(backend, a, b, out_dtype)),
+    OpFamily.FP8_GEMM: lambda backend: (
+        lambda a, b, out_dtype, b_scales=None: fp8_gemm_op(backend, a, b, out_dtype, b_scales)),
     OpFamily.INDEXER_LOSS: _indexer_loss,
     OpFamily.INDEXER_KL_BWD: lambda backend: (
         lambda q, k, weights, candidates, target, student_scores, grad_rows, scale:

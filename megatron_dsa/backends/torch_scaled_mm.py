@@ -58,13 +58,22 @@ def _quantizer(device: torch.device) -> Callable[[Tensor, int, int], tuple[Tenso
     return _torch_quantize
 
 
-def fp8_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+def _padded_codes(codes: Tensor, scales: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
+    """Codes `[R, K]` already rounded (`quantize_rows`) and their scales `[R, 1]`, zero-padded to `[rows, width]`
+    (as bytes: torch pads no float8) with float32 scales (a padded row's scale is 1: its codes are 0)."""
+    if codes.shape != (rows, width):
+        codes = F.pad(codes.view(torch.uint8), (0, width - codes.shape[1], 0, rows - codes.shape[0])).view(codes.dtype)
+        scales = F.pad(scales, (0, 0, 0, rows - scales.shape[0]), value=1.0)
+    return codes.contiguous(), scales.float().contiguous()
+
+
+def fp8_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor] = None) -> Tensor:
     """The `fp8_gemm` contract (`ops.fp8_linear.Fp8Gemm`) on `torch._scaled_mm` with per-row scales."""
     k, n = a.shape[1], b.shape[0]
     width, outputs = probes.round_up(k, ALIGNMENT), probes.round_up(n, ALIGNMENT)
     quantize = _quantizer(a.device)
     qa, scale_a = quantize(a, a.shape[0], width)
-    qb, scale_b = quantize(b, outputs, width)
+    qb, scale_b = quantize(b, outputs, width) if b_scales is None else _padded_codes(b, b_scales, outputs, width)
     out = torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b.view(1, -1),
                            out_dtype=torch.bfloat16)
     if outputs != n:

@@ -20,7 +20,9 @@ rounding there. Elsewhere the scales are those of TP = 1 (docs/user_guide.md, 'F
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import weakref
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -29,7 +31,8 @@ from torch import Tensor, nn
 
 from megatron_dsa.backends import OpFamily, Requested, dispatch
 from megatron_dsa.config import HybridAttentionConfig
-from megatron_dsa.ops.fp8_linear import Fp8Gemm, fp8_grouped_linear, fp8_linear
+from megatron_dsa.device_cache import KeptWhileUnchanged
+from megatron_dsa.ops.fp8_linear import Fp8Gemm, RoundedWeight, fp8_grouped_linear, fp8_linear
 from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.stacked_projection import KeptStack, stacked_projection, stacked_weights
 
@@ -91,18 +94,52 @@ class NativeGemms:
         return grouped_output_projection(o, weight, groups)
 
 
+class RoundedWeights:
+    """The FP8 rounding of each weight (`RoundedWeight.of`), kept between products that need no gradient
+    (inference: a decode step then reads each weight's e4m3 codes, half the bytes of bf16, instead of
+    reading the weight and rounding it again), while the weight is the same tensor, unchanged in place
+    (`KeptWhileUnchanged`). A product that needs the weight's gradient (training) drops them all, so
+    training holds no FP8 copy; a weight that is freed drops its own."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[weakref.ref, KeptWhileUnchanged[RoundedWeight]]] = {}
+
+    def of(self, weight: Tensor) -> Optional[RoundedWeight]:
+        """`weight`'s rounding, kept; None where the product needs the weight's gradient."""
+        if torch.is_grad_enabled() and weight.requires_grad:
+            self._kept.clear()
+            return None
+        if torch.compiler.is_compiling():  # no identities under a trace: the GEMM rounds the weight itself
+            return None
+        key = id(weight)
+        entry = self._kept.get(key)
+        if entry is None or entry[0]() is not weight:
+            entry = (weakref.ref(weight, functools.partial(self._forget, key)), KeptWhileUnchanged())
+            self._kept[key] = entry
+        return entry[1].get([weight], lambda: RoundedWeight.of(weight))
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        if self._kept.get(key, (None,))[0] is ref:
+            del self._kept[key]
+
+
 @dataclass(frozen=True, eq=False)
 class Fp8Gemms:
     """The products as FP8 GEMMs (`projection_precision="fp8"`); `backend` picks the `fp8_gemm` backend per
-    call (the layer config: its per-op choice)."""
+    call (the layer config: its per-op choice). Weights are rounded once while no gradient is needed
+    (`rounded`)."""
 
     backend: Requested
+    rounded: RoundedWeights = field(default_factory=RoundedWeights)
 
     def gemm(self, x: Tensor) -> Fp8Gemm:
         return dispatch(OpFamily.FP8_GEMM, self.backend, device=x.device, dtype=x.dtype)
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        return fp8_linear(x, weight, self.gemm(x), out_dtype=_output_dtype(x))
+        return fp8_linear(x, weight, self.gemm(x), out_dtype=_output_dtype(x), rounded=self.rounded.of(weight))
 
     def stacks(self, x: Tensor, linears: Sequence[nn.Module]) -> bool:
         return all(plain_linear(linear) and linear.weight.device == x.device for linear in linears)
@@ -110,10 +147,10 @@ class Fp8Gemms:
     def stacked(self, x: Tensor, weights: Sequence[Tensor], attached: int, kept: Optional[KeptStack] = None
                 ) -> tuple[Tensor, ...]:
         sizes = [weight.shape[0] for weight in weights]
-        stacked = stacked_weights(weights, kept)
+        stacked = stacked_weights(weights, kept)  # None: stacked in autograd (a new tensor each call)
         out = fp8_linear(x, torch.cat(weights) if stacked is None else stacked, self.gemm(x),
-                         grad_rows=sum(sizes[:attached]),
-                         out_dtype=_output_dtype(x))
+                         grad_rows=sum(sizes[:attached]), out_dtype=_output_dtype(x),
+                         rounded=None if stacked is None else self.rounded.of(stacked))
         return out.split(sizes, dim=1)
 
     def grouped(self, o: Tensor, weight: Tensor, groups: int) -> Tensor:
@@ -121,8 +158,13 @@ class Fp8Gemms:
         if width % groups or weight.shape[1] != width // groups or weight.shape[0] % groups:
             raise ValueError(f"grouped projection: o width {width}, weight {tuple(weight.shape)}, groups {groups}")
         grouped = weight.view(groups, weight.shape[0] // groups, width // groups)
-        out = fp8_grouped_linear(o.reshape(-1, width), grouped, self.gemm(o), out_dtype=_output_dtype(o))
+        out = fp8_grouped_linear(o.reshape(-1, width), grouped, self.gemm(o), out_dtype=_output_dtype(o),
+                                 rounded=_in_groups(self.rounded.of(weight), groups))
         return out.view(*o.shape[:-1], -1)
+
+
+def _in_groups(rounded: Optional[RoundedWeight], groups: int) -> Optional[RoundedWeight]:
+    return None if rounded is None else rounded.in_groups(groups)
 
 
 def _output_dtype(x: Tensor) -> torch.dtype:

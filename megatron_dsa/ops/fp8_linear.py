@@ -26,7 +26,7 @@ fp32 accumulation. `Fp8Linear` takes the GEMM as an argument (`ops` never import
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -39,9 +39,10 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 class Fp8Gemm(Protocol):
     """`(a [M, K], b [N, K], out_dtype)` → `a·bᵀ [M, N]` in `out_dtype`, each row of a and of b rounded to
-    FP8 with its own scale (the `fp8_gemm` op family)."""
+    FP8 with its own scale (the `fp8_gemm` op family). With `b_scales [N, 1]`, b is already rounded: the
+    e4m3 codes `quantize_rows` made of it, standing for `b·b_scales` (a weight rounded once and kept)."""
 
-    def __call__(self, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor: ...
+    def __call__(self, a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor] = None) -> Tensor: ...
 
 
 def quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:
@@ -70,10 +71,12 @@ def rounded_rows(t: Tensor) -> Tensor:
     return dequantize_rows(*quantize_rows(t.flatten(0, -2))).view(t.shape)
 
 
-def fp8_gemm_reference(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """The `fp8_gemm` contract, readably: a's and b's rows rounded to FP8 (`quantize_rows`), multiplied back
-    by their scales and `a·bᵀ` computed in float32 (float64 for float64 rows); `[M, N]` in `out_dtype`."""
-    rounded_a, rounded_b = rounded_rows(a), rounded_rows(b)
+def fp8_gemm_reference(a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor] = None) -> Tensor:
+    """The `fp8_gemm` contract, readably: a's and b's rows rounded to FP8 (`quantize_rows`; b's already, where
+    `b_scales` comes with its codes), multiplied back by their scales and `a·bᵀ` computed in float32 (float64
+    for float64 rows); `[M, N]` in `out_dtype`."""
+    rounded_a = rounded_rows(a)
+    rounded_b = rounded_rows(b) if b_scales is None else dequantize_rows(b, b_scales)
     compute = torch.promote_types(rounded_a.dtype, rounded_b.dtype)
     return (rounded_a.to(compute) @ rounded_b.to(compute).t()).to(out_dtype)
 
@@ -95,14 +98,21 @@ class Fp8Linear(torch.autograd.Function):
     if detached: `ops.stacked_projection`'s `attached`). x and weight are saved as they are (no FP8 copy:
     the weight gradient needs x rounded along the tokens, not along its rows); x's gradient comes in x's
     dtype, the weight's in the weight's. Autocast is off inside: `gemm` owns the precision of its product.
+    `rounded`: the weight already rounded (`RoundedWeight`), which the forward then multiplies by instead of
+    rounding it again (the same numbers).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, grad_rows: int, gemm: Fp8Gemm, out_dtype: torch.dtype) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, grad_rows: int, gemm: Fp8Gemm, out_dtype: torch.dtype,
+                rounded: Optional["RoundedWeight"] = None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.grad_rows, ctx.gemm = grad_rows, gemm
+        groups = _groups(x, weight.shape[0])
         with torch.autocast(x.device.type, enabled=False):
-            return _side_by_side([gemm(rows, w, out_dtype) for rows, w in zip(_groups(x, weight.shape[0]), weight)])
+            if rounded is None:
+                return _side_by_side([gemm(rows, w, out_dtype) for rows, w in zip(groups, weight)])
+            return _side_by_side([gemm(rows, codes, out_dtype, scales)
+                                  for rows, codes, scales in zip(groups, rounded.codes, rounded.scales)])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -116,28 +126,58 @@ class Fp8Linear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_weight = torch.stack([gemm(g.t(), rows_in.t(), weight.dtype)
                                            for g, rows_in in zip(grads, inputs)])
-        return grad_x, grad_weight, None, None, None
+        return grad_x, grad_weight, None, None, None, None
+
+
+class RoundedWeight(NamedTuple):
+    """A weight `[G, N, K]` (G = 1: a plain linear's) as `quantize_rows` rounds it: e4m3 `codes [G, N, K]`
+    standing for `codes · scales`, `scales [G, N, 1]` (one per row of each group)."""
+
+    codes: Tensor
+    scales: Tensor
+
+    @classmethod
+    def of(cls, weight: Tensor) -> "RoundedWeight":
+        """`weight [N, K]` or `[G, N, K]` rounded (no gradient)."""
+        with torch.no_grad():
+            codes, scales = quantize_rows(weight.reshape(-1, weight.shape[-1]))
+        groups = weight.shape[0] if weight.dim() == 3 else 1
+        return cls(codes.view(groups, -1, weight.shape[-1]), scales.view(groups, -1, 1))
+
+    def in_groups(self, groups: int) -> "RoundedWeight":
+        """The same rows as `[groups, N / groups, K]` (a grouped weight `[G·N, K]` rounded row by row)."""
+        return RoundedWeight(self.codes.view(groups, -1, self.codes.shape[-1]), self.scales.view(groups, -1, 1))
 
 
 def fp8_linear(x: Tensor, weight: Tensor, gemm: Fp8Gemm, grad_rows: Optional[int] = None,
-               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+               out_dtype: Optional[torch.dtype] = None, rounded: Optional[RoundedWeight] = None) -> Tensor:
     """`x [..., K] @ weight [N, K]ᵀ` → `[..., N]` in `out_dtype` (default x's), every GEMM of forward and
     backward in FP8 through `gemm` (an `fp8_gemm` implementation). The outputs of weight rows `grad_rows`
-    onwards pass no gradient to x (default: all do)."""
+    onwards pass no gradient to x (default: all do). `rounded`: `RoundedWeight.of(weight)`, kept by the
+    caller (the forward then does not round the weight again)."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., K] "
                          f"and [N, K]")
     rows = weight.shape[0] if grad_rows is None else grad_rows
     if not 0 <= rows <= weight.shape[0]:
         raise ValueError(f"fp8_linear grad_rows must be in [0, {weight.shape[0]}], got {grad_rows}")
-    out = Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight.unsqueeze(0), rows, gemm, out_dtype or x.dtype)
+    _check_rounded(rounded, weight, expected=(1, *weight.shape))
+    out = Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight.unsqueeze(0), rows, gemm, out_dtype or x.dtype, rounded)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_grouped_linear(x: Tensor, weight: Tensor, gemm: Fp8Gemm, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+def fp8_grouped_linear(x: Tensor, weight: Tensor, gemm: Fp8Gemm, out_dtype: Optional[torch.dtype] = None,
+                       rounded: Optional[RoundedWeight] = None) -> Tensor:
     """`x [T, G·K]`, `weight [G, N, K]` → `[T, G·N]` (group g: `x_g·W_gᵀ`) in `out_dtype` (default x's), as
     `fp8_linear` per group."""
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[0] * weight.shape[2]:
         raise ValueError(f"fp8_grouped_linear: x {tuple(x.shape)} must be [T, G·K] for weight [G, N, K] = "
                          f"{tuple(weight.shape)}")
-    return Fp8Linear.apply(x, weight, weight.shape[1], gemm, out_dtype or x.dtype)
+    _check_rounded(rounded, weight, expected=weight.shape)
+    return Fp8Linear.apply(x, weight, weight.shape[1], gemm, out_dtype or x.dtype, rounded)
+
+
+def _check_rounded(rounded: Optional[RoundedWeight], weight: Tensor, expected: tuple[int, ...]) -> None:
+    if rounded is not None and (rounded.codes.shape != expected or rounded.codes.dtype != FP8):
+        raise ValueError(f"rounded weight codes {tuple(rounded.codes.shape)} {rounded.codes.dtype} must be the "
+                         f"e4m3 rounding of weight {tuple(weight.shape)}")
