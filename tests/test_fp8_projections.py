@@ -476,6 +476,19 @@ def test_fp8_tensor_parallel_matches_tp1_up_to_fp8_rounding():
     run_distributed(tp_fp8_body, 2)
 
 
+def test_scaled_mm_backend_takes_kept_codes_where_torch_runs_it_on_the_cpu():
+    """The backend's function itself (its probe declines the CPU, `auto` never picks it there) where this torch
+    has a CPU `_scaled_mm`: kept codes give the product of rounding the weight in the call, padded shapes too."""
+    a, b = torch.randn(5, 72, dtype=torch.bfloat16), torch.randn(40, 72, dtype=torch.bfloat16)
+    try:
+        fused = torch_scaled_mm.fp8_gemm(a, b, torch.float32)
+    except (RuntimeError, NotImplementedError) as error:
+        pytest.skip(f"this torch has no CPU _scaled_mm: {error}")
+    rounded = RoundedWeight.of(b)
+    assert torch.equal(torch_scaled_mm.fp8_gemm(a, rounded.codes[0], torch.float32, rounded.scales[0]), fused)
+    assert relative_error(fused, fp8_gemm_reference(a, b, torch.float32)) < 4e-3
+
+
 # ------------------------------------------------------------------------------ GPU: torch._scaled_mm
 def fp8_gpu_or_skip() -> torch.device:
     device = torch.device("cuda")
@@ -486,7 +499,8 @@ def fp8_gpu_or_skip() -> torch.device:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(256, 512, 384), (100, 72, 40)])  # aligned; unaligned K and N (zero-padded)
+@pytest.mark.parametrize("shape", [(256, 512, 384), (100, 72, 40),  # aligned; unaligned K and N (zero-padded)
+                                   (32, 1024, 4096), (1, 72, 40)])  # a decode step's few rows
 def test_scaled_mm_matches_the_reference(shape):
     """Same rounding on both sides: only the order of the fp32 accumulation and the bf16 output differ."""
     device = fp8_gpu_or_skip()
@@ -494,7 +508,7 @@ def test_scaled_mm_matches_the_reference(shape):
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
     fused, reference = torch_scaled_mm.fp8_gemm(a, b, torch.float32), fp8_gemm_reference(a, b, torch.float32)
-    assert fused.shape == (m, n)
+    assert fused.shape == (m, n) and fused.is_contiguous()
     assert relative_error(fused, reference) < 4e-3  # bf16 output rounding (2⁻⁹) dominates
     rounded = RoundedWeight.of(b)  # kept codes (inference): the same codes and scales, so the same product
     assert torch.equal(torch_scaled_mm.fp8_gemm(a, rounded.codes[0], torch.float32, rounded.scales[0]), fused)
