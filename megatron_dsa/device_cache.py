@@ -6,7 +6,8 @@ same per object, for layouts that every layer and step of a shape share; `KeptWh
 value derived from tensors that may change (weights) while they do not. The one exception is a value
 built while a CUDA graph is being captured: its storage belongs to the graph's private memory pool and
 holds its values only in that graph's replays, so it is returned but not kept by anything that outlives
-the capture. A value built while `torch.compile` traces is a value of the graph being built, not a tensor
+the capture. A value built under `torch.inference_mode()` is built outside it (`built_for_keeping`), so that
+a training step after an evaluation can use it. A value built while `torch.compile` traces is a value of the graph being built, not a tensor
 to keep, and is treated the same way.
 """
 
@@ -39,6 +40,16 @@ def building_graph_now() -> bool:
 _BUILT_CAPTURING = "_built_while_capturing"
 
 
+def built_for_keeping(build: Callable[[], Value]) -> Value:
+    """`build()`, outside `torch.inference_mode()` where it is on: a kept value outlives the call that built it,
+    and a later training step may save it for backward, which autograd refuses for an inference tensor (an
+    evaluation under inference mode, then training, would otherwise fail at the first cached table)."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return build()
+    return build()
+
+
 class KeepsDeviceValues:
     """Base of (frozen) dataclasses that keep values built on a device from their fields, in
     `device_cached_property`s or by hand: it records whether the object itself was built during a capture."""
@@ -56,7 +67,7 @@ class KeepsDeviceValues:
         `may_keep_values_built_now()`."""
         if key in store:
             return store[key]
-        value = build()
+        value = built_for_keeping(build)
         if self.may_keep_values_built_now():
             store[key] = value
         return value
@@ -87,7 +98,7 @@ class DeviceCache(Generic[Value]):
         value = self._entries.get(key)
         if value is not None:
             return value
-        value = build()
+        value = built_for_keeping(build)
         # The trace first: Dynamo cannot trace the CUDA capture query (a graph break).
         if not (torch.compiler.is_compiling() or capturing(device)):
             if self._max_entries is not None and len(self._entries) >= self._max_entries:
@@ -107,12 +118,12 @@ class KeptWhileUnchanged(Generic[Value]):
         self._value: Optional[Value] = None
 
     def get(self, sources: Sequence[Tensor], build: Callable[[], Value]) -> Value:
-        if torch.compiler.is_compiling():
-            return build()
+        if torch.compiler.is_compiling() or any(t.is_inference() for t in sources):
+            return build()  # (an inference tensor has no version counter to tell a change by)
         key = tuple((id(t), t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in sources)
         if key == self._key:
             return self._value
-        value = build()
+        value = built_for_keeping(build)
         if not capturing_now():
             self._key, self._value = key, value
         return value

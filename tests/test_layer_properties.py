@@ -178,6 +178,51 @@ def test_eval_selects_training_topk_and_skips_the_loss(mode):
     assert _loss_calls() == 0, "the indexer loss op (teacher and KL) ran outside training"
 
 
+# Run in a child process: the package's kept tables (RoPE, Hadamard, device scalars, layouts) are process-wide,
+# and in this process earlier tests have built them outside inference mode already.
+INFERENCE_THEN_TRAINING = """
+import torch
+from megatron_dsa import HybridAttention, HybridAttentionConfig
+from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.packed_seq import PackedSeqParams
+
+for kind, precision in [("W", "native"), ("C", "native"), ("H", "native"), ("M", "native"), ("C", "fp8")]:
+    torch.manual_seed(0)
+    config = HybridAttentionConfig.from_preset("tiny", num_layers=1, layer_pattern=kind, projection_precision=precision)
+    layer = HybridAttention(config, kind=kind)
+    x = torch.randn(24, 2, config.hidden_size)
+    packed = x.transpose(0, 1).reshape(48, 1, -1)
+    params = PackedSeqParams(cu_seqlens_q=torch.tensor([0, 24, 48], dtype=torch.int32), max_seqlen_q=24)
+    with torch.inference_mode():  # an evaluation: full, packed, and prefill + decode through a cache
+        evaluated = layer(x)[0]
+        layer(packed, packed_seq_params=params)
+        cache = LayerCache.for_layer(layer, 2, 24)
+        decoded = torch.cat([layer(x[:20], inference_cache=cache)[0]]
+                            + [layer(x[t:t + 1], inference_cache=cache)[0] for t in range(20, 24)])
+    for inputs, kwargs in ((x, {}), (packed, {"packed_seq_params": params})):
+        out = layer(inputs.clone().requires_grad_(), **kwargs)[0]
+        out.square().sum().backward()
+    trained = layer(x)[0]
+    assert torch.equal(trained.detach(), evaluated), kind
+    assert (decoded - evaluated).abs().max() < 1e-5, kind
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None), kind
+print("trained after inference mode")
+"""
+
+
+def test_training_after_an_evaluation_under_inference_mode():
+    """An evaluation under `torch.inference_mode()` (full, packed, decoding through a cache; every kind, FP8
+    projections too) first, then training steps in the same process: the tables the package keeps are built
+    outside inference mode, so the training steps can save them for backward (they failed with "Inference
+    tensors cannot be saved for backward"), and the training forward equals the evaluation's."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", INFERENCE_THEN_TRAINING], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "trained after inference mode" in result.stdout, result.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------ A4.3 ties
 def test_tied_indexer_scores_select_the_lowest_entries():
     """All indexer scores exactly 0 (zero head weights): every row selects its lowest visible entries,
