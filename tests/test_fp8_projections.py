@@ -355,6 +355,26 @@ def test_inference_rounds_each_weight_once_and_equals_the_training_forward(kind,
     assert kept_codes(layer) == 0, "a forward with gradients keeps no FP8 copy"
 
 
+def test_a_layer_with_kept_codes_copies_and_saves_without_them():
+    """`copy.deepcopy` and `torch.save` of a whole layer after inference calls: the kept codes are left behind (a
+    weak reference does not pickle), and the copy and the loaded layer compute what the layer computes."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    layer = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
+    x = torch.randn(16, 2, 128)
+    with torch.no_grad():
+        expected, _ = layer(x)
+        assert kept_codes(layer) > 0
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        buffer.seek(0)
+        for other in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
+            assert kept_codes(other) == 0 and kept_codes(layer) > 0
+            assert torch.equal(other(x)[0], expected)
+
+
 def test_a_weight_changed_in_place_is_rounded_again(monkeypatch):
     """An optimizer step (in place) or `load_state_dict` changes the weights: the next inference call rounds
     them again and equals a new layer with the same weights."""

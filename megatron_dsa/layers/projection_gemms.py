@@ -121,6 +121,17 @@ class RoundedWeights:
     def __len__(self) -> int:
         return len(self._kept)
 
+    # Copies and pickles (`copy.deepcopy(layer)`, `torch.save(layer)`) start empty: the codes derive from the
+    # weights, and a weak reference pickles not.
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def __deepcopy__(self, memo: dict) -> "RoundedWeights":
+        return RoundedWeights()
+
     def _forget(self, key: int, ref: weakref.ref) -> None:
         if self._kept.get(key, (None,))[0] is ref:
             del self._kept[key]
