@@ -20,7 +20,8 @@ from distributed import run_distributed
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.backends import BackendUnavailableError, call_counts, reset_call_counts
 from megatron_dsa.backends import probes, torch_scaled_mm
-from megatron_dsa.layers.projection_gemms import Fp8Gemms
+from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.layers.projection_gemms import Fp8Gemms, RoundedWeights
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules
 from megatron_dsa.ops.fp8_linear import (FP8_MAX, RoundedWeight, fp8_gemm_reference, fp8_grouped_linear, fp8_linear,
                                          quantize_rows)
@@ -218,14 +219,14 @@ FP8_PROJECTIONS = {
 }
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("mode", ["training", "no_grad", "inference_cache"])
 @pytest.mark.parametrize("kind", "WCHM")
-def test_the_fp8_gemms_take_exactly_the_documented_projection_weights(kind, grad, monkeypatch):
+def test_the_fp8_gemms_take_exactly_the_documented_projection_weights(kind, mode, monkeypatch):
     """Every weight row the forward's FP8 GEMMs multiply by is a row of a documented projection weight, and
     every row of those weights is multiplied once (stacked, grouped or alone), each GEMM's other operand being
     token rows: no parameter outside the list is rounded to FP8, and no projection is skipped or repeated.
-    Without a gradient the GEMMs of single weights take their kept FP8 codes (`RoundedWeights`; the stacked
-    input projection, a new stack each call without an inference cache, is rounded in its GEMM)."""
+    Through an inference cache the GEMMs take the weights' kept FP8 codes (`RoundedWeights`); otherwise,
+    no-grad calls included, the weights themselves."""
     torch.manual_seed(0)
     layer = HybridAttention(tiny(kind, projection_precision="fp8"), kind=kind)
     weights = dict(layer.named_parameters())
@@ -244,9 +245,10 @@ def test_the_fp8_gemms_take_exactly_the_documented_projection_weights(kind, grad
         return fp8_gemm_reference(a, b, out_dtype, b_scales)
 
     monkeypatch.setattr(Fp8Gemms, "gemm", lambda self, x: recording)
-    with torch.set_grad_enabled(grad):
-        layer(torch.randn(16, 2, 128))
-    assert any(took_codes) != grad, "codes taken exactly where no gradient is needed"
+    x = torch.randn(16, 2, 128)
+    with torch.set_grad_enabled(mode == "training"):
+        layer(x, inference_cache=LayerCache.for_layer(layer, 2, 16) if mode == "inference_cache" else None)
+    assert all(took_codes) if mode == "inference_cache" else not any(took_codes)
     counts = {name: seen.count(name) for name in set(seen)}
     expected = {name: sum(1 for n in owner.values() if n == name) for name in FP8_PROJECTIONS[kind]}
     assert counts == expected
@@ -289,8 +291,6 @@ def test_fp8_decode_step_equals_the_forward_up_to_summation_order(kind):
     """Per-row scales: a token's products do not depend on the other tokens in the GEMM, so decoding token by
     token gives what the whole forward gives (a per-tensor scale would not); the decode step's stacked input
     projection multiplies by the kept FP8 codes of its cache's kept stack."""
-    from megatron_dsa.layers.decoding import LayerCache
-
     torch.manual_seed(0)
     layer = HybridAttention(tiny(kind, projection_precision="fp8"), kind=kind).eval()
     x = torch.randn(6, 2, 128)
@@ -315,6 +315,7 @@ def test_the_reference_gemm_takes_a_weight_already_rounded():
 
 
 def counting_roundings(monkeypatch) -> list:
+    """The shapes of the weights `RoundedWeight.of` rounds from now on, in order."""
     calls = []
     original = RoundedWeight.of.__func__
 
@@ -332,31 +333,49 @@ def kept_codes(layer: HybridAttention) -> int:
                                                                                   Fp8Gemms))
 
 
+def through_one_cache(layer: HybridAttention, x: torch.Tensor, prompt: int = 12) -> torch.Tensor:
+    """`x [S, B, d]`: a prefill of `prompt` tokens, then one decode step per token, through one new inference cache."""
+    cache = LayerCache.for_layer(layer, x.shape[1], x.shape[0] + 1)
+    with torch.no_grad():
+        outputs = [layer(x[:prompt], inference_cache=cache)[0]]
+        outputs += [layer(x[t:t + 1], inference_cache=cache)[0] for t in range(prompt, x.shape[0])]
+    return torch.cat(outputs)
+
+
+def prefill(layer: HybridAttention, x: torch.Tensor) -> torch.Tensor:
+    """`x [S, B, d]` through a new inference cache (no gradient)."""
+    with torch.no_grad():
+        return layer(x, inference_cache=LayerCache.for_layer(layer, x.shape[1], x.shape[0] + 1))[0]
+
+
 @pytest.mark.parametrize("kind", "WCHM")
-def test_inference_rounds_each_weight_once_and_equals_the_training_forward(kind, monkeypatch):
-    """Forward calls without a gradient round each projection weight once and keep the codes: the next call
-    rounds nothing and both equal, bit for bit, a forward that rounds the weights in every GEMM (one with a
-    gradient, which keeps nothing and drops what was kept)."""
+def test_calls_through_an_inference_cache_round_each_weight_once(kind, monkeypatch):
+    """Through an inference cache each projection weight is rounded once and its codes kept: the next call rounds
+    nothing and both equal, bit for bit, the same calls rounding every weight in every GEMM. A no-grad call
+    without a cache keeps nothing; a forward with a gradient drops what was kept."""
     torch.manual_seed(0)
     layer = HybridAttention(tiny(kind, projection_precision="fp8"), kind=kind)
     x = torch.randn(16, 2, 128)
-    roundings = counting_roundings(monkeypatch)
-    trained, _ = layer(x)
-    assert roundings == [] and kept_codes(layer) == 0
     with torch.no_grad():
-        first, _ = layer(x)
-        rounded_first = len(roundings)
-        second, _ = layer(x)
-    # The input projection is one stacked GEMM only with a kept stack (an inference cache's); here each
-    # linear multiplies alone, so every linear weight but that stack's is kept.
-    assert rounded_first >= 3 and len(roundings) == rounded_first and kept_codes(layer) == rounded_first
-    assert torch.equal(first, trained.detach()) and torch.equal(second, trained.detach())
+        layer(x)
+    assert kept_codes(layer) == 0, "a no-grad call without a cache keeps no codes"
+    roundings = counting_roundings(monkeypatch)
+    cache = LayerCache.for_layer(layer, 2, 17)
+    with torch.no_grad():
+        outputs = [layer(x[:12], inference_cache=cache)[0]]
+        rounded_by_prefill = len(roundings)
+        outputs += [layer(x[t:t + 1], inference_cache=cache)[0] for t in range(12, 16)]  # decode steps
+    assert rounded_by_prefill >= 3 and len(roundings) == rounded_by_prefill, "the decode steps rounded again"
+    assert kept_codes(layer) == rounded_by_prefill
+    monkeypatch.setattr(RoundedWeights, "of", lambda self, weight: None)  # every GEMM rounds its weight
+    assert torch.equal(torch.cat(outputs), through_one_cache(layer, x))
+    monkeypatch.undo()
     layer(x)[0].sum().backward()
     assert kept_codes(layer) == 0, "a forward with gradients keeps no FP8 copy"
 
 
 def test_a_layer_with_kept_codes_copies_and_saves_without_them():
-    """`copy.deepcopy` and `torch.save` of a whole layer after inference calls: the kept codes are left behind (a
+    """`copy.deepcopy` and `torch.save` of a whole layer after cached calls: the kept codes are left behind (a
     weak reference does not pickle), and the copy and the loaded layer compute what the layer computes."""
     import copy
     import io
@@ -364,31 +383,31 @@ def test_a_layer_with_kept_codes_copies_and_saves_without_them():
     torch.manual_seed(0)
     layer = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
     x = torch.randn(16, 2, 128)
+    expected = prefill(layer, x)
+    assert kept_codes(layer) > 0
     with torch.no_grad():
-        expected, _ = layer(x)
-        assert kept_codes(layer) > 0
         buffer = io.BytesIO()
         torch.save(layer, buffer)
         buffer.seek(0)
-        for other in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
-            assert kept_codes(other) == 0 and kept_codes(layer) > 0
-            assert torch.equal(other(x)[0], expected)
+        copies = (copy.deepcopy(layer), torch.load(buffer, weights_only=False))
+    for other in copies:
+        assert kept_codes(other) == 0 and kept_codes(layer) > 0
+        assert torch.equal(prefill(other, x), expected)
 
 
-def test_a_weight_changed_in_place_is_rounded_again(monkeypatch):
-    """An optimizer step (in place) or `load_state_dict` changes the weights: the next inference call rounds
-    them again and equals a new layer with the same weights."""
+def test_a_weight_changed_in_place_is_rounded_again():
+    """An optimizer step (in place) or `load_state_dict` changes the weights: the next cached call rounds them
+    again and equals a new layer with the same weights."""
     torch.manual_seed(0)
     layer = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
     x = torch.randn(16, 2, 128)
+    prefill(layer, x)
     with torch.no_grad():
-        layer(x)
         layer.linear_q_up_proj.weight.mul_(1.5)
         layer.load_state_dict({"linear_o_group_proj": torch.randn_like(layer.linear_o_group_proj)}, strict=False)
-        changed, _ = layer(x)
-        fresh = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
-        fresh.load_state_dict(layer.state_dict())
-        assert torch.equal(changed, fresh(x)[0])
+    fresh = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(prefill(layer, x), prefill(fresh, x))
 
 
 # ------------------------------------------------------------------------------ config and backend errors

@@ -20,7 +20,7 @@ from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.device_cache import KeptWhileUnchanged
 from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std, project_rows
 from megatron_dsa.layers.kinds import KindSpec, resolve_kind
-from megatron_dsa.layers.projection_gemms import projection_gemms
+from megatron_dsa.layers.projection_gemms import projection_gemms, rounded_weights_kept
 from megatron_dsa.layers.decoding import LayerCache, attend_cached, decode_step, new_rows_layout, takes_decode_step
 from megatron_dsa.layers.rows import LocalRows, TokenRows, token_rows
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules, apply
@@ -110,8 +110,9 @@ class HybridAttention(HighPrecisionModule):
         # theirs), so backward keeps the own slice instead of summing tp identical copies.
         full = gather_from_sequence_parallel_region(hidden_states, sp_group, grad_is_partial=False)
         if inference_cache is not None:
-            return apply(self.linear_proj, self._forward_cached(full, attention_mask, packed_seq_params,
-                                                                inference_cache)), None
+            with rounded_weights_kept():  # FP8 projections: each weight rounded once for the cache's calls
+                return apply(self.linear_proj, self._forward_cached(full, attention_mask, packed_seq_params,
+                                                                    inference_cache)), None
         rows = token_rows(full, attention_mask, packed_seq_params, self.parallel_state, self.config,
                           self.kind_spec.context_halo(self.config))
         latent = rows.leave(self._attend_rows(rows.enter(full), rows))

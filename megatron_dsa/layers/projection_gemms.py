@@ -20,10 +20,12 @@ rounding there. Elsewhere the scales are those of TP = 1 (docs/user_guide.md, 'F
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -94,9 +96,24 @@ class NativeGemms:
         return grouped_output_projection(o, weight, groups)
 
 
+_KEEPING_ROUNDED = contextvars.ContextVar("megatron_dsa_keeping_rounded_weights", default=False)
+
+
+@contextlib.contextmanager
+def rounded_weights_kept() -> Iterator[None]:
+    """Within it, FP8 products that need no gradient keep their weights' rounding (`RoundedWeights`): the calls
+    of a layer through an inference cache, which run again and again over the same resident weights. Not other
+    no-grad calls: an evaluation under FSDP would keep a code for every element of weights it frees again."""
+    token = _KEEPING_ROUNDED.set(True)
+    try:
+        yield
+    finally:
+        _KEEPING_ROUNDED.reset(token)
+
+
 class RoundedWeights:
-    """The FP8 rounding of each weight (`RoundedWeight.of`), kept between products that need no gradient
-    (inference: a decode step then reads each weight's e4m3 codes, half the bytes of bf16, instead of
+    """The FP8 rounding of each weight (`RoundedWeight.of`), kept between products that need no gradient inside
+    `rounded_weights_kept` (a decode step then reads each weight's e4m3 codes, half the bytes of bf16, instead of
     reading the weight and rounding it again), while the weight is the same tensor, unchanged in place
     (`KeptWhileUnchanged`). A product that needs the weight's gradient (training) drops them all, so
     training holds no FP8 copy; a weight that is freed drops its own."""
@@ -105,11 +122,14 @@ class RoundedWeights:
         self._kept: dict[int, tuple[weakref.ref, KeptWhileUnchanged[RoundedWeight]]] = {}
 
     def of(self, weight: Tensor) -> Optional[RoundedWeight]:
-        """`weight`'s rounding, kept; None where the product needs the weight's gradient."""
+        """`weight`'s rounding, kept; None (the GEMM rounds the weight itself) where the product needs the
+        weight's gradient, outside `rounded_weights_kept`, or under a trace (which reads no identities)."""
+        if torch.compiler.is_compiling():
+            return None
         if torch.is_grad_enabled() and weight.requires_grad:
             self._kept.clear()
             return None
-        if torch.compiler.is_compiling():  # no identities under a trace: the GEMM rounds the weight itself
+        if not _KEEPING_ROUNDED.get():
             return None
         key = id(weight)
         entry = self._kept.get(key)
