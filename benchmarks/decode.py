@@ -175,8 +175,9 @@ def format_table(rows: Sequence[Row]) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         ratio = "n/a" if row.graph_us is None else f"{row.graph_us / row.dense_us:.2f}"
-        lines.append(f"| {row.kind} | {row.precision} | {row.batch} | {row.context} | {row.eager_us:.1f} | {format_us(row.graph_us)} | "
-                     f"{row.tokens_per_s:,.0f} | {row.dense_us:.1f} | {ratio} | {row.recompute} |")
+        lines.append(f"| {row.kind} | {row.precision} | {row.batch} | {row.context} | {row.eager_us:.1f} | "
+                     f"{format_us(row.graph_us)} | {row.tokens_per_s:,.0f} | {row.dense_us:.1f} | {ratio} | "
+                     f"{row.recompute} |")
     lines.append("")
     lines += sorted({f"{row.kind} ({row.precision}): {row.backends}" for row in rows})
     for row in rows:

@@ -6,9 +6,9 @@ same per object, for layouts that every layer and step of a shape share; `KeptWh
 value derived from tensors that may change (weights) while they do not. The one exception is a value
 built while a CUDA graph is being captured: its storage belongs to the graph's private memory pool and
 holds its values only in that graph's replays, so it is returned but not kept by anything that outlives
-the capture. A value built under `torch.inference_mode()` is built outside it (`built_for_keeping`), so that
-a training step after an evaluation can use it. A value built while `torch.compile` traces is a value of the graph being built, not a tensor
-to keep, and is treated the same way.
+the capture. A value built while `torch.compile` traces is a value of the graph being built, not a tensor
+to keep, and is treated the same way. A value built under `torch.inference_mode()` is built outside it
+(`built_for_keeping`), so that a training step after an evaluation can use it.
 """
 
 from __future__ import annotations

@@ -234,7 +234,8 @@ def test_the_fp8_gemms_take_exactly_the_documented_projection_weights(kind, mode
     for name in FP8_PROJECTIONS[kind]:
         weight = weights[name if name == "linear_o_group_proj" else f"{name}.weight"]  # [G·Ro, H·D/G] grouped
         owner.update({row.numpy().tobytes(): name for row in weight.detach()})
-        owner_of_codes.update({row.numpy().tobytes(): name for row in quantize_rows(weight.detach())[0].view(torch.uint8)})
+        codes = quantize_rows(weight.detach())[0].view(torch.uint8)
+        owner_of_codes.update({row.numpy().tobytes(): name for row in codes})
     seen, took_codes = [], []
 
     def recording(a, b, out_dtype, b_scales=None):

@@ -160,8 +160,8 @@ class RoundedWeights:
 @dataclass(frozen=True, eq=False)
 class Fp8Gemms:
     """The products as FP8 GEMMs (`projection_precision="fp8"`); `backend` picks the `fp8_gemm` backend per
-    call (the layer config: its per-op choice). Weights are rounded once while no gradient is needed
-    (`rounded`)."""
+    call (the layer config: its per-op choice). Through an inference cache each weight is rounded once
+    (`rounded`, `rounded_weights_kept`)."""
 
     backend: Requested
     rounded: RoundedWeights = field(default_factory=RoundedWeights)
