@@ -44,7 +44,8 @@ def built_for_keeping(build: Callable[[], Value]) -> Value:
     """`build()`, outside `torch.inference_mode()` where it is on: a kept value outlives the call that built it,
     and a later training step may save it for backward, which autograd refuses for an inference tensor (an
     evaluation under inference mode, then training, would otherwise fail at the first cached table)."""
-    if torch.is_inference_mode_enabled():
+    # (The trace first: Dynamo cannot trace the inference-mode query; a traced value is not kept anyway.)
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
         with torch.inference_mode(False):
             return build()
     return build()
