@@ -20,11 +20,12 @@ from distributed import run_distributed
 from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.backends import BackendUnavailableError, call_counts, reset_call_counts
 from megatron_dsa.backends import probes, torch_scaled_mm
+from megatron_dsa.layers import projection_gemms
 from megatron_dsa.layers.decoding import LayerCache
-from megatron_dsa.layers.projection_gemms import Fp8Gemms, RoundedWeights
+from megatron_dsa.layers.projection_gemms import Fp8Gemms
 from megatron_dsa.layers.submodules import HybridAttentionSubmodules
-from megatron_dsa.ops.fp8_linear import (FP8_MAX, RoundedWeight, fp8_gemm_reference, fp8_grouped_linear, fp8_linear,
-                                         quantize_rows)
+from megatron_dsa.ops.fp8_linear import (FP8_MAX, RoundedWeight, RoundedWeights, fp8_gemm_reference,
+                                         fp8_grouped_linear, fp8_linear, quantize_rows)
 from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.stacked_projection import stacked_projection
 from megatron_dsa.parallel import initialize_parallel_state
@@ -328,12 +329,6 @@ def counting_roundings(monkeypatch) -> list:
     return calls
 
 
-def kept_codes(layer: HybridAttention) -> int:
-    """Weights whose FP8 codes the layer keeps (its own products' and its submodules', the indexer's)."""
-    return sum(len(module.gemms.rounded) for module in layer.modules() if isinstance(getattr(module, "gemms", None),
-                                                                                  Fp8Gemms))
-
-
 def through_one_cache(layer: HybridAttention, x: torch.Tensor, prompt: int = 12) -> torch.Tensor:
     """`x [S, B, d]`: a prefill of `prompt` tokens, then one decode step per token, through one new inference cache."""
     cache = LayerCache.for_layer(layer, x.shape[1], x.shape[0] + 1)
@@ -349,35 +344,49 @@ def prefill(layer: HybridAttention, x: torch.Tensor) -> torch.Tensor:
         return layer(x, inference_cache=LayerCache.for_layer(layer, x.shape[1], x.shape[0] + 1))[0]
 
 
+def rounding_every_time(monkeypatch) -> None:
+    """From now on every FP8 product rounds its weight, inference caches included."""
+    monkeypatch.setattr(projection_gemms, "_kept_rounding", lambda weight: None)
+
+
 @pytest.mark.parametrize("kind", "WCHM")
 def test_calls_through_an_inference_cache_round_each_weight_once(kind, monkeypatch):
-    """Through an inference cache each projection weight is rounded once and its codes kept: the next call rounds
-    nothing and both equal, bit for bit, the same calls rounding every weight in every GEMM. A no-grad call
-    without a cache keeps nothing; a forward with a gradient drops what was kept."""
+    """Through an inference cache each projection weight is rounded once and its codes kept in the cache: the
+    decode steps round nothing and the calls equal, bit for bit, the same calls rounding every weight in every
+    GEMM. A no-grad call without a cache keeps nothing, nor does a product that needs a gradient; the codes go
+    with the cache."""
+    import gc
+    import weakref
+
     torch.manual_seed(0)
     layer = HybridAttention(tiny(kind, projection_precision="fp8"), kind=kind)
     x = torch.randn(16, 2, 128)
+    roundings = counting_roundings(monkeypatch)
     with torch.no_grad():
         layer(x)
-    assert kept_codes(layer) == 0, "a no-grad call without a cache keeps no codes"
-    roundings = counting_roundings(monkeypatch)
+    assert roundings == [], "a no-grad call without a cache keeps no codes"
     cache = LayerCache.for_layer(layer, 2, 17)
     with torch.no_grad():
         outputs = [layer(x[:12], inference_cache=cache)[0]]
         rounded_by_prefill = len(roundings)
         outputs += [layer(x[t:t + 1], inference_cache=cache)[0] for t in range(12, 16)]  # decode steps
     assert rounded_by_prefill >= 3 and len(roundings) == rounded_by_prefill, "the decode steps rounded again"
-    assert kept_codes(layer) == rounded_by_prefill
-    monkeypatch.setattr(RoundedWeights, "of", lambda self, weight: None)  # every GEMM rounds its weight
-    assert torch.equal(torch.cat(outputs), through_one_cache(layer, x))
+    assert len(cache.rounded_weights) == rounded_by_prefill
+    with projection_gemms.rounded_weights_kept(cache.rounded_weights):
+        layer(x)[0].sum().backward()  # products that need their weight's gradient
+    assert len(roundings) == rounded_by_prefill, "a product that needs a gradient took kept codes"
+    codes = weakref.ref(cache.rounded_weights)
+    del cache
+    gc.collect()
+    assert codes() is None, "the codes outlived their cache"
     monkeypatch.undo()
-    layer(x)[0].sum().backward()
-    assert kept_codes(layer) == 0, "a forward with gradients keeps no FP8 copy"
+    rounding_every_time(monkeypatch)
+    assert torch.equal(torch.cat(outputs), through_one_cache(layer, x))
 
 
-def test_a_layer_with_kept_codes_copies_and_saves_without_them():
-    """`copy.deepcopy` and `torch.save` of a whole layer after cached calls: the kept codes are left behind (a
-    weak reference does not pickle), and the copy and the loaded layer compute what the layer computes."""
+def test_a_layer_copies_and_saves_after_cached_calls():
+    """`copy.deepcopy` and `torch.save` of a whole layer after calls through a cache: the codes live in the cache,
+    not in the layer, and the copy and the loaded layer compute what the layer computes."""
     import copy
     import io
 
@@ -385,30 +394,42 @@ def test_a_layer_with_kept_codes_copies_and_saves_without_them():
     layer = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
     x = torch.randn(16, 2, 128)
     expected = prefill(layer, x)
-    assert kept_codes(layer) > 0
-    with torch.no_grad():
-        buffer = io.BytesIO()
-        torch.save(layer, buffer)
-        buffer.seek(0)
-        copies = (copy.deepcopy(layer), torch.load(buffer, weights_only=False))
-    for other in copies:
-        assert kept_codes(other) == 0 and kept_codes(layer) > 0
+    assert not any(isinstance(value, RoundedWeights) for module in layer.modules() for value in vars(module).values())
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
         assert torch.equal(prefill(other, x), expected)
 
 
-def test_a_weight_changed_in_place_is_rounded_again():
-    """An optimizer step (in place) or `load_state_dict` changes the weights: the next cached call rounds them
-    again and equals a new layer with the same weights."""
+def test_kept_codes_follow_weights_changed_in_place_or_replaced(monkeypatch):
+    """An optimizer step (in place) or `load_state_dict` changes a weight, or a new parameter replaces it: the
+    cache's next call rounds it again. A decode step after such changes equals the same step through a cache that
+    rounds every weight in every call."""
+    store = RoundedWeights()
+    weight = torch.nn.Parameter(torch.randn(24, 40))
+    first = store.of(weight)
+    assert store.of(weight) is first
+    with torch.no_grad():
+        weight.mul_(1.5)
+    assert torch.equal(store.of(weight).scales, RoundedWeight.of(weight).scales) and len(store) == 1
+    replacement = torch.nn.Parameter(weight.detach().clone() * 2)
+    assert torch.equal(store.of(replacement).scales, RoundedWeight.of(replacement).scales) and len(store) == 2
+
     torch.manual_seed(0)
     layer = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
-    x = torch.randn(16, 2, 128)
-    prefill(layer, x)
+    x = torch.randn(13, 2, 128)
+    kept, every_time = LayerCache.for_layer(layer, 2, 14), LayerCache.for_layer(layer, 2, 14)
     with torch.no_grad():
+        layer(x[:12], inference_cache=kept)
+        with monkeypatch.context() as patch:
+            rounding_every_time(patch)
+            layer(x[:12], inference_cache=every_time)
         layer.linear_q_up_proj.weight.mul_(1.5)
         layer.load_state_dict({"linear_o_group_proj": torch.randn_like(layer.linear_o_group_proj)}, strict=False)
-    fresh = HybridAttention(tiny("C", projection_precision="fp8"), kind="C")
-    fresh.load_state_dict(layer.state_dict())
-    assert torch.equal(prefill(layer, x), prefill(fresh, x))
+        step = layer(x[12:], inference_cache=kept)[0]
+        rounding_every_time(monkeypatch)
+        assert torch.equal(step, layer(x[12:], inference_cache=every_time)[0])
 
 
 # ------------------------------------------------------------------------------ config and backend errors

@@ -52,7 +52,7 @@ from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection,
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO
 from megatron_dsa.ops.decode_attention import entry_counts
-from megatron_dsa.ops.fp8_linear import dequantize_rows, quantize_rows, rounded_rows
+from megatron_dsa.ops.fp8_linear import RoundedWeights, dequantize_rows, quantize_rows, rounded_rows
 from megatron_dsa.ops.indexer import FP8_KEYS
 from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
@@ -180,6 +180,9 @@ class LayerCache:
     # The layer's input projection weights stacked for its one GEMM, kept for the cache's life rather than
     # stacked again every call (`ops.stacked_projection.KeptStack`: a copy of those weights).
     stacked_weights: KeptStack = field(default_factory=KeptStack)
+    # FP8 projections (`projection_precision: fp8`): each weight's e4m3 codes, rounded once for the cache's calls
+    # (`layers.projection_gemms.rounded_weights_kept`; one byte per weight element).
+    rounded_weights: RoundedWeights = field(default_factory=RoundedWeights)
 
     @classmethod
     def for_layer(cls, layer: "HybridAttention", batch: int, capacity: int, dtype: Optional[torch.dtype] = None,

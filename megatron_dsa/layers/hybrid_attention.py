@@ -110,7 +110,9 @@ class HybridAttention(HighPrecisionModule):
         # theirs), so backward keeps the own slice instead of summing tp identical copies.
         full = gather_from_sequence_parallel_region(hidden_states, sp_group, grad_is_partial=False)
         if inference_cache is not None:
-            with rounded_weights_kept():  # FP8 projections: each weight rounded once for the cache's calls
+            if not isinstance(inference_cache, LayerCache):
+                raise TypeError(f"inference_cache must be a LayerCache, got {type(inference_cache).__name__}")
+            with rounded_weights_kept(inference_cache.rounded_weights):  # FP8: weights rounded once per cache
                 return apply(self.linear_proj, self._forward_cached(full, attention_mask, packed_seq_params,
                                                                     inference_cache)), None
         rows = token_rows(full, attention_mask, packed_seq_params, self.parallel_state, self.config,
@@ -121,8 +123,6 @@ class HybridAttention(HighPrecisionModule):
     def _forward_cached(self, full: Tensor, attention_mask: Optional[Tensor], packed: Optional[PackedSeqParams],
                         cache: LayerCache) -> Tensor:
         """The gathered new tokens `full` → `linear_proj`'s input, through the inference cache."""
-        if not isinstance(cache, LayerCache):
-            raise TypeError(f"inference_cache must be a LayerCache, got {type(cache).__name__}")
         if attention_mask is not None:
             raise ValueError("attention_mask is not supported with inference_cache: give different prompt "
                              "lengths as packed_seq_params (one segment per cached sequence)")

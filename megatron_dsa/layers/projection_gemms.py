@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -33,8 +31,7 @@ from torch import Tensor, nn
 
 from megatron_dsa.backends import OpFamily, Requested, dispatch
 from megatron_dsa.config import HybridAttentionConfig
-from megatron_dsa.device_cache import KeptWhileUnchanged
-from megatron_dsa.ops.fp8_linear import Fp8Gemm, RoundedWeight, fp8_grouped_linear, fp8_linear
+from megatron_dsa.ops.fp8_linear import Fp8Gemm, RoundedWeight, RoundedWeights, fp8_grouped_linear, fp8_linear
 from megatron_dsa.ops.output_projection import grouped_output_projection
 from megatron_dsa.ops.stacked_projection import KeptStack, stacked_projection, stacked_weights
 
@@ -96,81 +93,47 @@ class NativeGemms:
         return grouped_output_projection(o, weight, groups)
 
 
-_KEEPING_ROUNDED = contextvars.ContextVar("megatron_dsa_keeping_rounded_weights", default=False)
+_KEPT_ROUNDINGS: contextvars.ContextVar[Optional[RoundedWeights]] = contextvars.ContextVar(
+    "megatron_dsa_kept_roundings", default=None)
 
 
 @contextlib.contextmanager
-def rounded_weights_kept() -> Iterator[None]:
-    """Within it, FP8 products that need no gradient keep their weights' rounding (`RoundedWeights`): the calls
-    of a layer through an inference cache, which run again and again over the same resident weights. Not other
-    no-grad calls: an evaluation under FSDP would keep a code for every element of weights it frees again."""
-    token = _KEEPING_ROUNDED.set(True)
+def rounded_weights_kept(store: RoundedWeights) -> Iterator[None]:
+    """Within it, FP8 products that need no gradient take their weights' rounding from `store` (an inference
+    cache's `RoundedWeights`: its calls run again and again over the same resident weights). Elsewhere every
+    product rounds its weight: an evaluation keeps nothing (under FSDP that would be a code for every element of
+    weights it frees again), and training holds no FP8 copy."""
+    token = _KEPT_ROUNDINGS.set(store)
     try:
         yield
     finally:
-        _KEEPING_ROUNDED.reset(token)
+        _KEPT_ROUNDINGS.reset(token)
 
 
-class RoundedWeights:
-    """The FP8 rounding of each weight (`RoundedWeight.of`), kept between products that need no gradient inside
-    `rounded_weights_kept` (a decode step then reads each weight's e4m3 codes, half the bytes of bf16, instead of
-    reading the weight and rounding it again), while the weight is the same tensor, unchanged in place
-    (`KeptWhileUnchanged`). A product that needs the weight's gradient (training) drops them all, so
-    training holds no FP8 copy; a weight that is freed drops its own."""
-
-    def __init__(self) -> None:
-        self._kept: dict[int, tuple[weakref.ref, KeptWhileUnchanged[RoundedWeight]]] = {}
-
-    def of(self, weight: Tensor) -> Optional[RoundedWeight]:
-        """`weight`'s rounding, kept; None (the GEMM rounds the weight itself) where the product needs the
-        weight's gradient, outside `rounded_weights_kept`, or under a trace (which reads no identities)."""
-        if torch.compiler.is_compiling():
-            return None
-        if torch.is_grad_enabled() and weight.requires_grad:
-            self._kept.clear()
-            return None
-        if not _KEEPING_ROUNDED.get():
-            return None
-        key = id(weight)
-        entry = self._kept.get(key)
-        if entry is None or entry[0]() is not weight:
-            entry = (weakref.ref(weight, functools.partial(self._forget, key)), KeptWhileUnchanged())
-            self._kept[key] = entry
-        return entry[1].get([weight], lambda: RoundedWeight.of(weight))
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    # Copies and pickles (`copy.deepcopy(layer)`, `torch.save(layer)`) start empty: the codes derive from the
-    # weights, and a weak reference pickles not.
-    def __getstate__(self) -> dict:
-        return {}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__()
-
-    def __deepcopy__(self, memo: dict) -> "RoundedWeights":
-        return RoundedWeights()
-
-    def _forget(self, key: int, ref: weakref.ref) -> None:
-        if self._kept.get(key, (None,))[0] is ref:
-            del self._kept[key]
+def _kept_rounding(weight: Tensor) -> Optional[RoundedWeight]:
+    """`weight`'s kept rounding inside `rounded_weights_kept`, where the product needs no gradient; else None (the
+    GEMM rounds the weight itself). Not under a trace: it reads no identities."""
+    if torch.compiler.is_compiling():
+        return None
+    store = _KEPT_ROUNDINGS.get()
+    if store is None or (torch.is_grad_enabled() and weight.requires_grad):
+        return None
+    return store.of(weight)
 
 
 @dataclass(frozen=True, eq=False)
 class Fp8Gemms:
     """The products as FP8 GEMMs (`projection_precision="fp8"`); `backend` picks the `fp8_gemm` backend per
     call (the layer config: its per-op choice). Through an inference cache each weight is rounded once
-    (`rounded`, `rounded_weights_kept`)."""
+    (`rounded_weights_kept`)."""
 
     backend: Requested
-    rounded: RoundedWeights = field(default_factory=RoundedWeights)
 
     def gemm(self, x: Tensor) -> Fp8Gemm:
         return dispatch(OpFamily.FP8_GEMM, self.backend, device=x.device, dtype=x.dtype)
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        return fp8_linear(x, weight, self.gemm(x), out_dtype=_output_dtype(x), rounded=self.rounded.of(weight))
+        return fp8_linear(x, weight, self.gemm(x), out_dtype=_output_dtype(x), rounded=_kept_rounding(weight))
 
     def stacks(self, x: Tensor, linears: Sequence[nn.Module]) -> bool:
         return all(plain_linear(linear) and linear.weight.device == x.device for linear in linears)
@@ -181,7 +144,7 @@ class Fp8Gemms:
         stacked = stacked_weights(weights, kept)  # None: stacked in autograd (a new tensor each call)
         out = fp8_linear(x, torch.cat(weights) if stacked is None else stacked, self.gemm(x),
                          grad_rows=sum(sizes[:attached]), out_dtype=_output_dtype(x),
-                         rounded=None if stacked is None else self.rounded.of(stacked))
+                         rounded=None if stacked is None else _kept_rounding(stacked))
         return out.split(sizes, dim=1)
 
     def grouped(self, o: Tensor, weight: Tensor, groups: int) -> Tensor:
@@ -190,7 +153,7 @@ class Fp8Gemms:
             raise ValueError(f"grouped projection: o width {width}, weight {tuple(weight.shape)}, groups {groups}")
         grouped = weight.view(groups, weight.shape[0] // groups, width // groups)
         out = fp8_grouped_linear(o.reshape(-1, width), grouped, self.gemm(o), out_dtype=_output_dtype(o),
-                                 rounded=_in_groups(self.rounded.of(weight), groups))
+                                 rounded=_in_groups(_kept_rounding(weight), groups))
         return out.view(*o.shape[:-1], -1)
 
 

@@ -31,6 +31,7 @@ from typing import NamedTuple, Optional, Protocol
 import torch
 from torch import Tensor
 
+from megatron_dsa.device_cache import KeptWhileUnchanged
 from megatron_dsa.ops.precision import compute_dtype
 
 FP8 = torch.float8_e4m3fn
@@ -147,6 +148,25 @@ class RoundedWeight(NamedTuple):
     def in_groups(self, groups: int) -> "RoundedWeight":
         """The same rows as `[groups, N / groups, K]` (a grouped weight `[G·N, K]` rounded row by row)."""
         return RoundedWeight(self.codes.view(groups, -1, self.codes.shape[-1]), self.scales.view(groups, -1, 1))
+
+
+class RoundedWeights:
+    """`RoundedWeight.of` each weight, kept between calls while the weight is the same tensor, unchanged in place
+    (`KeptWhileUnchanged`: an optimizer step or `load_state_dict` makes the next call round it again). An inference
+    cache holds one (`layers.decoding.LayerCache`), as it holds its `KeptStack`: its codes live as long as it does.
+    Each entry holds its weight, so that no other tensor can take the weight's identity while the entry lives."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[Tensor, KeptWhileUnchanged[RoundedWeight]]] = {}
+
+    def of(self, weight: Tensor) -> RoundedWeight:
+        entry = self._kept.get(id(weight))
+        if entry is None or entry[0] is not weight:
+            entry = self._kept[id(weight)] = (weight, KeptWhileUnchanged())
+        return entry[1].get([weight], lambda: RoundedWeight.of(weight))
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, gemm: Fp8Gemm, grad_rows: Optional[int] = None,
