@@ -3,12 +3,16 @@
     python benchmarks/context_parallel.py --cp 2 4 --seq-len 32768 131072 --kind C --preset dsv4-flash
     python benchmarks/context_parallel.py --tp 2 --cp 2 --seq-len 32768 --kind C   # TP-2 × CP-2, 4 GPUs
     python benchmarks/context_parallel.py --kind M --cp 2 --seq-len 16384 --ring-key-rows 1024 2048 4096
+    python benchmarks/context_parallel.py --kind C --cp 2 --seq-len 32768 --profile prof   # where CP-2's time goes
 
 Runs the single-GPU layer (TP-1 × CP-1) and then each TP × CP-N layout on TP·N GPUs (NCCL, one process
 per GPU) on the same global sequence, and prints a markdown table of median fwd+bwd step times and
 per-rank peak memory, with their ratios to the single GPU. An out-of-memory run is reported as such.
 `--ring-key-rows` (M only) times each CP layout once per size of the ring's key chunks (the config's
-`cp_ring_key_rows`: the rows a ring block expands to K/V at once, memory against time).
+`cp_ring_key_rows`: the rows a ring block expands to K/V at once, memory against time). `--profile DIR`
+profiles one more step of every layout on every rank and writes, per rank, its GPU timeline with the host
+ops during the longest idle gaps (`DIR/<layout>_rank<r>.txt`, rank 0's also printed), each kernel's count and
+total time (`.tsv`, to set a CP rank's kernels against CP-1's) and a Chrome trace (`.json`).
 GPU only.
 """
 
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,7 +37,16 @@ from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
 from megatron_dsa.parallel import initialize_parallel_state  # noqa: E402
 from megatron_dsa.parallel.context import shard_sequence  # noqa: E402
 
+from profiling import timeline  # noqa: E402  (this directory)
+
 DEFAULT_KEY_ROWS = HybridAttentionConfig.cp_ring_key_rows
+
+
+def step(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    x.grad = None
+    out, _ = layer(x)
+    out.float().square().mean().backward()
+    torch.cuda.synchronize()
 
 
 def measure(layer: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int) -> tuple[float, float]:
@@ -41,15 +55,29 @@ def measure(layer: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int) 
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     times = []
-    for step in range(warmup + repeats):
-        x.grad = None
+    for index in range(warmup + repeats):
         start = time.perf_counter()
-        out, _ = layer(x)
-        out.float().square().mean().backward()
-        torch.cuda.synchronize()
-        if step >= warmup:
+        step(layer, x)
+        if index >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def write_profile(layer: torch.nn.Module, x: torch.Tensor, stem: Path) -> None:
+    """Profiles one more step: `stem`.txt (timeline, host ops in the longest gaps), .tsv (each kernel's count
+    and total µs) and .json (Chrome trace)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(layer, x)
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            count_total = kernels.setdefault(event.name, [0, 0.0])
+            count_total[0] += 1
+            count_total[1] += event.time_range.end - event.time_range.start
+    rows = sorted(kernels.items(), key=lambda item: -item[1][1])
+    stem.with_suffix(".tsv").write_text("".join(f"{n}\t{t:.1f}\t{name}\n" for name, (n, t) in rows))
+    stem.with_suffix(".txt").write_text(timeline(prof, host=True) + "\n")
+    prof.export_chrome_trace(str(stem.with_suffix(".json")))
 
 
 def build(args: argparse.Namespace, state=None) -> torch.nn.Module:
@@ -59,11 +87,18 @@ def build(args: argparse.Namespace, state=None) -> torch.nn.Module:
     return HybridAttention(config, kind=args.kind, parallel_state=state).cuda().bfloat16()
 
 
+def layout_name(args: argparse.Namespace, cp: int) -> str:
+    return f"S{args.seq_len}_tp{args.tp if cp > 1 else 1}_cp{cp}"
+
+
 def run_single(args: argparse.Namespace) -> tuple[float, float]:
     layer = build(args)
     x = torch.randn(args.seq_len, 1, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)
-    return measure(layer, x, args.warmup, args.repeats)
+    measured = measure(layer, x, args.warmup, args.repeats)
+    if args.profile:
+        write_profile(layer, x, args.profile / f"{layout_name(args, 1)}_rank0")
+    return measured
 
 
 def rank_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
@@ -77,7 +112,10 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
     x = shard_sequence(full, args.cp, state.cp_rank, "zigzag").clone().requires_grad_()
     del full
     try:
-        results.put((rank, *measure(layer, x, args.warmup, args.repeats)))
+        measured = measure(layer, x, args.warmup, args.repeats)
+        if args.profile:
+            write_profile(layer, x, args.profile / f"{layout_name(args, args.cp)}_rank{rank}")
+        results.put((rank, *measured))
     except torch.cuda.OutOfMemoryError:
         results.put((rank, float("nan"), float("nan")))
     dist.destroy_process_group()
@@ -113,12 +151,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ring-key-rows", type=int, nargs="+", default=[DEFAULT_KEY_ROWS], metavar="ROWS",
                         help="M: the ring's key chunk sizes to time (`cp_ring_key_rows`)")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="profile one more step of each layout on every rank, files here (see above)")
     args = parser.parse_args()
     if args.kind != "M" and args.ring_key_rows != [DEFAULT_KEY_ROWS]:
         parser.error("--ring-key-rows applies to --kind M only (the ring of dense MLA blocks)")
     if min(args.ring_key_rows) < 1:
         parser.error("--ring-key-rows must be >= 1")
     args.key_rows = DEFAULT_KEY_ROWS
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     cp_sizes, seq_lens = args.cp, args.seq_len
     if torch.cuda.device_count() < args.tp * max(cp_sizes):
         sys.exit(f"needs {args.tp * max(cp_sizes)} CUDA GPUs, found {torch.cuda.device_count()}")
@@ -145,6 +187,9 @@ def main() -> None:
                 print(f"| {seq_len} | TP-{args.tp} × CP-{cp} | {args.tp * cp} |" + (f" {key_rows} |" if chunks else "")
                       + f" {parallel[0]:.0f} | {ratio(parallel[0], single[0])} | {parallel[1]:.0f} | "
                       f"{ratio(parallel[1], single[1])} |", flush=True)
+    if args.profile:
+        for path in sorted(args.profile.glob("*_rank0.txt")):
+            print(f"\n{path.stem}:\n{path.read_text()}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 Also prints which backend ran each op family and, for every op family, why `auto` declined the
 backends it skipped (the dispatcher's log), and the step's GPU timeline: the time some kernel ran against
 the span from the first kernel's start to the last one's end, and the longest idle gaps with the kernel
-each one waited for (where an eager step waits on its host). GPU only.
+each one waited for (where an eager step waits on its host) and, with `--trace`, the host ops that ran
+during each gap. GPU only.
 """
 
 from __future__ import annotations
@@ -27,29 +28,7 @@ from megatron_dsa.backends import call_counts, reset_call_counts, variant_counts
 from megatron_dsa.config import PROJECTION_PRECISIONS  # noqa: E402
 
 from layer_parts import DIMS  # noqa: E402  (this directory)
-
-# Idle gaps listed, longest first.
-GAPS_LISTED = 8
-
-
-def timeline(prof: profile) -> str:
-    """The profiled step's GPU busy time (the union of its kernels' intervals) against their span, and the
-    longest gaps between kernels, each with the kernel that ended it."""
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    if not kernels:
-        return "no kernels recorded"
-    busy, gaps, reach = 0.0, [], kernels[0][0]
-    for start, end, name in kernels:
-        if start > reach:
-            gaps.append((start - reach, name))
-        busy += max(0.0, end - max(start, reach))
-        reach = max(reach, end)
-    span = reach - kernels[0][0]
-    lines = [f"GPU timeline: {len(kernels)} kernels, busy {busy / 1e3:.3f} ms of a {span / 1e3:.3f} ms span "
-             f"({(span - busy) / 1e3:.3f} ms idle in {len(gaps)} gaps); longest gaps (µs, the kernel that ended it):"]
-    lines += [f"  {gap:8.1f}  {name[:90]}" for gap, name in sorted(gaps, reverse=True)[:GAPS_LISTED]]
-    return "\n".join(lines)
+from profiling import timeline  # noqa: E402
 
 
 def main() -> int:
@@ -91,7 +70,7 @@ def main() -> int:
         step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-    print(timeline(prof))
+    print(timeline(prof, host=bool(args.trace)))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     print(", ".join(sorted(f"{op}={backend}" for (backend, op), n in call_counts().items() if n)))
