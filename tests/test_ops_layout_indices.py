@@ -325,3 +325,28 @@ def test_topk_of_gpu_score_dtypes_is_the_oracle_order(dtype):
         valid = torch.rand(12, 37, generator=gen) < 0.7
         for k in (1, 5, 37, 50):
             assert topk_columns(scores, valid, k).tolist() == _brute_topk(scores.double(), valid, k), k
+
+
+@pytest.mark.parametrize("cp_size, halo", [(1, 0), (2, 5), (3, 7)])
+def test_prefix_counts_are_each_rows_valid_prefix(cp_size, halo):
+    """`VisibleEntries.prefix_counts` (the `topk` family's `counts` hint a layer passes): row t's valid columns are
+    exactly `[0, counts[t])`, for a padded packed pack on one device and for every CP rank's extended rows."""
+    from megatron_dsa.layers.context_parallel import ContextParallelRows
+    from megatron_dsa.parallel.context import ContextParallelPlan
+
+    ratio, lengths, real = 4, (24, 36, 12), (21, 36, 5)
+    if cp_size == 1:
+        cu_padded = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        cu = torch.tensor([0, *torch.tensor(real).cumsum(0).tolist()])
+        layout = TokenLayout.packed(cu, sum(lengths), CPU, cu_seqlens_padded=cu_padded, max_seqlen=max(lengths))
+        every_rank = [indices.visible_compressed_entries(layout.compressed(ratio))]
+    else:
+        plan = ContextParallelPlan.build(lengths, cp_size, "zigzag", real)
+        every_rank = [ContextParallelRows(plan, rank, None, halo, torch.device("cpu")).visible_entries(ratio)
+                      for rank in range(cp_size)]
+    for entries in every_rank:
+        rows = entries.rows()
+        counts = entries.prefix_counts(slice(None))
+        prefix = torch.arange(entries.width) < counts.unsqueeze(1)
+        assert torch.equal(entries.valid(slice(None), rows), prefix)
+        assert torch.equal(entries.prefix_counts(slice(2, 9)), counts[2:9])

@@ -133,7 +133,7 @@ class LightningIndexer(nn.Module):
                 scores = self.scores((q[rows], k, weights[rows]), candidates, visible)
                 pick = dispatch(OpFamily.TOPK, self.config, device=q.device, dtype=scores.dtype, topk=topk,
                                 columns=scores.shape[1])
-                columns = pick(scores, entries.valid(rows, candidates), topk, visible)
+                columns = pick(scores, entries.valid(rows, candidates), topk, visible, entries.prefix_counts(rows))
                 parts.append((columns, *self._rows(columns, scores, entries, rows, window[rows], kv_offset)))
             if not parts:  # no query rows
                 columns = torch.empty(0, min(topk, entries.width), dtype=torch.long, device=q.device)

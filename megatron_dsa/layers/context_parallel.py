@@ -34,6 +34,7 @@ from megatron_dsa.ops.dense_attention import accumulate_attention
 from megatron_dsa.ops.indices import INVALID, VisibleEntries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
+from megatron_dsa.ops.row_maps import RowMap
 from megatron_dsa.packed_seq import PackedSeqParams, check_packed_hidden_states
 from megatron_dsa.parallel.context import (ContextParallelPlan, Piece, RingTransfer, all_gather_rows, exchange_blocks,
                                            start_all_gather_rows)
@@ -109,11 +110,11 @@ class ContextParallelRows(KeepsDeviceValues):
         """This rank's input → its extended rows `[N_ext, d]` (halo rows fetched, padding zeroed)."""
         rows = hidden[:, 0] if self.batch is None else hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
         extended = self.extend(rows) if self.halo else rows
-        return torch.where(self.layout.row_valid.unsqueeze(1), extended, 0.0)
+        return torch.where(self.layout.row_valid.unsqueeze(1), extended, 0.0) if self._padded else extended
 
     def leave(self, latent: Tensor) -> Tensor:
         """Extended rows `[N_ext, F]` → this rank's output, shaped as its input (halo and padding dropped)."""
-        out = self.outputs(torch.where(self.layout.query_valid.unsqueeze(1), latent, 0.0))
+        out = self.outputs(torch.where(self.layout.query_valid.unsqueeze(1), latent, 0.0) if self._padded else latent)
         return out.unsqueeze(1) if self.batch is None else out.view(self.batch, -1, out.shape[-1]).transpose(0, 1)
 
     def attend_causal(self, q: Tensor, keys: KeyValueSource, scale: float, backend: Requested) -> Tensor:
@@ -139,13 +140,26 @@ class ContextParallelRows(KeepsDeviceValues):
         return starts
 
     # ---------------------------------------------------------------- extended rows
-    @device_cached_property
-    def layout(self) -> TokenLayout:
-        """Extended segments `[halo ; piece]`, positions global within each sequence."""
+    @cached_property
+    def _segments(self) -> tuple[list[int], list[int], list[int]]:
+        """Host lengths, position offsets and real (unpadded) lengths of the extended segments."""
         lengths = [h + p.length for h, p in zip(self.halo_lengths, self.pieces)]
         offsets = [p.start - h for h, p in zip(self.halo_lengths, self.pieces)]
         real = [max(0, min(length, p.real_length - offset))
                 for length, offset, p in zip(lengths, offsets, self.pieces)]
+        return lengths, offsets, real
+
+    @cached_property
+    def _padded(self) -> bool:
+        """Whether some extended row is padding (then `enter` and `leave` zero those rows; else they skip
+        the two `[N_ext, F]` selects and their backward)."""
+        lengths, _, real = self._segments
+        return lengths != real
+
+    @device_cached_property
+    def layout(self) -> TokenLayout:
+        """Extended segments `[halo ; piece]`, positions global within each sequence."""
+        lengths, offsets, real = self._segments
         cu = torch.tensor([0] + lengths, device=self.device).cumsum(0)
         as_tensor = lambda values: torch.tensor(values, device=self.device, dtype=torch.long)  # noqa: E731
         return TokenLayout(cu_seqlens=cu, num_rows=sum(lengths), max_seqlen=max(lengths, default=0),
@@ -159,13 +173,13 @@ class ContextParallelRows(KeepsDeviceValues):
         the ranks whose halos read it (point to point, several preceding pieces when a piece is
         shorter than the halo); `all_gather` gathers all tails. Both give the same rank-major layout.
         """
-        tails = torch.cat((rows, rows.new_zeros(1, rows.shape[1]))).index_select(0, self._tail_index)
+        tails = self._tail_rows.take(torch.cat((rows, rows.new_zeros(1, rows.shape[1]))))
         if self.comm_type == "p2p":
             blocks = tails.view(len(self.pieces), self.halo, -1)
             gathered = exchange_blocks(blocks, self.group, self._wanted_tails).flatten(0, 1)
         else:
             gathered = all_gather_rows(tails, self.group)
-        return torch.cat((rows, gathered)).index_select(0, self._extend_index)
+        return self._extended_rows.take(torch.cat((rows, gathered)))
 
     @cached_property
     def _wanted_tails(self) -> tuple:
@@ -174,18 +188,24 @@ class ContextParallelRows(KeepsDeviceValues):
                      for dst in range(self.plan.cp_size))
 
     @device_cached_property
-    def _tail_index(self) -> Tensor:
-        """Each piece's last `halo` rows, right-aligned; short pieces padded with a zero row."""
+    def _tail_rows(self) -> RowMap:
+        """Each piece's last `halo` rows of `[local rows ; zero row]`, right-aligned; short pieces padded with
+        the zero row."""
         index, zero_row = [], self.plan.local_rows(self.rank)
         for start, piece in zip(self.local_offsets, self.pieces):
             take = min(self.halo, piece.length)
             index += [zero_row] * (self.halo - take)
             index += list(range(start + piece.length - take, start + piece.length))
-        return torch.tensor(index, dtype=torch.long, device=self.device)
+        return RowMap.build(torch.tensor(index, dtype=torch.long), zero_row + 1, self.device, free=(zero_row,))
 
     @device_cached_property
+    def _extended_rows(self) -> RowMap:
+        """Rows of `[local rows ; gathered tails]` that form the extended segments."""
+        gathered = self.plan.cp_size * len(self.pieces) * self.halo
+        return RowMap.build(self._extend_index(), self.plan.local_rows(self.rank) + gathered, self.device)
+
     def _extend_index(self) -> Tensor:
-        """Rows of `cat(local rows, gathered tails)` that form the extended segments."""
+        """`_extended_rows`' index, on the host."""
         local_rows = self.plan.local_rows(self.rank)
         owner = self._piece_owners
         parts = []
@@ -197,7 +217,7 @@ class ContextParallelRows(KeepsDeviceValues):
                 halo_rows.append(local_rows + (rank * len(self.pieces) + slot) * self.halo
                                  + self.halo - (holder.start + holder.length - position))
             parts += [torch.tensor(halo_rows, dtype=torch.long), torch.arange(start, start + piece.length)]
-        return torch.cat(parts).to(self.device) if parts else torch.empty(0, dtype=torch.long, device=self.device)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
     @cached_property
     def _piece_owners(self) -> dict[tuple[int, int], tuple[int, int, Piece]]:
@@ -205,15 +225,15 @@ class ContextParallelRows(KeepsDeviceValues):
 
     def outputs(self, extended: Tensor) -> Tensor:
         """Extended rows → this rank's piece rows (halo rows dropped)."""
-        return extended.index_select(0, self._piece_rows) if self.halo else extended
+        return self._piece_rows.take(extended) if self.halo else extended
 
     @device_cached_property
-    def _piece_rows(self) -> Tensor:
+    def _piece_rows(self) -> RowMap:
         rows, cursor = [], 0
         for halo, piece in zip(self.halo_lengths, self.pieces):
             rows.append(torch.arange(cursor + halo, cursor + halo + piece.length))
             cursor += halo + piece.length
-        return torch.cat(rows).to(self.device) if rows else torch.empty(0, dtype=torch.long, device=self.device)
+        return RowMap.build(torch.cat(rows) if rows else torch.empty(0, dtype=torch.long), cursor, self.device)
 
     # ---------------------------------------------------------------- compressed entries
     def owned_entries(self, piece: Piece, ratio: int) -> tuple[int, int]:
@@ -242,12 +262,12 @@ class ContextParallelRows(KeepsDeviceValues):
         """Start gathering this rank's pooled entries `[Σ counts, F]`; the returned call gives every
         rank's, `[cp · pieces · slots, F]`. Compute queued in between overlaps the all-gather."""
         padded = torch.cat((entries, entries.new_zeros(1, entries.shape[1])))
-        return start_all_gather_rows(padded.index_select(0, self._slot_rows(ratio)), self.group)
+        return start_all_gather_rows(self._slot_rows(ratio).take(padded), self.group)
 
-    def _slot_rows(self, ratio: int) -> Tensor:
+    def _slot_rows(self, ratio: int) -> RowMap:
         """Rows of `[entries ; zero row]` that fill this rank's fixed slots (built once per ratio, so
         no host-to-device copy per step)."""
-        def build() -> Tensor:
+        def build() -> RowMap:
             slots, parts, cursor = self.slots_per_piece(ratio), [], 0
             counts = [len(range(*self.owned_entries(piece, ratio))) for piece in self.pieces]
             empty = sum(counts)
@@ -255,7 +275,7 @@ class ContextParallelRows(KeepsDeviceValues):
                 parts += [torch.arange(cursor, cursor + count), torch.full((slots - count,), empty)]
                 cursor += count
             index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
-            return index.to(self.device)
+            return RowMap.build(index, empty + 1, self.device, free=(empty,))
 
         return self.kept(self._per_ratio, ("slot_rows", ratio), build)
 

@@ -101,6 +101,17 @@ class VisibleEntries(KeepsDeviceValues):
         """`rows >= 0` for `rows = self.rows(chunk)`: the columns holding an entry, kept with the rows."""
         return self._all_valid if self._kept(chunk) else rows >= 0
 
+    def prefix_counts(self, chunk: slice) -> Tensor:
+        """`[n]` valid columns of each of the query rows `chunk`: row t's valid columns are exactly the prefix
+        `[0, n_t)` (a group's entries fill its first table columns, and a row sees the first `count[t]` of
+        them), which is the `topk` family's `counts` hint."""
+        return self._prefix_counts[chunk]
+
+    @device_cached_property
+    def _prefix_counts(self) -> Tensor:
+        entries_per_group = (self.table >= 0).sum(1)
+        return torch.minimum(self.count, entries_per_group[self.group])
+
     def _kept(self, chunk: slice) -> bool:
         """Whether `chunk` is every query row and their rows are small enough to keep."""
         rows = self.group.shape[0]
