@@ -170,7 +170,7 @@ def main() -> None:
     print("\n| S | layout | GPUs |" + (" ring key rows |" if chunks else "")
           + " ms | time ratio | peak MiB | memory ratio |")
     print("|---:|---|---:|" + ("---:|" if chunks else "") + "---:|---:|---:|---:|")
-    ratio = lambda a, b: f"{a / b:.2f}" if b == b and a == a else "n/a"  # noqa: E731
+    ratio = lambda a, b: f"{a / b:.3f}" if b == b and a == a else "n/a"  # noqa: E731  (targets such as 0.55)
     for seq_len in seq_lens:
         args.seq_len = seq_len
         try:
@@ -179,13 +179,13 @@ def main() -> None:
             single = (float("nan"), float("nan"))
         torch.cuda.empty_cache()
         print(f"| {seq_len} | TP-1 × CP-1 | 1 |" + (" – |" if chunks else "")
-              + f" {single[0]:.0f} | 1.00 | {single[1]:.0f} | 1.00 |", flush=True)
+              + f" {single[0]:.1f} | 1.000 | {single[1]:.0f} | 1.000 |", flush=True)
         for cp in cp_sizes:
             for key_rows in args.ring_key_rows:
                 args.cp, args.key_rows = cp, key_rows
                 parallel = run_parallel(args)
                 print(f"| {seq_len} | TP-{args.tp} × CP-{cp} | {args.tp * cp} |" + (f" {key_rows} |" if chunks else "")
-                      + f" {parallel[0]:.0f} | {ratio(parallel[0], single[0])} | {parallel[1]:.0f} | "
+                      + f" {parallel[0]:.1f} | {ratio(parallel[0], single[0])} | {parallel[1]:.0f} | "
                       f"{ratio(parallel[1], single[1])} |", flush=True)
     if args.profile:
         for path in sorted(args.profile.glob("*_rank0.txt")):
