@@ -117,10 +117,14 @@ def test_cudnn_topk_matches_topk_columns_with_ties_and_short_rows() -> None:
     visible[2] = False  # nothing visible
     visible[4, 300:] = False  # fewer visible than k
     _, topk = resolve(OpFamily.TOPK, "cudnn", device=CUDA, dtype=scores.dtype, topk=512)
+    # The `counts` hint as a layer gives it (`VisibleEntries.prefix_counts`): each row's visible prefix, with the
+    # scores −inf past it as the indexer writes them; the kernel then scans only the prefix.
+    counts, masked = visible.sum(1), torch.where(visible, scores, float("-inf"))
     for k in (512, 2048):
         expected = topk_columns(scores, visible, k)
         for _ in range(3):  # the same result every run
             assert torch.equal(topk(scores, visible, k), expected), k
+        assert torch.equal(topk(masked, visible, k, None, counts), expected), k
 
 
 def test_cudnn_indexer_scores_match_unfused_on_uniform_row_chunks() -> None:
