@@ -47,3 +47,20 @@ def test_empty_index_and_bad_index():
     assert torch.equal(x.grad, torch.zeros(3, 4))
     with pytest.raises(ValueError, match=r"row map index must lie in \[0, 3\)"):
         RowMap.build(torch.tensor([0, 3]), 3, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cp_size, lengths, real, batch", [(2, (32, 32), None, 2), (2, (32, 24), (30, 24), None),
+                                                           (4, (64,), None, 1)])
+def test_cp_rows_take_the_gathered_backward(cp_size, lengths, real, batch):
+    """A CP rank's fixed selections (halo tails, extended rows, piece outputs, entry slots) take each source row
+    at most once apart from the zero row when every piece is at least a halo long, so all of them get the gathered
+    backward, not `index_add_`'s. (Pieces shorter than the halo share halo rows: the extended rows then keep
+    `index_select`'s backward, which the CP parity tests' ragged packs run.)"""
+    from megatron_dsa.layers.context_parallel import ContextParallelRows
+    from megatron_dsa.parallel.context import ContextParallelPlan
+
+    plan = ContextParallelPlan.build(lengths, cp_size, "zigzag", real)
+    for rank in range(cp_size):
+        rows = ContextParallelRows(plan, rank, None, 5, torch.device("cpu"), batch=batch)
+        for row_map in (rows._tail_rows, rows._extended_rows, rows._piece_rows, rows._slot_rows(4)):
+            assert row_map.inverse is not None, (rank, row_map.index.tolist())
