@@ -20,8 +20,8 @@ class RowMap:
     """`out = x[index]` for `x [sources, ...]` and a fixed `index [n]` (long, on the device).
 
     inverse: `[sources]` an output row that took each source row (0 where none took it), or None when some
-    source row is taken twice or none is taken (then the backward is `index_select`'s own). uncovered: `[u]` the source rows
-    whose gradient is zero (no output row took them, or they are `free` rows taken more than once)."""
+    source row is taken twice or the index is empty (then the backward is `index_select`'s own). uncovered:
+    `[u]` the source rows whose gradient is zero (no output row took them, or they are `free`)."""
 
     index: Tensor
     inverse: Optional[Tensor]
