@@ -12,7 +12,8 @@ per-rank peak memory, with their ratios to the single GPU. An out-of-memory run 
 `cp_ring_key_rows`: the rows a ring block expands to K/V at once, memory against time). `--profile DIR`
 profiles one more step of every layout on every rank and writes, per rank, its GPU timeline with the host
 ops during the longest idle gaps (`DIR/<layout>_rank<r>.txt`, rank 0's also printed), each kernel's count and
-total time (`.tsv`, to set a CP rank's kernels against CP-1's) and a Chrome trace (`.json`).
+total time (`.tsv`) and a Chrome trace (`.json`), then prints each CP layout's kernel families per rank against
+their 1/N share of CP-1's (`profiling.family_table`).
 GPU only.
 """
 
@@ -37,7 +38,7 @@ from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
 from megatron_dsa.parallel import initialize_parallel_state  # noqa: E402
 from megatron_dsa.parallel.context import shard_sequence  # noqa: E402
 
-from profiling import timeline  # noqa: E402  (this directory)
+from profiling import family_table, family_totals, timeline  # noqa: E402  (this directory)
 
 DEFAULT_KEY_ROWS = HybridAttentionConfig.cp_ring_key_rows
 
@@ -188,8 +189,21 @@ def main() -> None:
                       + f" {parallel[0]:.1f} | {ratio(parallel[0], single[0])} | {parallel[1]:.0f} | "
                       f"{ratio(parallel[1], single[1])} |", flush=True)
     if args.profile:
-        for path in sorted(args.profile.glob("*_rank0.txt")):
-            print(f"\n{path.stem}:\n{path.read_text()}")
+        print_profiles(args.profile)
+
+
+def print_profiles(directory: Path) -> None:
+    """Rank 0's timeline of each profiled layout, then each CP layout's kernel families against CP-1's share."""
+    for path in sorted(directory.glob("*_rank0.txt")):
+        print(f"\n{path.stem}:\n{path.read_text()}")
+    for single in sorted(directory.glob("*_cp1_rank0.tsv")):
+        prefix = single.name.split("_tp")[0]  # S<len>
+        for layout in sorted({p.name.rsplit("_rank", 1)[0] for p in directory.glob(f"{prefix}_tp*_cp*_rank*.tsv")}):
+            ranks = sorted(directory.glob(f"{layout}_rank*.tsv"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
+            if layout.endswith("_cp1") or not ranks:
+                continue
+            print(f"\n{layout}: kernel ms per family against CP-1's share (`{single.stem}`)\n")
+            print(family_table(family_totals(single.read_text()), [family_totals(p.read_text()) for p in ranks]))
 
 
 if __name__ == "__main__":

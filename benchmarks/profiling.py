@@ -59,3 +59,58 @@ def timeline(prof: profile, host: bool = False) -> str:
         if host:
             lines += [f"            host {overlap:8.1f}  {op[:80]}" for overlap, op in host_ops_during(prof, start, end)]
     return "\n".join(lines)
+
+
+# Kernel families, first match wins: (family, substrings of the kernel name).
+FAMILIES = (
+    ("NCCL", ("ncclDevKernel",)),
+    ("GEMM", ("nvjet", "gemm", "cutlass_80", "xmma")),
+    ("top-k", ("topk", "rank_columns", "select_top")),
+    ("indexer scores", ("indexer_forward", "indexer_fwd", "decode_indexer")),
+    ("indexer loss", ("kl_", "attention_mass", "score_grad", "indexer_backward")),
+    ("sparse attention", ("sparse_attention", "dsa_")),
+    ("index_add_ / index_copy_", ("indexFunc",)),
+    ("gather / index", ("gather_kernel", "index_elementwise")),
+    ("norms / RoPE", ("norm", "rope")),
+    ("compressor pooling", ("pool",)),
+    ("cat", ("CatArray",)),
+    ("copies / memsets", ("Memcpy", "Memset")),
+    ("reductions", ("reduce_kernel",)),
+    ("elementwise", ("elementwise",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    for family, markers in FAMILIES:
+        if any(marker in name for marker in markers):
+            return family
+    return "other"
+
+
+def family_totals(tsv: str) -> dict[str, float]:
+    """Total ms per kernel family of a kernel table (`count<TAB>total µs<TAB>name` lines, as
+    `context_parallel.py --profile` writes them). GPU-side annotations (`nccl:…`, which repeat their
+    kernels' time) are left out."""
+    totals: dict[str, float] = {}
+    for line in tsv.splitlines():
+        _, micros, name = line.split("\t", 2)
+        if not name.startswith("nccl:"):
+            family = kernel_family(name)
+            totals[family] = totals.get(family, 0.0) + float(micros) / 1e3
+    return totals
+
+
+def family_table(single: dict[str, float], ranks: list[dict[str, float]]) -> str:
+    """Markdown table of each family's ms on one GPU, its 1/N share, each of N ranks' ms and the most any rank
+    spends over the share (the families a parallel layout adds or does not shrink), largest excess first."""
+    share = len(ranks)
+    families = sorted(set(single).union(*ranks),
+                      key=lambda f: -max(r.get(f, 0.0) for r in ranks) + single.get(f, 0.0) / share)
+    lines = ["| family | one GPU ms | 1/N | " + " | ".join(f"rank {r} ms" for r in range(share)) + " | over 1/N |",
+             "|---|---:|---:|" + "---:|" * share + "---:|"]
+    for family in families + ["total"]:
+        one = sum(single.values()) if family == "total" else single.get(family, 0.0)
+        per_rank = [sum(r.values()) if family == "total" else r.get(family, 0.0) for r in ranks]
+        lines.append(f"| {family} | {one:.2f} | {one / share:.2f} | " + " | ".join(f"{t:.2f}" for t in per_rank)
+                     + f" | {max(per_rank) - one / share:+.2f} |")
+    return "\n".join(lines)
