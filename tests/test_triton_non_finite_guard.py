@@ -38,18 +38,12 @@ def test_bad_shapes_and_dtypes_are_named():
         fill_flagged(torch.randn(4, 2, 16), torch.zeros(4, 3, dtype=torch.bool), 0.0)
 
 
-def gpu_or_skip() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,slice_of", [((4096, 64, 512), None), ((4096, 128, 192), None),
                                             ((4096, 128, 128), 256), ((1000, 3, 40), None)])
 def test_layer_shapes_on_gpu_match_the_torch_ops(shape, slice_of):
     """q / k / v / out of dsv4-flash's M (64 heads, 448 + 64, v 512) and DeepSeek-V3's (128 heads, 128 + 64), V3's v
     as the head slice of its up-projection's `[T, 128, 256]` rows, an odd shape; bf16 with non-finite values."""
-    gpu_or_skip()
     rows, heads, width = shape
     wide = torch.randn(rows, heads, slice_of or width, device="cuda", dtype=torch.bfloat16)
     t = wide[..., -width:]
@@ -77,7 +71,6 @@ def same_bits_or_both_nan(got: torch.Tensor, want: torch.Tensor) -> bool:
 def test_the_guard_takes_its_triton_passes_on_gpu():
     """A guarded kernel (the reference attention) on CUDA: the guard counts its Triton path once per call, and its
     output and input gradients equal the unguarded reference's on finite inputs."""
-    gpu_or_skip()
     layout = TokenLayout.packed(torch.tensor([0, 40, 64], dtype=torch.int32), 64, torch.device("cuda"))
     q, k, v = (torch.randn(64, 4, 32, device="cuda", requires_grad=True) for _ in range(3))
     reset_call_counts()
