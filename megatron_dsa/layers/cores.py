@@ -228,6 +228,11 @@ class LatentUpProjection:
         (new), `v [n, G, Dv]` (a view of kv), differentiable in both."""
         return _KeysValues.apply(kv, rope, self)
 
+    def rows_gradient(self, grad_k: Tensor, grad_v: Tensor, dtype: torch.dtype) -> Tensor:
+        """`dk [n, G, qk + P]`, `dv [n, G, Dv]` → the up-projected rows' gradient `[n, G·(qk + Dv)]` in `dtype`: each
+        group's `[dk_nope | dv]`, joined by two copies (`_joined`; the RoPE part of dk is the RoPE key's)."""
+        return _joined(grad_k[..., :self.qk_head_dim], grad_v, dtype).flatten(1)
+
     def keys_values(self, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """Rows `[n, R + P]` → `k [n, G, qk + P]`, `v [n, G, Dv]` (as `linear_kv_up_proj` computes them)."""
         latent, rope = rows.split((weight.shape[1], rows.shape[1] - weight.shape[1]), dim=1)
@@ -240,7 +245,7 @@ class LatentUpProjection:
         dtype); `dW = [dk_nope | dv]ᵀ · latent` is added into `grad_weight` when given. The product with
         `W` runs in W's dtype, as `linear_kv_up_proj`'s backward does (no float32 copy of W per block); the two
         gradients are cast as they are joined (no float32 `[n, G·(qk + Dv)]` copy per block)."""
-        grad_kv = _joined(grad_k[..., :self.qk_head_dim], grad_v, weight.dtype).flatten(1)
+        grad_kv = self.rows_gradient(grad_k, grad_v, weight.dtype)
         latent = rows[:, :weight.shape[1]]
         if grad_weight is not None:
             grad_weight += grad_kv.t() @ latent.to(weight.dtype)
@@ -302,8 +307,8 @@ class _KeysValues(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_k: Tensor, grad_v: Tensor) -> tuple[Tensor, Tensor, None]:
-        qk = ctx.up.qk_head_dim
-        return _joined(grad_k[..., :qk], grad_v, grad_k.dtype).flatten(1), grad_k[..., qk:].sum(1), None
+        up = ctx.up
+        return up.rows_gradient(grad_k, grad_v, grad_k.dtype), grad_k[..., up.qk_head_dim:].sum(1), None
 
 
 SPARSE_MLA = SparseMLACore()
