@@ -494,6 +494,45 @@ def test_cudnn_indexer_scores_match_the_reference_on_row_chunks(vendors, chunk) 
     assert all(again[name] is call[name] for name in ("cu_q", "cu_k", "offsets"))  # kept per row structure
 
 
+@pytest.mark.parametrize("cp_rank, chunk", [(0, slice(None)), (1, slice(None)), (1, slice(3, 40)), (0, slice(30, 31))])
+def test_cudnn_indexer_scores_match_the_reference_on_cp_row_segments(vendors, cp_rank, chunk) -> None:
+    """A CP-2 rank's extended rows of an SBHD batch (two 32-token sequences, zigzag, halo 5, ratio 4: each rank
+    holds two pieces of each sequence, all but the first with halo rows): its `SegmentedVisibleRows` score, through
+    the kernel's THD segments over keys gathered in sequence order, exactly the candidates' scores, also for
+    chunks that cut segments (float32 sums of the same bf16 inputs)."""
+    from megatron_dsa.layers.context_parallel import ContextParallelRows
+    from megatron_dsa.parallel.context import ContextParallelPlan
+
+    dsa = with_cudnn(vendors)
+    plan = ContextParallelPlan.build((32, 32), 2, "zigzag")
+    rows = ContextParallelRows(plan, cp_rank, None, 5, torch.device("cpu"), batch=2)
+    entries = rows.visible_entries(4)
+    gathered = 2 * len(rows.pieces) * rows.slots_per_piece(4)
+    gen = torch.Generator().manual_seed(cp_rank)
+    q = torch.randn(rows.layout.num_rows, 64, 128, generator=gen).bfloat16()
+    k = torch.randn(gathered, 128, generator=gen).bfloat16()
+    weights = torch.randn(rows.layout.num_rows, 64, generator=gen).bfloat16()
+    candidates, segmented = entries.rows(chunk), entries.segmented_rows(chunk)
+    assert entries.uniform_rows(chunk) is None and segmented is not None and segmented.keys == 8
+    got = cudnn_backend.indexer_scores(q[chunk], k, weights[chunk], candidates, 0.09, segmented)
+    expected = reference_indexer_scores(q[chunk], k, weights[chunk], candidates, 0.09)
+    assert torch.equal(torch.isneginf(got), candidates < 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    call = dsa.calls[-1][1]
+    assert call["k"].shape[0] == int(call["cu_k"][-1]) == 8 * (len(call["cu_q"]) - 1)  # each segment's own keys
+    assert entries.segmented_rows(chunk) is segmented  # kept per chunk
+
+
+def test_cp_row_segments_only_for_sbhd_batches() -> None:
+    """Packed input under CP (sequences of different lengths, padding) keeps the candidates path: no segments."""
+    from megatron_dsa.layers.context_parallel import ContextParallelRows
+    from megatron_dsa.parallel.context import ContextParallelPlan
+
+    plan = ContextParallelPlan.build((32, 16), 2, "zigzag", (30, 16))
+    rows = ContextParallelRows(plan, 0, None, 5, torch.device("cpu"))
+    assert rows.visible_entries(4).segmented_rows(slice(None)) is None
+
+
 def test_cudnn_indexer_scores_need_the_uniform_structure(vendors) -> None:
     """Auto takes cuDNN for the selection of a uniform batch only; without the structure (packed or
     CP layouts, the loss's own scoring) it declines with the reason and Triton/unfused serve it."""
@@ -501,7 +540,7 @@ def test_cudnn_indexer_scores_need_the_uniform_structure(vendors) -> None:
     on_gpu_generation(vendors, (9, 0))
     call = dict(device=torch.device("cuda"), dtype=torch.bfloat16, heads=64, head_dim=128, visible=True)
     assert cudnn_backend.probe(OpFamily.INDEXER_SCORES, call) is None
-    for change, reason in ((dict(visible=False), "uniform visible-entry structure"), (dict(dtype=torch.float32),
+    for change, reason in ((dict(visible=False), "needs the visible-entry structure"), (dict(dtype=torch.float32),
                            "float32"), (dict(head_dim=64), "head dim"), (dict(heads=8), "heads"),
                            (dict(heads=32, ratio=2), "ratio 2")):
         problem = cudnn_backend.probe(OpFamily.INDEXER_SCORES, {**call, **change})

@@ -159,6 +159,37 @@ def test_cudnn_indexer_scores_match_unfused_on_uniform_row_chunks() -> None:
         assert torch.equal(topk(got, finite, 512, visible), topk_columns(got, finite, 512)), chunk
 
 
+def test_cudnn_indexer_scores_match_unfused_on_cp_row_segments() -> None:
+    """The same kernel on a CP-2 rank's extended rows of an SBHD batch (two 4096-token sequences, zigzag, halo
+    127, ratio 4: each rank holds two pieces of each sequence, with their halos), through the dispatched op with
+    the rows' `SegmentedVisibleRows` (keys gathered per segment in sequence order): whole and as a chunk that
+    cuts segments, against the reference scores of the candidates. Same tolerance and −inf rule as above."""
+    require("cudnn", "nvidia-cudnn-frontend not installed")
+    from megatron_dsa.layers.context_parallel import ContextParallelRows
+    from megatron_dsa.parallel.context import ContextParallelPlan
+
+    gen = torch.Generator(device=CUDA).manual_seed(9)
+    for rank in (0, 1):
+        rows = ContextParallelRows(ContextParallelPlan.build((4096, 4096), 2, "zigzag"), rank, None, 127, CUDA,
+                                   batch=2)
+        entries = rows.visible_entries(4)
+        n = rows.layout.num_rows
+        q = torch.randn(n, 64, 128, device=CUDA, generator=gen).bfloat16()
+        k = torch.randn(2 * len(rows.pieces) * rows.slots_per_piece(4), 128, device=CUDA, generator=gen).bfloat16()
+        weights = (torch.randn(n, 64, device=CUDA, generator=gen) * 64 ** -0.5).bfloat16()
+        for chunk in (slice(0, n), slice(700, 3333)):
+            candidates, visible = entries.rows(chunk), entries.segmented_rows(chunk)
+            kernel = dispatch(OpFamily.INDEXER_SCORES, "cudnn", device=CUDA, dtype=torch.bfloat16, heads=64,
+                              head_dim=128, visible=True)
+            reset_call_counts()
+            got = kernel(q[chunk], k, weights[chunk], candidates, 128 ** -0.5, visible)
+            assert call_counts() == {("cudnn", "indexer_scores"): 1}
+            expected = reference_indexer_scores(q[chunk], k, weights[chunk], candidates, 128 ** -0.5)
+            assert torch.equal(torch.isneginf(got), candidates < 0), (rank, chunk)
+            finite = candidates >= 0
+            assert relative_error(got[finite], expected[finite]) <= 5e-3, (rank, chunk)
+
+
 @pytest.mark.parametrize("backend", ["cudnn", "triton"])
 def test_fused_indexer_kl_backward_matches_unfused(backend: str) -> None:
     """cuDNN's and Triton's fused indexer backward (KL gradient + scores backward) against the reference,

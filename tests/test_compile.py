@@ -142,7 +142,7 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
     indices = torch.cat((window, torch.where(candidates >= 0, candidates + layout.num_rows, -1)), 1)
     q, kv = r(20, heads, dim), r(kv_full_rows, dim)
     iq, ik, iw = r(20, 2, 8, grad=False), r(compressed.capacity, 8, grad=False), r(20, 2, grad=False)
-    scores = library.indexer_scores_op("unfused", iq, ik, iw, candidates, 0.3, None)
+    scores = library.indexer_scores_op("unfused", iq, ik, iw, candidates, 0.3, None, [])
     valid = candidates >= 0
     columns = library.topk_op("unfused", scores, valid, 2, None, None, True)
     lse = r(20, heads, grad=False).float() + 3.0
@@ -167,7 +167,13 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
         "sparse_attention_bwd": [("unfused", q.detach(), kv.detach(), indices, r(heads, grad=False), 0.25,
                                   r(20, heads, dim, grad=False), lse, r(20, heads, dim, grad=False), grad_lse)
                                  for grad_lse in (None, r(20, heads, grad=False))],
-        "indexer_scores": [("unfused", iq, ik, iw, candidates, 0.3, None)],
+        "indexer_scores": [("unfused", iq, ik, iw, candidates, 0.3, None, []),
+                           # a `SegmentedVisibleRows` hint: its ints, then its tensors (one segment of the 20 rows)
+                           ("unfused", iq, ik, iw, candidates, 0.3, [4, 20, 20, candidates.shape[1]],
+                            [torch.tensor([0, 20], dtype=torch.int32, device=device),
+                             torch.tensor([0, candidates.shape[1]], dtype=torch.int32, device=device),
+                             torch.zeros(1, dtype=torch.int32, device=device),
+                             torch.arange(candidates.shape[1], device=device)])],
         "topk": [("unfused", scores, valid, 2, None, None, True),
                  ("unfused", scores, valid, 9, None, valid.sum(1), False)],
         "selection_rows": [("unfused", columns, scores, entries.table, entries.group, entries.count, 0, 20,

@@ -166,6 +166,49 @@ def packed_batch(config: HybridAttentionConfig, real: list[int], padded: list[in
     return Batch(hidden, torch.randn_like(hidden), params, cu_padded.tolist())
 
 
+def cudnn_row_segments_body(rank: int, world: int, comm: str) -> None:
+    """A bf16 C layer under CP-2 (SBHD, B = 2) whose selection scores run on the cuDNN indexer forward over the
+    rank's row segments, the kernel being this repository's CPU model of it (`vendor_fakes.FakeCudnnDSA`: THD
+    segments, causal offsets, −inf limits), against the unfused single-process layer: the same picks, and
+    outputs and gradients within the bf16 parity bounds (the indexer's through the KL loss, which reads the
+    scores)."""
+    import sys
+
+    from megatron_dsa.backends import probes
+    from vendor_fakes import FakeCudnnDSA, fake_cudnn
+
+    # A fresh process: nothing probed yet, so the fake package and a Hopper capability are what the probes see.
+    sys.modules["cudnn"] = fake_cudnn(FakeCudnnDSA(128))
+    probes.cuda_capability = lambda device: (9, 0)
+    state = initialize_parallel_state(cp_size=world)
+    config = cp_config("C", "zigzag", comm, dsa_indexer_n_heads=16, dsa_indexer_head_dim=128,
+                       attention_backend="unfused")
+    torch.manual_seed(23)
+    ref = HybridAttention(config, kind="C").bfloat16()
+    x = torch.randn(48, 2, config.hidden_size).bfloat16().requires_grad_()
+    upstream = torch.randn(48, 2, config.hidden_size)
+    ref_out, _ = ref(x)
+    (ref_out.float() * upstream).sum().backward()
+    fused = config.replace(attention_backend_overrides={"indexer_scores": "cudnn"})
+    layer = HybridAttention(fused, kind="C", parallel_state=state).bfloat16()
+    layer.load_state_dict(ref.state_dict())
+    mine = lambda t: shard_sequence(t, world, rank, "zigzag")  # noqa: E731
+    x_local = mine(x.detach()).clone().requires_grad_()
+    reset_call_counts()
+    out, _ = layer(x_local)
+    assert call_counts().get(("cudnn", "indexer_scores"), 0) > 0, call_counts()
+    (out.float() * mine(upstream)).sum().backward()
+    assert_same_selection(layer, ref, mine, packed=False)
+    pairs = [("output", out, mine(ref_out)), ("input grad", x_local.grad, mine(x.grad))]
+    pairs += list(cp_summed_grads(layer, ref, state.cp_group, torch.float32))
+    assert_bf16_parity(pairs, f"C/{comm} cuDNN indexer on row segments rank={rank}")
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_cudnn_indexer_scores_row_segments_under_cp(comm):
+    run_distributed(cudnn_row_segments_body, 2, comm, timeout_s=300)
+
+
 def shared_rows_body(rank: int, world: int) -> None:
     """The CP row context is shared while the packing is the same and rebuilt when it changes: packings
     of one total row count (documents reordered; the same padding holding other real lengths) each
@@ -489,6 +532,13 @@ def nccl_bf16_body(rank: int, world: int) -> None:
     nccl_bf16_parity(rank, world, state, config, "C", 512, 2, 3, "C/p2p indexer 128")
     if importlib.util.find_spec("cudnn") is not None:
         assert call_counts()[("cudnn", "indexer_kl_bwd")] > 0, call_counts()
+    # 64 indexer heads of 128: where the cuDNN frontend is installed its indexer forward scores the rank's
+    # extended pieces as row segments (SBHD batch), over keys gathered in sequence order, and must have run.
+    reset_call_counts()
+    config = cp_config("C", "zigzag", "p2p", dsa_indexer_topk=128, dsa_indexer_head_dim=128, dsa_indexer_n_heads=64)
+    nccl_bf16_parity(rank, world, state, config, "C", 512, 2, 3, "C/p2p cuDNN indexer on row segments")
+    if importlib.util.find_spec("cudnn") is not None:
+        assert call_counts()[("cudnn", "indexer_scores")] > 0, call_counts()
 
 
 @pytest.mark.multigpu

@@ -15,8 +15,9 @@
   `DSA.sparse_attn_score_recompute_wrapper`, the per-row KL from Triton's KL kernel where Triton
   runs, else the torch one (see `indexer_loss`).
 * `indexer_scores` (the selection's scoring of every visible entry): `DSA.indexer_forward_wrapper`, the
-  dense ratio-causal indexer forward, for uniform batches (the layer passes their structure as the
-  op's `visible` hint; anything else goes to the kernels that read candidate ids). Forward only.
+  dense ratio-causal indexer forward, for uniform batches and a CP rank's rows of an SBHD batch (the
+  layer passes their structure as the op's `visible` hint; anything else goes to the kernels that read
+  candidate ids). Forward only.
 * `topk`: `DSA.indexer_top_k_wrapper` (radix top-k, SM90+, k <= 2048), post-processed to the exact
   `ops.indices.topk_columns` contract (−1 padding, highest first, ties to the lower column) by one
   Triton kernel where Triton runs (`triton_kernels.topk_order`), else by a torch sort.
@@ -56,7 +57,7 @@ from megatron_dsa.backends.triton_kernels.kl_slots import kl_slots as triton_kl_
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
 from megatron_dsa.device_cache import DeviceCache, device_scalar
 from megatron_dsa.ops.indexer_loss import KLFn, indexer_kl, kl_per_row
-from megatron_dsa.ops.indices import UniformVisibleRows
+from megatron_dsa.ops.indices import SegmentedVisibleRows, UniformVisibleRows, VisibleStructure
 from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.sparse_attention import sparse_attention_forward as reference_sparse_forward
 from megatron_dsa.parallel.state import group_size
@@ -287,35 +288,45 @@ def _self_test_inputs(device: torch.device, dtype: torch.dtype, heads: int,
 
 # ---------------------------------------------------------------- indexer scores (dense, ratio-causal)
 def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float,
-                   visible: Optional[UniformVisibleRows] = None) -> Tensor:
+                   visible: Optional[VisibleStructure] = None) -> Tensor:
     """The `indexer_scores` contract on `DSA.indexer_forward_wrapper`, for the rows `visible` describes.
 
-    The kernel scores every entry of a sequence densely (THD: one segment per sequence the rows touch,
-    `q_causal_offsets` = the position of each segment's first row, so a chunk may start mid-sequence)
-    and writes −inf past the ratio-causal limit `(offset + row + 1) // ratio`, our visibility rule; its
-    column j is entry j of the row's sequence, which is our candidate column j. `sm_scale` multiplies
-    `Σ_h ReLU(<q_h, k>)·w_h` once, as our `scale`. Every index tensor is made on the device from host
-    ints (no host-to-device copy, no sync) and kept per row structure. Forward only: the selection
-    needs no gradient.
+    The kernel scores every entry of a sequence densely (THD: one segment of query rows and one of keys
+    per run, `q_causal_offsets` = the position of each segment's first row, so a chunk may start
+    mid-sequence) and writes −inf past the ratio-causal limit `(offset + row + 1) // ratio`, our visibility
+    rule; its column j is entry j of the row's sequence, which is our candidate column j. `sm_scale`
+    multiplies `Σ_h ReLU(<q_h, k>)·w_h` once, as our `scale`. A uniform batch's segments are the sequences
+    the rows touch, over keys that already lie in sequence order; row segments (`SegmentedVisibleRows`, a CP
+    rank's pieces) bring their tensors and the rows of their keys, gathered once per segment. Index tensors
+    are made on the device from host ints (no host-to-device copy, no sync) and kept per row structure.
+    Forward only: the selection needs no gradient.
     """
     if visible is None:
-        raise ValueError("the cuDNN indexer forward needs the uniform visible-entry structure (`visible`)")
+        raise ValueError("the cuDNN indexer forward needs the visible-entry structure (`visible`)")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, weights)):
         raise ValueError("the cuDNN indexer forward has no backward; call it without autograd")
-    rows, seqlen, entries = q.shape[0], visible.seqlen, visible.entries
-    if rows != visible.stop - visible.start or candidates.shape != (rows, entries):
+    rows = q.shape[0]
+    segmented = isinstance(visible, SegmentedVisibleRows)
+    entries = visible.keys if segmented else visible.entries
+    expected_rows = visible.num_rows if segmented else visible.stop - visible.start
+    if rows != expected_rows or candidates.shape != (rows, entries):
         raise ValueError(f"indexer rows {rows} / candidates {tuple(candidates.shape)} do not match the visible "
-                         f"rows {visible.start}:{visible.stop} with {entries} entries each")
+                         f"structure's {expected_rows} rows with {entries} entries each")
     if rows == 0 or entries == 0:
         return torch.full((rows, entries), float("-inf"), dtype=torch.float32, device=q.device)
-    first, last = visible.start // seqlen, (visible.stop - 1) // seqlen
-    cu_seqlens_q, cu_seqlens_k, q_causal_offsets = _indexer_segments(visible, q.device)
+    if segmented:
+        keys, max_rows = k.index_select(0, visible.key_rows), visible.max_rows
+        cu_seqlens_q, cu_seqlens_k, q_causal_offsets = visible.cu_rows, visible.cu_keys, visible.first_positions
+    else:
+        first, last = visible.start // visible.seqlen, (visible.stop - 1) // visible.seqlen
+        keys, max_rows = k[first * entries:(last + 1) * entries], min(visible.seqlen, rows)
+        cu_seqlens_q, cu_seqlens_k, q_causal_offsets = _indexer_segments(visible, q.device)
     result = _dsa().indexer_forward_wrapper(
-        q.contiguous(), k[first * entries:(last + 1) * entries].unsqueeze(1), weights.contiguous(),
-        ratio=visible.ratio, sm_scale=float(scale), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=min(seqlen, rows), max_seqlen_k=entries, q_causal_offsets=q_causal_offsets)
-    # The kernel's −inf past the ratio-causal limit is exactly where the candidates are −1 (the uniform
-    # structure has no other gaps): its scores are returned as they are.
+        q.contiguous(), keys.unsqueeze(1), weights.contiguous(), ratio=visible.ratio, sm_scale=float(scale),
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_rows, max_seqlen_k=entries,
+        q_causal_offsets=q_causal_offsets)
+    # The kernel's −inf past the ratio-causal limit is exactly where the candidates are −1 (either structure
+    # has no other gaps): its scores are returned as they are.
     return result["scores"]
 
 
@@ -346,8 +357,8 @@ def _indexer_scores_problem(call: Mapping[str, Any]) -> Optional[str]:
     heads, ratio = call.get("heads"), call.get("ratio")
     return probes.first_problem(
         # Unknown (no call yet: the layer-construction check) is not a decline; a call without it is.
-        "needs the uniform visible-entry structure (only the selection of a uniform batch has it; the "
-        "kernel scores whole sequences)" if call.get("visible") is False else None,
+        "needs the visible-entry structure (a uniform batch's or an SBHD batch's CP row segments; the kernel "
+        "scores whole sequences)" if call.get("visible") is False else None,
         probes.dtype_problem(call, (torch.bfloat16,)),
         probes.head_dim_problem(call, INDEXER_HEAD_DIM, "indexer head dim"),
         f"{heads} indexer heads unsupported (needs one of {INDEXER_FORWARD_HEADS})"

@@ -37,7 +37,8 @@ from torch import Tensor
 from megatron_dsa.backends import registry
 from megatron_dsa.backends.registry import OpFamily
 from megatron_dsa.ops.compressor import channel_factor
-from megatron_dsa.ops.indices import SelectionRows, UniformVisibleRows, VisibleEntries, row_range
+from megatron_dsa.ops.indices import (SegmentedVisibleRows, SelectionRows, UniformVisibleRows, VisibleEntries,
+                                      VisibleStructure, row_range)
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
 
@@ -80,14 +81,27 @@ def _compressed(tensors: Sequence[Optional[Tensor]], sizes: Sequence[int]) -> Co
                             capacity=capacity, max_entries=max_entries, first_entry=tensors[5])
 
 
-def _visible_args(visible: Optional[UniformVisibleRows]) -> Optional[list[int]]:
+def _visible_args(visible: Optional[VisibleStructure]) -> tuple[Optional[list[int]], list[Tensor]]:
+    """The hint as a custom op's arguments: its host ints, and a segmented structure's tensors (else none)."""
     if visible is None:
+        return None, []
+    if isinstance(visible, SegmentedVisibleRows):
+        return ([visible.ratio, visible.num_rows, visible.max_rows, visible.keys],
+                [visible.cu_rows, visible.cu_keys, visible.first_positions, visible.key_rows])
+    return [visible.seqlen, visible.entries, visible.ratio, visible.start, visible.stop], []
+
+
+def _uniform_args(visible: Optional[UniformVisibleRows]) -> Optional[list[int]]:
+    """The `topk` family's hint: the uniform-batch structure only (row segments give their prefixes as `counts`)."""
+    if isinstance(visible, SegmentedVisibleRows):
+        raise TypeError("the topk family's visible hint is a UniformVisibleRows; give row segments' prefixes as counts")
+    return _visible_args(visible)[0]
+
+
+def _visible(fields: Optional[Sequence[int]], tensors: Sequence[Tensor] = ()) -> Optional[VisibleStructure]:
+    if fields is None:
         return None
-    return [visible.seqlen, visible.entries, visible.ratio, visible.start, visible.stop]
-
-
-def _visible(fields: Optional[Sequence[int]]) -> Optional[UniformVisibleRows]:
-    return None if fields is None else UniformVisibleRows(*fields)
+    return SegmentedVisibleRows(*fields, *tensors) if tensors else UniformVisibleRows(*fields)
 
 
 # ------------------------------------------------------------------------------ recomputed backward
@@ -374,14 +388,15 @@ sparse_attention_fwd_op.register_autograd(_sparse_backward, setup_context=_spars
 # ------------------------------------------------------------------------------ indexer and selection
 @_custom_op("indexer_scores")
 def indexer_scores_op(backend: str, q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float,
-                      visible: Optional[list[int]]) -> Tensor:
+                      visible: Optional[list[int]], segments: list[Tensor]) -> Tensor:
     """`indexer_scores` family: `[n, C]` scores (compute dtype, −inf at invalid candidates); `visible`:
-    the `UniformVisibleRows` fields, or None. No gradient (the indexer loss has its own backward)."""
-    return _kernel(OpFamily.INDEXER_SCORES, backend)(q, k, weights, candidates, scale, _visible(visible))
+    the `UniformVisibleRows` fields (`segments` empty), or a `SegmentedVisibleRows`' ints with its tensors in
+    `segments`, or None. No gradient (the indexer loss has its own backward)."""
+    return _kernel(OpFamily.INDEXER_SCORES, backend)(q, k, weights, candidates, scale, _visible(visible, segments))
 
 
 @indexer_scores_op.register_fake
-def _(backend, q, k, weights, candidates, scale, visible):
+def _(backend, q, k, weights, candidates, scale, visible, segments):
     return q.new_empty(candidates.shape, dtype=compute_dtype(q.dtype))
 
 
@@ -531,10 +546,10 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
         dense_attention_block_bwd_op(backend, q, k, v, out, lse, grad_out, float(scale), bool(causal))),
     OpFamily.INDEXER_SCORES: lambda backend: (
         lambda q, k, weights, candidates, scale, visible=None:
-        indexer_scores_op(backend, q, k, weights, candidates, float(scale), _visible_args(visible))),
+        indexer_scores_op(backend, q, k, weights, candidates, float(scale), *_visible_args(visible))),
     OpFamily.TOPK: lambda backend: (
         lambda scores, valid, k, visible=None, counts=None, ordered=True:
-        topk_op(backend, scores, valid, k, _visible_args(visible), counts, bool(ordered))),
+        topk_op(backend, scores, valid, k, _uniform_args(visible), counts, bool(ordered))),
     OpFamily.SELECTION_ROWS: _selection_rows,
     OpFamily.DECODE_ATTENTION: lambda backend: (
         lambda query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink, scale:

@@ -149,7 +149,7 @@ CALL_KEYS: dict[str, CallKey] = {
     "tp_size": CallKey(_INT, "tensor-parallel ranks the heads are split over"),
     "lse_grad": CallKey((bool,), "a gradient flows through the returned LSE"),
     "dense": CallKey((bool,), "the indexer loss scores every visible entry (not a top-k selection)"),
-    "visible": CallKey((bool,), "the uniform visible-entry structure comes with the call"),
+    "visible": CallKey((bool,), "the visible-entry structure (uniform batch or row segments) comes with the call"),
     "selected": CallKey((bool,), "decoding attends selected compressed entries"),
     "key_dtype": CallKey((torch.dtype,), "the dtype of cached keys, where it is not the query's (an FP8 cache)"),
     "layout": CallKey((TokenLayout, HostLayout), "the rows' TokenLayout (probes see its HostLayout)"),

@@ -23,7 +23,7 @@ from megatron_dsa.layers.common import HighPrecisionModule, RMSNorm, linear
 from megatron_dsa.layers.projection_gemms import plain_linear, projection_gemms
 from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indexer_loss import reduce_indexer_loss
-from megatron_dsa.ops.indices import (SelectionRows, UniformVisibleRows, VisibleEntries, offset_valid,
+from megatron_dsa.ops.indices import (SelectionRows, VisibleEntries, VisibleStructure, offset_valid,
                                       small_enough_to_keep, window_indices)
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.hadamard import hadamard_transform
@@ -109,9 +109,10 @@ class LightningIndexer(nn.Module):
         return q, projected[self.linear_weights_proj] * self.heads ** -0.5
 
     def scores(self, features: tuple[Tensor, Tensor, Tensor], candidates: Tensor,
-               visible: Optional[UniformVisibleRows] = None) -> Tensor:
+               visible: Optional[VisibleStructure] = None) -> Tensor:
         """Scores `[n, C]` (float32/64, −inf at invalid) of `candidates [n, C]` (rows of the keys) for
-        the query rows the features hold; `visible`: the candidates' uniform-batch structure, if any."""
+        the query rows the features hold; `visible`: the candidates' structure (uniform batch or row
+        segments), if any."""
         q, k, weights = features
         op = dispatch(OpFamily.INDEXER_SCORES, self.config, device=q.device, dtype=q.dtype, heads=q.shape[1],
                       head_dim=q.shape[2], visible=visible is not None,
@@ -129,11 +130,11 @@ class LightningIndexer(nn.Module):
         parts = []
         with torch.no_grad():
             for rows in entries.row_chunks(SELECTION_CHUNK_ELEMENTS):
-                candidates, visible = entries.rows(rows), entries.uniform_rows(rows)
-                scores = self.scores((q[rows], k, weights[rows]), candidates, visible)
+                candidates, uniform = entries.rows(rows), entries.uniform_rows(rows)
+                scores = self.scores((q[rows], k, weights[rows]), candidates, uniform or entries.segmented_rows(rows))
                 pick = dispatch(OpFamily.TOPK, self.config, device=q.device, dtype=scores.dtype, topk=topk,
                                 columns=scores.shape[1])
-                columns = pick(scores, entries.valid(rows, candidates), topk, visible, entries.prefix_counts(rows))
+                columns = pick(scores, entries.valid(rows, candidates), topk, uniform, entries.prefix_counts(rows))
                 parts.append((columns, *self._rows(columns, scores, entries, rows, window[rows], kv_offset)))
             if not parts:  # no query rows
                 columns = torch.empty(0, min(topk, entries.width), dtype=torch.long, device=q.device)

@@ -31,7 +31,7 @@ from megatron_dsa.backends import AUTO, OpFamily, Requested, dispatch
 from megatron_dsa.config import HybridAttentionConfig
 from megatron_dsa.device_cache import DeviceCache, KeepsDeviceValues, device_cached_property
 from megatron_dsa.ops.dense_attention import accumulate_attention
-from megatron_dsa.ops.indices import INVALID, VisibleEntries
+from megatron_dsa.ops.indices import INVALID, RowSegments, VisibleEntries
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
 from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.row_maps import RowMap
@@ -305,7 +305,16 @@ class ContextParallelRows(KeepsDeviceValues):
     def _visible_entries(self, ratio: int) -> VisibleEntries:
         sequences = torch.tensor([p.sequence for p in self.pieces], device=self.device)
         count = torch.div(self.layout.positions + 1, ratio, rounding_mode="floor")
-        return VisibleEntries(self.entry_table(ratio), sequences[self.layout.segment_ids], count)
+        return VisibleEntries(self.entry_table(ratio), sequences[self.layout.segment_ids], count,
+                              segments=self._row_segments(ratio))
+
+    def _row_segments(self, ratio: int) -> Optional[RowSegments]:
+        """The extended pieces as `RowSegments` for an SBHD batch (every sequence of one length, no padding: each
+        sequence's entries all filled); None for packed input, whose sequences differ."""
+        if self.batch is None or self._padded:
+            return None
+        lengths, offsets, _ = self._segments
+        return RowSegments(ratio, tuple(zip(lengths, offsets, (piece.sequence for piece in self.pieces))))
 
     @cached_property
     def real_query_count(self) -> int:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.ops.fp8_linear import quantize_rows
-from megatron_dsa.ops.indices import UniformVisibleRows
+from megatron_dsa.ops.indices import VisibleStructure
 from megatron_dsa.ops.precision import compute_dtype
 
 CHUNK_ELEMENTS = 1 << 24  # per-head dot elements per chunk (64 MiB in float32)
@@ -80,7 +80,7 @@ def indexer_scores_backward(q: Tensor, k: Tensor, weights: Tensor, candidates: T
 
 
 def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float,
-                   visible: Optional[UniformVisibleRows] = None) -> Tensor:
+                   visible: Optional[VisibleStructure] = None) -> Tensor:
     """`I(t, c) = Σ_h weights[t,h] · scale · ReLU(<q[t,h], k[c]>)` for each candidate `c` of row `t`.
 
     q: `[T, HI, DI]`; k: `[Tc, DI]` compressed indexer keys; weights: `[T, HI]` head weights (already
@@ -88,8 +88,8 @@ def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, sc
     applied exactly once, on the weights side (`c·ReLU(x) = ReLU(c·x)` for `c > 0`).
     Returns `[T, C]` in float32 (float64 for float64 input), −inf at invalid candidates.
     `visible` (the `indexer_scores` op family's optional hint): the candidates are the visible entries
-    of these uniform-batch rows, which a dense kernel can score without reading them; the candidates
-    say the same, so this reference ignores it.
+    of these uniform-batch rows or row segments (`ops.indices.VisibleStructure`), which a dense kernel can
+    score without reading them; the candidates say the same, so this reference ignores it.
     """
     if q.dim() != 3 or k.dim() != 2 or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"indexer expects q [T, HI, DI] and k [Tc, DI], got {tuple(q.shape)}, {tuple(k.shape)}")

@@ -7,7 +7,9 @@ window entry is a token row id and compressed entry `c` is row `T + c`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Optional
+from functools import cached_property
+from itertools import accumulate
+from typing import Iterator, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -64,6 +66,40 @@ class UniformVisibleRows:
     stop: int
 
 
+@dataclass(frozen=True)
+class RowSegments:
+    """Host description of a layout whose query rows come in runs of consecutive positions of one sequence
+    each, every sequence with the same number of entries, all of them filled (a CP rank's extended pieces of
+    an SBHD batch): `segments[i] = (rows, position of the first row, sequence)`, in row order."""
+
+    ratio: int
+    segments: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentedVisibleRows:
+    """Query rows `[start, stop)` of a `RowSegments` layout, for a kernel that scores each segment's rows densely
+    against its sequence's entries (THD: one segment of query rows and one of keys per run; the keys are
+    gathered in sequence order, once per segment). Row t of segment i sees entry j of its sequence iff
+    `j < (first_positions[i] + t + 1) // ratio`, j < `keys`; column j of the scores is entry j.
+
+    num_rows: the query rows (`stop − start`); cu_rows `[n + 1]` int32 query rows, cu_keys `[n + 1]` int32 keys (`i·keys`), first_positions `[n]` int32,
+    key_rows `[n·keys]` long: the key buffer's rows holding entry j of segment i's sequence."""
+
+    ratio: int
+    num_rows: int
+    max_rows: int
+    keys: int
+    cu_rows: Tensor
+    cu_keys: Tensor
+    first_positions: Tensor
+    key_rows: Tensor
+
+
+# What an `indexer_scores` call may be told of its candidates' structure (the family's `visible` hint).
+VisibleStructure = Union[UniformVisibleRows, SegmentedVisibleRows]
+
+
 @dataclass(frozen=True, eq=False)
 class VisibleEntries(KeepsDeviceValues):
     """The compressed entries each query row may see, without a `[T, C]` matrix.
@@ -81,6 +117,7 @@ class VisibleEntries(KeepsDeviceValues):
     group: Tensor
     count: Tensor
     uniform: Optional[tuple[int, int, int]] = None  # (seqlen, entries, ratio) of a uniform batch
+    segments: Optional[RowSegments] = None  # the rows' runs, where they are `RowSegments`
 
     @property
     def width(self) -> int:
@@ -145,6 +182,34 @@ class VisibleEntries(KeepsDeviceValues):
             return None
         start, stop = row_range(chunk, self.group.shape[0])
         return UniformVisibleRows(*self.uniform, start=start, stop=stop)
+
+    def segmented_rows(self, chunk: slice) -> Optional[SegmentedVisibleRows]:
+        """The structure of the query rows `chunk` (a step-1 slice) when the rows are `RowSegments`, else None;
+        built once per chunk and kept."""
+        if self.segments is None:
+            return None
+        start, stop = row_range(chunk, self.group.shape[0])
+        return self.kept(self._per_chunk, ("segmented", start, stop), lambda: self._segmented(start, stop))
+
+    @cached_property
+    def _per_chunk(self) -> dict[tuple, object]:
+        return {}
+
+    def _segmented(self, start: int, stop: int) -> SegmentedVisibleRows:
+        rows, first_positions, sequences, row = [], [], [], 0
+        for length, first_position, sequence in self.segments.segments:
+            low, high = max(start, row), min(stop, row + length)
+            if high > low:
+                rows.append(high - low)
+                first_positions.append(first_position + low - row)
+                sequences.append(sequence)
+            row += length
+        device, keys = self.table.device, self.width
+        as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        return SegmentedVisibleRows(
+            self.segments.ratio, stop - start, max(rows, default=0), keys, as_int32([0, *accumulate(rows)]),
+            as_int32([keys * i for i in range(len(rows) + 1)]), as_int32(first_positions),
+            self.table[torch.tensor(sequences, dtype=torch.long, device=device)].flatten())
 
     def row_chunks(self, elements: int) -> Iterator[slice]:
         """Query-row chunks holding about `elements` (row, column) pairs each."""

@@ -23,7 +23,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, pow2
-from megatron_dsa.ops.indices import UniformVisibleRows
+from megatron_dsa.ops.indices import VisibleStructure
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Candidate columns per tile: 64 for 16-bit inputs; float32 tiles take twice the registers, so half the
@@ -114,7 +114,7 @@ class TritonIndexerScores(torch.autograd.Function):
 
 
 def indexer_scores(q: Tensor, k: Tensor, weights: Tensor, candidates: Tensor, scale: float,
-                   visible: Optional[UniformVisibleRows] = None) -> Tensor:
+                   visible: Optional[VisibleStructure] = None) -> Tensor:
     """`I(t, c) = Σ_h weights[t,h] · scale · ReLU(<q[t,h], k[c]>)` for each candidate `c` of row `t`.
 
     q: `[T, HI, DI]`; k: `[Tc, DI]`; weights: `[T, HI]`; candidates: `[T, C]` integer rows of `k`,
