@@ -204,8 +204,7 @@ class Rates:
     gemm_tflops: float = 790.0  # projection GEMMs: the C profile's 3.9 ms for its 3.1 TFLOP
     sparse_fwd_tflops: float = 500.0  # FlashMLA sparse forward, N = 4096 and 16384
     sparse_bwd_tflops: float = 400.0  # cuDNN sparse backward, N = 4096 and 16384
-    indexer_tflops: float = 377.0  # cuDNN dense indexer scores, 16384 × 4096 (1.457 ms)
-    indexer_cp_tflops: float = 297.0  # Triton indexer scores (CP rows: pieces with halos), same shape
+    indexer_tflops: float = 377.0  # cuDNN dense indexer scores, 16384 × 4096 (1.457 ms); CP rows too, as segments
     topk_ps_per_entry: float = 17.4  # top-k scan per visible entry (H100: 0.584 ms at 16384 × 4096)
     kl_backward_ns_per_pick: float = 0.318  # cuDNN fused indexer KL backward, 16384 × 512: 2.666 ms
     teacher_ns_per_pick: float = 0.246  # Triton teacher over the picks, all heads, 16384 × 512: 2.063 ms
@@ -348,9 +347,8 @@ def compute_ms(setup: Setup, dims: Dims, own: Rows, halo: int, fitted: Fitted, r
         * (1 + 1 / tp) / 2,
     }
     if kind == "C":  # the indexer is replicated over TP: every rank scores all indexer heads
-        indexer_rate = rates.indexer_cp_tflops if setup.cp > 1 else rates.indexer_tflops
         scores = indexer_score_flop(dims.indexer_heads, dims.indexer_dim, own.visible)
-        work["indexer scores"] = scores / (indexer_rate * 1e9)
+        work["indexer scores"] = scores / (rates.indexer_tflops * 1e9)
         work["top-k"] = own.visible * rates.topk_ps_per_entry * 1e-9 * TOPK_MEASURED_ON_HBM_TB_S / gpu.hbm_tb_s
         work["indexer loss"] = slowdown * own.selected * 1e-6 * (rates.kl_backward_ns_per_pick
                                                                  + rates.teacher_ns_per_pick / tp)
@@ -474,17 +472,18 @@ class StepPoint:
 
 
 # One GPU, fwd + bwd of one layer (docs/performance.md): `--cuda-graph` replays at S = 4096, eager above. The
-# H200 steps were measured on 2026-11-26 at commit 0fb29bf (layer.py on one H200; context_parallel.py's
-# CP-1 on the 4×H200 box of CP_RATIOS), the H100 ones at an earlier commit.
+# H200 steps at S = 4096 and 16384 were measured with layer.py on one H200 on 2026-11-26 (commit 0fb29bf); the
+# 32k and 131k ones are context_parallel.py's CP-1 on the 4×H200 box of CP_RATIOS (2026-11-27, commit 7288b09);
+# the H100 ones at an earlier commit.
 STEP_MS = (
     StepPoint("H200", "W", 4096, 5.46, "layer.py, CUDA graph", fit=True),
     StepPoint("H200", "C", 4096, 9.41, "layer.py, CUDA graph", fit=True),
     StepPoint("H200", "H", 4096, 6.08, "layer.py, CUDA graph", fit=True),
     StepPoint("H200", "C", 16384, 39.34, "layer.py, eager"),
-    StepPoint("H200", "C", 32768, 85.0, "context_parallel.py CP-1, eager"),
-    StepPoint("H200", "C", 131072, 470.0, "context_parallel.py CP-1, eager"),
-    StepPoint("H200", "H", 32768, 52.0, "context_parallel.py CP-1, eager"),
-    StepPoint("H200", "H", 131072, 307.0, "context_parallel.py CP-1, eager"),
+    StepPoint("H200", "C", 32768, 88.0, "context_parallel.py CP-1, eager"),
+    StepPoint("H200", "C", 131072, 484.9, "context_parallel.py CP-1, eager"),
+    StepPoint("H200", "H", 32768, 52.9, "context_parallel.py CP-1, eager"),
+    StepPoint("H200", "H", 131072, 312.5, "context_parallel.py CP-1, eager"),
     StepPoint("H100", "W", 4096, 5.86, "layer.py, CUDA graph"),
     StepPoint("H100", "C", 4096, 10.21, "layer.py, CUDA graph"),
     StepPoint("H100", "H", 4096, 6.57, "layer.py, CUDA graph"),
@@ -512,24 +511,25 @@ class CpPoint:
     tp: int = 1
 
 
-# 4×H200, 2026-11-26, commit 0fb29bf: `context_parallel.py --kind C|H --cp 2 4 --seq-len 32768 131072 --repeats 3`
-# (p2p zigzag, fwd + bwd median of 3; ratios against CP-1 on the same box). They replace five earlier points
-# (C 32k/131k CP-2 and CP-4, H 131k CP-4) measured at older code.
+# 4×H200, 2026-11-27, commit 7288b09: `context_parallel.py --kind C|H --cp 2 4 --seq-len 32768 131072 --repeats 3`
+# (p2p zigzag, fwd + bwd median of 3; ratios against CP-1 on the same box). They replace the eight points of
+# 2026-11-26 (commit 0fb29bf), measured before the CP rows' gathers became row maps and before cuDNN's indexer
+# ran under CP.
 CP_RATIOS = (
-    CpPoint("C", 32768, 2, 0.58, 0.54),
-    CpPoint("C", 32768, 4, 0.34, 0.29),
-    CpPoint("C", 131072, 2, 0.59, 0.53),
-    CpPoint("C", 131072, 4, 0.30, 0.27),
-    CpPoint("H", 32768, 2, 0.59, 0.54),
-    CpPoint("H", 32768, 4, 0.32, 0.28),
-    CpPoint("H", 131072, 2, 0.54, 0.53),
-    CpPoint("H", 131072, 4, 0.27, 0.27),
+    CpPoint("C", 32768, 2, 0.523, 0.541),
+    CpPoint("C", 32768, 4, 0.301, 0.285),
+    CpPoint("C", 131072, 2, 0.503, 0.530),
+    CpPoint("C", 131072, 4, 0.255, 0.269),
+    CpPoint("H", 32768, 2, 0.545, 0.535),
+    CpPoint("H", 32768, 4, 0.340, 0.282),
+    CpPoint("H", 131072, 2, 0.524, 0.528),
+    CpPoint("H", 131072, 4, 0.261, 0.268),
 )
-# Same call, `--kind C --tp 2 --cp 2` (TP-2 × CP-2 on 4 GPUs, no sequence parallelism): a check, not fitted.
-# The model prices TP with SP's collectives; without SP the same bytes move as all-reduces.
+# Same box and tree, `--kind C --tp 2 --cp 2` (TP-2 × CP-2 on 4 GPUs, no sequence parallelism): a check, not
+# fitted. The model prices TP with SP's collectives; without SP the same bytes move as all-reduces.
 TP_CP_CHECKS = (
-    CpPoint("C", 32768, 2, 0.56, 0.38, tp=2),
-    CpPoint("C", 131072, 2, 0.58, 0.36, tp=2),
+    CpPoint("C", 32768, 2, 0.520, 0.384, tp=2),
+    CpPoint("C", 131072, 2, 0.492, 0.362, tp=2),
 )
 
 
@@ -590,9 +590,9 @@ def calibration_table(dims: Dims, fitted: Fitted) -> str:
             left_out = relative_error(cp_ratios(point, dims, without)[0], point.time_ratio)
         else:
             left_out = "check, not fitted"
-        lines.append(f"| {point.kind} | {point.seq_len} | {point.tp} | {point.cp} | {point.time_ratio:.2f} | "
+        lines.append(f"| {point.kind} | {point.seq_len} | {point.tp} | {point.cp} | {point.time_ratio:.3f} | "
                      f"{time_ratio:.3f} | {relative_error(time_ratio, point.time_ratio)} | {left_out} | "
-                     f"{point.memory_ratio:.2f} | {memory_ratio:.3f} | "
+                     f"{point.memory_ratio:.3f} | {memory_ratio:.3f} | "
                      f"{relative_error(memory_ratio, point.memory_ratio)} |")
     other = ", ".join(f"{kind} {us:.3f}" for kind, us in fitted.other_us_per_token.items())
     lines += ["", f"fitted: other µs per token (H200) {other}"
