@@ -74,6 +74,13 @@ class Dims:
                    config.dsa_indexer_n_heads, config.dsa_indexer_head_dim,
                    {kind: config.compress_ratio(kind) for kind in KINDS})
 
+    def index_width(self, kind: str, seq_len: int) -> int:
+        """Columns of every query's index row `[T, W + K]`: the window, then C's top-k or every entry H's
+        query may see (the sequence's entry count). The sparse kernels loop over all of them, valid or −1."""
+        ratio = self.ratios[kind]
+        entries = seq_len // ratio if ratio else 0
+        return self.window + (entries if kind == "H" else min(self.topk, entries))
+
     def halo(self, kind: str) -> int:
         """Rows before a CP piece its first tokens read (`layers.context_parallel.context_halo`)."""
         ratio = self.ratios[kind]
@@ -333,15 +340,17 @@ def predict(setup: Setup, dims: Dims, fitted: Fitted, rates: Rates = Rates()) ->
 def compute_ms(setup: Setup, dims: Dims, own: Rows, halo: int, fitted: Fitted, rates: Rates) -> dict:
     """Milliseconds per op family of a rank computing the query rows `own` and two halos."""
     kind, tp, gpu = setup.kind, setup.tp, setup.gpu
-    rows, pairs = own.tokens + 2 * halo, own.attended_pairs + 2 * halo * dims.window
+    # The kernels' work: every index slot of every row, valid or not (the rates count the same way).
+    rows = own.tokens + 2 * halo
+    slots = rows * dims.index_width(kind, setup.seq_len)
     heads, D = dims.heads // tp, dims.head_dim
     weights = layer_weights(dims, kind)
     slowdown = fitted.cp_attention_slowdown if setup.cp > 1 else 1.0
     work = {
         "projections": projection_flop(rows, weights.split // tp + weights.replicated) / (rates.gemm_tflops * 1e9),
         "sparse attention": slowdown * (
-            attention_forward_flop(heads, pairs, D, D) / (rates.sparse_fwd_tflops * 1e9)
-            + attention_backward_flop(heads, pairs, D, D) / (rates.sparse_bwd_tflops * 1e9)),
+            attention_forward_flop(heads, slots, D, D) / (rates.sparse_fwd_tflops * 1e9)
+            + attention_backward_flop(heads, slots, D, D) / (rates.sparse_bwd_tflops * 1e9)),
         # Assumed: half of the remainder is per-head work (q norm + RoPE, the inverse RoPE of the output).
         "other (per token)": fitted.other_us_per_token[kind] * 1e-3 * rows * HBM_REFERENCE_TB_S / gpu.hbm_tb_s
         * (1 + 1 / tp) / 2,
