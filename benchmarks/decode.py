@@ -217,7 +217,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--projection-precision", nargs="+", default=["native"], choices=PROJECTION_PRECISIONS,
                         help="the layer's projection_precision; several: each kind's rows once per value, in one run")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None,
+                        help="default: cuda where there is one; on a CPU-only machine pass --smoke, or --device cpu "
+                             "with sizes small enough for it")
     parser.add_argument("--repeats", type=int, default=50, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (includes compilation)")
     parser.add_argument("--recompute-max-tokens", type=int, default=65537,
@@ -226,6 +228,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if args.smoke:
         args.preset, args.batches, args.contexts, args.dtype = "tiny", [1, 2], [64, 200], "float32"
         args.device, args.repeats, args.warmup, args.recompute_max_tokens = "cpu", 2, 1, 512
+    elif args.device is None:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA GPU here: the default sizes (dsv4-flash, contexts up to 128k) are a GPU's; "
+                         "pass --smoke for a small CPU run, or --device cpu with a small --preset and --contexts")
+        args.device = "cuda"
+    elif args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
     kinds = args.kinds.upper()
     if not kinds or set(kinds) - set("WCHM"):
         parser.error(f"--kinds takes W, C, H and M, got {args.kinds!r}")

@@ -11,10 +11,11 @@ and as the autograd Functions a training step calls, with how many launches took
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -62,7 +63,8 @@ def triton_rows() -> list[tuple[str, float]]:
     return rows
 
 
-def main() -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # --help
     if not cuda_available("host_cost.py"):
         return 0
     small = torch.randn(1024, device="cuda")

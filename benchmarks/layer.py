@@ -339,6 +339,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                              "backward; times are per layer): from the second layer on, the host issues a layer's "
                              "kernels while the GPU runs the previous layer's")
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
     if args.cuda_graph and not args.device.startswith("cuda"):
         parser.error("--cuda-graph needs a CUDA device")
     if args.cuda_graph and args.compile:

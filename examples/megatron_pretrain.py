@@ -93,6 +93,9 @@ def check_arguments(args: argparse.Namespace, job: JobConfig) -> None:
             raise ValueError(f"--{name} must be a positive int, got {value!r}")
     if args.sp and args.tp == 1:
         raise ValueError("--sp needs --tp > 1 (sequence parallelism splits over the TP group)")
+    if args.sp and not job.train.device.startswith("cuda"):
+        raise ValueError(f"--sp needs --device cuda (got {job.train.device!r}): Megatron's sequence-parallel "
+                         "scatter allocates on the current CUDA device")
     chunks = chunks_per_sequence(args.cp, job.attention.cp_partition)
     if job.train.seq_len % chunks:
         raise ValueError(f"train.seq_len {job.train.seq_len} must be a multiple of {chunks} for --cp {args.cp} "

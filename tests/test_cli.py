@@ -209,6 +209,18 @@ def test_layer_parts_benchmark_sets_the_m_layer_against_its_attention_and_projec
     assert "| **parts** |" in result.stdout and "| eager |" in result.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU-only machine is told")
+def test_benchmarks_refuse_gpu_sizes_and_devices_on_a_cpu_only_machine() -> None:
+    """A clear usage error, not a CUDA assertion from deep inside the run or an hour at GPU sizes."""
+    for script, args, message in (("benchmarks/layer.py", ["--device", "cuda"], "CUDA is not available"),
+                                  ("benchmarks/decode.py", [], "pass --smoke for a small CPU run"),
+                                  ("benchmarks/decode.py", ["--device", "cuda"], "CUDA is not available")):
+        result = run_python(script, *args)
+        assert result.returncode == 2 and message in result.stderr, (script, args, result.stderr)
+    result = run_python("benchmarks/host_cost.py", "--help")
+    assert result.returncode == 0 and "usage: host_cost.py" in result.stdout, result.stderr
+
+
 def test_decode_benchmark_smoke_mode_prints_its_table() -> None:
     result = run_python("benchmarks/decode.py", "--smoke", "--kinds", "CW", "--projection-precision", "native", "fp8")
     assert result.returncode == 0, result.stderr

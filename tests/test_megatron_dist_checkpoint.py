@@ -270,5 +270,7 @@ def test_example_and_loader_reject_bad_arguments(tmp_path: Path) -> None:
         main(["--config", config, "--load", str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="WORLD_SIZE=1 but --tp 2 × --cp 1 = 2"):
         main(["--config", config, "--tp", "2"])
+    with pytest.raises(ValueError, match="--sp needs --device cuda"):  # not Megatron's CUDA assertion mid-step
+        main(["--config", config, "--tp", "2", "--sp", "--device", "cpu"])
     with pytest.raises(ValueError, match="is not a Megatron distributed checkpoint"):
         integration.load_dist_checkpoint({}, str(tmp_path))

@@ -271,3 +271,11 @@ def test_compare_summarises_the_runs_that_share_a_label_as_one_arm(tmp_path, cap
     assert printed[3] == ("fp8 (2 runs, mean (min–max)): retrieval accuracy 0.750 (0.500–1.000) | validation LM "
                           "loss 1.350 (1.200–1.500) | train loss (last 30 steps) 1.145 (1.145–1.145)")
     assert printed[4].startswith("plot "), "bf16 has one run: no arm line"
+
+
+def test_step_line_names_indexer_losses_only_where_there_are_some() -> None:
+    from megatron_dsa.job.report import format_step
+
+    stats = dict(step=4, loss=2.5, lm_loss=2.5, retrieval_loss=None, grad_norm=1.0, lr=1e-3, tokens_per_s=1000.0)
+    assert "indexer" not in format_step(train.StepStats(indexer_losses={}, **stats))  # a window-only stack
+    assert "| indexer L2=1.50e-03 |" in format_step(train.StepStats(indexer_losses={2: 1.5e-3}, **stats))

@@ -22,7 +22,8 @@ def format_step(stats: StepStats) -> str:
         parts.append(f"lm {stats.lm_loss:.4f}")
     if stats.retrieval_loss is not None:
         parts.append(f"retrieval {stats.retrieval_loss:.4f}")
-    parts.append("indexer " + " ".join(f"L{n}={v:.2e}" for n, v in sorted(stats.indexer_losses.items())))
+    if stats.indexer_losses:  # none in a stack without C layers
+        parts.append("indexer " + " ".join(f"L{n}={v:.2e}" for n, v in sorted(stats.indexer_losses.items())))
     parts += [f"gnorm {stats.grad_norm:.2f}", f"lr {stats.lr:.2e}", f"{stats.tokens_per_s:,.0f} tok/s"]
     return " | ".join(parts)
 
