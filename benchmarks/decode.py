@@ -41,7 +41,7 @@ from megatron_dsa.layers.cuda_graphs import capture_graph  # noqa: E402
 from megatron_dsa.layers.decoding import LayerCache  # noqa: E402
 from megatron_dsa.layers.kinds import build_attention  # noqa: E402
 
-from timing import DTYPES, median_ms  # noqa: E402  (this directory)
+from timing import DTYPES, device_name, median_ms  # noqa: E402  (this directory)
 
 GOAL_US = 150.0  # issue 29: a C-layer decode step at B = 32, 128k context, as a CUDA graph
 PROFILED_STEPS = 10  # eager steps under the profiler (--profile)
@@ -217,7 +217,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--projection-precision", nargs="+", default=["native"], choices=PROJECTION_PRECISIONS,
                         help="the layer's projection_precision; several: each kind's rows once per value, in one run")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--device", default=None,
+    parser.add_argument("--device", default=None, type=device_name,
                         help="default: cuda where there is one; on a CPU-only machine pass --smoke, or --device cpu "
                              "with sizes small enough for it")
     parser.add_argument("--repeats", type=int, default=50, help="timed steps (median reported)")
@@ -233,8 +233,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
             parser.error("no CUDA GPU here: the default sizes (dsv4-flash, contexts up to 128k) are a GPU's; "
                          "pass --smoke for a small CPU run, or --device cpu with a small --preset and --contexts")
         args.device = "cuda"
-    elif args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available on this machine")
     kinds = args.kinds.upper()
     if not kinds or set(kinds) - set("WCHM"):
         parser.error(f"--kinds takes W, C, H and M, got {args.kinds!r}")

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_dsa import HybridAttention, HybridAttentionConfig, LayerKind  # noqa: E402
 from megatron_dsa.backends import call_counts, reset_call_counts  # noqa: E402
 from megatron_dsa.config import PRESETS  # noqa: E402
+from timing import device_name  # noqa: E402  (this directory)
 
 RUNS = (("bf16", torch.bfloat16, "native"), ("fp8", torch.bfloat16, "fp8"))
 
@@ -87,7 +88,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--kinds", default="WCHM", help="layer kinds, e.g. WC")
     parser.add_argument("--topk", type=int, help="dsa_indexer_topk (default: the preset's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=device_name)
     args = parser.parse_args(argv)
     try:
         args.kinds = [LayerKind.parse(symbol) for symbol in args.kinds.upper()]

@@ -34,6 +34,7 @@ from megatron_dsa.config import PRESETS, PROJECTION_PRECISIONS  # noqa: E402
 from megatron_dsa.ops.layout import TokenLayout  # noqa: E402
 
 from layer_flops import attention_flop, projection_flop  # noqa: E402  (this directory)
+from timing import device_name  # noqa: E402  (this directory)
 
 BASELINE_BACKEND = "naive-dense"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -314,7 +315,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=device_name)
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per layer (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones")
     parser.add_argument("--kinds", type=parse_kinds, default="WCHM", help="layer kinds, e.g. WC")
@@ -339,8 +340,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                              "backward; times are per layer): from the second layer on, the host issues a layer's "
                              "kernels while the GPU runs the previous layer's")
     args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available on this machine")
     if args.cuda_graph and not args.device.startswith("cuda"):
         parser.error("--cuda-graph needs a CUDA device")
     if args.cuda_graph and args.compile:

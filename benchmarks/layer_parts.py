@@ -32,6 +32,7 @@ from megatron_dsa.backends import OpFamily, call_counts, dispatch, reset_call_co
 from megatron_dsa.ops.layout import TokenLayout  # noqa: E402
 
 from layer import DTYPES, OUT_OF_MEMORY, build_layer, measure, timed, train_step  # noqa: E402  (this directory)
+from timing import device_name  # noqa: E402  (this directory)
 
 DIMS = {
     "preset": {},
@@ -138,7 +139,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=device_name)
     parser.add_argument("--backend", default="auto", help="the layer's attention_backend")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (compilation, autotuning)")

@@ -31,6 +31,14 @@ def cuda_available(script: str) -> bool:
     return torch.cuda.is_available()
 
 
+def device_name(name: str) -> str:
+    """`--device`'s argparse type: a CUDA device on a machine without CUDA is a usage error, not a CUDA
+    assertion from deep inside the run."""
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name}: CUDA is not available on this machine")
+    return name
+
+
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int, back_to_back: int = 1) -> float:
     """Median of `repeats` CUDA-event timings after `warmup` untimed calls (the first Triton call of a
     shape compiles and autotunes, so it belongs to the warm-up). Each timing covers `back_to_back` calls

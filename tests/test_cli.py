@@ -212,9 +212,9 @@ def test_layer_parts_benchmark_sets_the_m_layer_against_its_attention_and_projec
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU-only machine is told")
 def test_benchmarks_refuse_gpu_sizes_and_devices_on_a_cpu_only_machine() -> None:
     """A clear usage error, not a CUDA assertion from deep inside the run or an hour at GPU sizes."""
-    for script, args, message in (("benchmarks/layer.py", ["--device", "cuda"], "CUDA is not available"),
-                                  ("benchmarks/decode.py", [], "pass --smoke for a small CPU run"),
-                                  ("benchmarks/decode.py", ["--device", "cuda"], "CUDA is not available")):
+    requests = [(f"benchmarks/{script}", ["--device", "cuda"], "CUDA is not available")
+                for script in ("layer.py", "decode.py", "fp8_error.py", "layer_parts.py")]
+    for script, args, message in requests + [("benchmarks/decode.py", [], "pass --smoke for a small CPU run")]:
         result = run_python(script, *args)
         assert result.returncode == 2 and message in result.stderr, (script, args, result.stderr)
     result = run_python("benchmarks/host_cost.py", "--help")
