@@ -83,8 +83,9 @@ class SegmentedVisibleRows:
     gathered in sequence order, once per segment). Row t of segment i sees entry j of its sequence iff
     `j < (first_positions[i] + t + 1) // ratio`, j < `keys`; column j of the scores is entry j.
 
-    num_rows: the query rows (`stop − start`); cu_rows `[n + 1]` int32 query rows, cu_keys `[n + 1]` int32 keys (`i·keys`), first_positions `[n]` int32,
-    key_rows `[n·keys]` long: the key buffer's rows holding entry j of segment i's sequence."""
+    num_rows: the query rows (`stop − start`); cu_rows `[n + 1]` int32 query rows, cu_keys `[n + 1]` int32 keys
+    (`i·keys`), first_positions `[n]` int32, key_rows `[n·keys]` long: the key buffer's rows holding entry j of
+    segment i's sequence."""
 
     ratio: int
     num_rows: int
