@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from megatron_dsa.parallel.mappings import reduce_scatter_sum, start_all_gather_into
 from megatron_dsa.parallel.state import group_size
 
 PARTITIONS = ("zigzag", "contiguous")
@@ -130,7 +131,10 @@ def shard_packed(x: Tensor, cu_seqlens_padded: Sequence[int], cp_size: int, cp_r
 class _StartAllGatherRows(torch.autograd.Function):
     """Forward posts an all-gather of equal-size row blocks (`async_op`) into a buffer it returns
     unfilled; `_FinishAllGatherRows` waits. Backward: every rank's gradient for each block is summed
-    and the owner keeps its block (the adjoint of a gather)."""
+    and the owner keeps its block (the adjoint of a gather: a reduce-scatter).
+
+    On NCCL both are the single-tensor collectives (`mappings.start_all_gather_into`, `reduce_scatter_sum`):
+    no staging copy, and half an all-reduce's bytes in backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor, group: ProcessGroup, pending: "PendingGather") -> Tensor:
@@ -138,14 +142,12 @@ class _StartAllGatherRows(torch.autograd.Function):
         size = dist.get_world_size(group)
         gathered = x.new_empty((size * x.shape[0], *x.shape[1:]))
         pending.source = x.contiguous()
-        pending.work = dist.all_gather(list(gathered.chunk(size)), pending.source, group=group, async_op=True)
+        pending.work = start_all_gather_into(gathered, pending.source, group, async_op=True)
         return gathered
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None, None
+        return reduce_scatter_sum(grad, ctx.group), None, None
 
 
 class _FinishAllGatherRows(torch.autograd.Function):

@@ -31,21 +31,36 @@ def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
     return x
 
 
+def _single_tensor_collectives(group: ProcessGroup) -> bool:
+    """Whether the group gathers into and reduce-scatters from one tensor. On NCCL that skips the list
+    forms' staging copy (a cat kernel) and some host time per call; gloo keeps the list forms, which it
+    has on every torch this package supports (it lacks a reduce-scatter there: `reduce_scatter_sum`)."""
+    return dist.get_backend(group) != "gloo"
+
+
+def start_all_gather_into(out: Tensor, x: Tensor, group: ProcessGroup, async_op: bool = False):
+    """All-gather `x [n, ...]` from every rank into `out [size·n, ...]` (rank order); returns the work
+    handle when `async_op`."""
+    if _single_tensor_collectives(group):
+        return dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
+    return dist.all_gather(list(out.chunk(dist.get_world_size(group))), x, group=group, async_op=async_op)
+
+
 def _all_gather(x: Tensor, group: ProcessGroup) -> Tensor:
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=0)
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    start_all_gather_into(out, x, group)
+    return out
 
 
-def _reduce_scatter(x: Tensor, group: ProcessGroup) -> Tensor:
+def reduce_scatter_sum(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Sum `x [size·n, ...]` over the ranks and keep this rank's `[n, ...]` slice."""
     size = dist.get_world_size(group)
     _check_divisible(x, size)
-    parts = [p.contiguous() for p in x.chunk(size, dim=0)]
-    out = torch.empty_like(parts[0])
     if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: reduce all, keep own slice
         return _all_reduce(x, group).chunk(size, dim=0)[dist.get_rank(group)].contiguous()
-    dist.reduce_scatter(out, parts, group=group)
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
 
 
@@ -101,7 +116,7 @@ class _GatherFromSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        reduce = _reduce_scatter if ctx.grad_is_partial else _own_slice
+        reduce = reduce_scatter_sum if ctx.grad_is_partial else _own_slice
         return reduce(grad, ctx.group), None, None
 
 
@@ -109,7 +124,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, group)
+        return reduce_scatter_sum(x, group)
 
     @staticmethod
     def backward(ctx, grad):
