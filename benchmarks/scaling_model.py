@@ -14,7 +14,7 @@ Per rank and layer (forward + backward, B = 1, bf16):
   copies) that is the one fitted number per kind. Rates come from the kernel tables, not from a fit.
 * CP: the rank's rows are its two zigzag chunks plus their halos (`h` rows each, projected and attended
   again); its compressed entries are all-gathered, hidden behind the indexer's selection unless the
-  transfer takes longer; the halo exchange and the backward's all-reduce of the entry gradients are
+  transfer takes longer; the halo exchange and the backward's reduce-scatter of the entry gradients are
   blocking. Two fitted numbers: a slowdown of the attention-side kernels on CP rows and a fixed host
   cost per CP step.
 * TP (SP on): the heads' work divides by TP, the replicated parts (down projections, compressors,
@@ -371,7 +371,8 @@ def communication_ms(setup: Setup, dims: Dims, own: Rows, rows: int, work: dict,
     CP: each rank pools the entries whose last token it holds and all-gathers everyone's (a ring: (cp−1)/cp
     of the buffer arrives over cp − 1 hops). The main entries are in flight behind the indexer's selection
     (C; H queues only its index rows), C's indexer keys behind the indexer's query projection. The halo
-    exchange, and in backward the all-reduce of the entries' gradient and the halo gradients, block.
+    exchange, and in backward the reduce-scatter of the entries' gradient (the gather's adjoint: the same
+    bytes and hops) and the halo gradients, block.
     TP (sequence parallel, Megatron style, nothing overlapped): the sequence all-gather, the output
     reduce-scatter and its backward all-gather; backward all-reduces of the shared q latent and K = V rows,
     and (C) the teacher's head-summed mass."""
@@ -391,7 +392,7 @@ def communication_ms(setup: Setup, dims: Dims, own: Rows, rows: int, work: dict,
         for buffer, behind in gathers:
             in_flight = transfer_ms(buffer * hops / cp, link, hops, rates)
             gather, overlap = gather + in_flight, overlap + behind
-            exposed += max(0.0, in_flight - behind) + transfer_ms(2 * buffer * hops / cp, link, 2 * hops, rates)
+            exposed += max(0.0, in_flight - behind) + transfer_ms(buffer * hops / cp, link, hops, rates)
     if tp > 1:
         share, hops = (tp - 1) / tp, tp - 1
         exposed += 3 * transfer_ms(share * rows * dims.hidden * BF16, gpu.nvlink_gb_s, hops, rates)
@@ -680,7 +681,7 @@ def prediction_table(gpu: Gpu, pattern: str, layers: int, seq_lens: Sequence[int
 
 def hiding_table(dims: Dims, fitted: Fitted) -> str:
     lines = ["Forward entry gathers against the compute queued behind them, and the share of the step spent "
-             "waiting for communication (the halo exchange and the backward all-reduce never overlap):", "",
+             "waiting for communication (the halo exchange and the backward reduce-scatter never overlap):", "",
              "| GPU | kind | CP | link | gathers hide down to S/CP | comm share at S/CP = 1024 | at 8192 | at 65536 |",
              "|---|---|--:|---|--:|--:|--:|--:|"]
     for gpu in GPUS.values():
