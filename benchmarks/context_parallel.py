@@ -4,6 +4,7 @@
     python benchmarks/context_parallel.py --tp 2 --cp 2 --seq-len 32768 --kind C   # TP-2 × CP-2, 4 GPUs
     python benchmarks/context_parallel.py --kind M --cp 2 --seq-len 16384 --ring-key-rows 1024 2048 4096
     python benchmarks/context_parallel.py --kind C --cp 2 --seq-len 32768 --profile prof   # where CP-2's time goes
+    python benchmarks/context_parallel.py --kind H --cp 2 4 --seq-len 32768 --cuda-graph   # steps as graph replays
 
 Runs the single-GPU layer (TP-1 × CP-1) and then each TP × CP-N layout on TP·N GPUs (NCCL, one process
 per GPU) on the same global sequence, and prints a markdown table of median fwd+bwd step times and
@@ -13,7 +14,9 @@ per-rank peak memory, with their ratios to the single GPU. An out-of-memory run 
 profiles one more step of every layout on every rank and writes, per rank, its GPU timeline with the host
 ops during the longest idle gaps (`DIR/<layout>_rank<r>.txt`, rank 0's also printed), each kernel's count and
 total time (`.tsv`) and a Chrome trace (`.json`), then prints each CP layout's kernel families per rank against
-their 1/N share of CP-1's (`profiling.family_table`).
+their 1/N share of CP-1's (`profiling.family_table`). `--cuda-graph` times every layout's steps as replays of
+`make_graphed_layers` (CP-1 too; the collectives inside the graphs), where eager steps can be host-bound; the
+peak then includes the graphs' memory pool.
 GPU only.
 """
 
@@ -34,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
+from megatron_dsa import HybridAttention, HybridAttentionConfig, make_graphed_layers  # noqa: E402
 from megatron_dsa.parallel import initialize_parallel_state  # noqa: E402
 from megatron_dsa.parallel.context import shard_sequence  # noqa: E402
 
@@ -50,11 +53,15 @@ def step(layer: torch.nn.Module, x: torch.Tensor) -> None:
     torch.cuda.synchronize()
 
 
-def measure(layer: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int) -> tuple[float, float]:
-    """Median fwd+bwd milliseconds and peak MiB above the memory held before the steps."""
+def measure(layer: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int,
+            cuda_graph: bool = False) -> tuple[float, float]:
+    """Median fwd+bwd milliseconds and peak MiB above the memory held before the steps (and before the
+    capture, with `cuda_graph`: the graphs' pool counts)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    if cuda_graph:
+        (layer,) = make_graphed_layers([layer], [x])
     times = []
     for index in range(warmup + repeats):
         start = time.perf_counter()
@@ -96,7 +103,7 @@ def run_single(args: argparse.Namespace) -> tuple[float, float]:
     layer = build(args)
     x = torch.randn(args.seq_len, 1, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)
-    measured = measure(layer, x, args.warmup, args.repeats)
+    measured = measure(layer, x, args.warmup, args.repeats, args.cuda_graph)
     if args.profile:
         write_profile(layer, x, args.profile / f"{layout_name(args, 1)}_rank0")
     return measured
@@ -113,7 +120,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
     x = shard_sequence(full, args.cp, state.cp_rank, "zigzag").clone().requires_grad_()
     del full
     try:
-        measured = measure(layer, x, args.warmup, args.repeats)
+        measured = measure(layer, x, args.warmup, args.repeats, args.cuda_graph)
         if args.profile:
             write_profile(layer, x, args.profile / f"{layout_name(args, args.cp)}_rank{rank}")
         results.put((rank, *measured))
@@ -154,7 +161,11 @@ def main() -> None:
                         help="M: the ring's key chunk sizes to time (`cp_ring_key_rows`)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="profile one more step of each layout on every rank, files here (see above)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time the steps as replays of make_graphed_layers (every layout, CP-1 too)")
     args = parser.parse_args()
+    if args.cuda_graph and args.profile:
+        parser.error("--profile profiles eager steps; leave out --cuda-graph (a replay hides the host's ops)")
     if args.kind != "M" and args.ring_key_rows != [DEFAULT_KEY_ROWS]:
         parser.error("--ring-key-rows applies to --kind M only (the ring of dense MLA blocks)")
     if min(args.ring_key_rows) < 1:
@@ -166,7 +177,7 @@ def main() -> None:
     if torch.cuda.device_count() < args.tp * max(cp_sizes):
         sys.exit(f"needs {args.tp * max(cp_sizes)} CUDA GPUs, found {torch.cuda.device_count()}")
     print(f"kind {args.kind}, preset {args.preset}, bf16, B=1, {args.comm} zigzag; median of {args.repeats} "
-          f"fwd+bwd steps; peak = largest per-rank peak above the inputs; ratios against TP-1 × CP-1")
+          f"fwd+bwd steps{' as CUDA-graph replays' if args.cuda_graph else ''}; peak = largest per-rank peak above the inputs; ratios against TP-1 × CP-1")
     chunks = args.kind == "M"
     print("\n| S | layout | GPUs |" + (" ring key rows |" if chunks else "")
           + " ms | time ratio | peak MiB | memory ratio |")

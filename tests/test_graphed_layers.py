@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dsa import GraphedLayer, make_graphed_layers
+from megatron_dsa import GraphedLayer, HybridAttention, make_graphed_layers
 from megatron_dsa.layers.cuda_graphs import CapturedInput, _GraphReplay, _LayerStep
-from test_packed_support import make_layer, pack, random_segments
+from distributed import run_distributed
+from test_packed_support import make_config, make_layer, pack, random_segments
 
 F64 = torch.float64
 
@@ -38,6 +39,29 @@ def test_make_graphed_layers_rejects_bad_arguments() -> None:
         make_graphed_layers([layer], [x], num_warmup_iters=0)
     with pytest.raises(TypeError, match=r"layers\[0\] must be a HybridAttention, got Linear"):
         make_graphed_layers([torch.nn.Linear(2, 2)], [x])
+
+
+def parallel_rules_body(rank: int, world: int) -> None:
+    from megatron_dsa.parallel import initialize_parallel_state
+
+    x = torch.randn(16, 1, make_layer("C").config.hidden_size, dtype=F64)
+    for tp, cp in ((1, world), (world, 1)):
+        layer = HybridAttention(make_config("C"), kind="C", parallel_state=initialize_parallel_state(tp_size=tp,
+                                                                                                  cp_size=cp))
+        name = "tensor" if tp > 1 else "context"
+        with pytest.raises(ValueError, match=rf"layers\[0\] runs {name} parallel over a gloo group: .* NCCL"):
+            make_graphed_layers([layer], [x])
+        if cp > 1:  # the packed rule comes first: it holds on every backend
+            batch = packed_batch(layer.config.hidden_size)
+            with pytest.raises(ValueError, match=r"context parallel on packed input: .* SBHD"):
+                make_graphed_layers([layer], [batch.hidden], batch.params)
+
+
+def test_make_graphed_layers_takes_parallel_layers_on_nccl_and_sbhd_cp_input_only() -> None:
+    """TP/CP layers are captured with their collectives (run on NCCL in test_graphed_layers_gpu.py); a gloo
+    group cannot be captured, and packed CP input needs a host plan a replay cannot change: both raise,
+    on real 2-process groups."""
+    run_distributed(parallel_rules_body, 2)
 
 
 def test_captured_input_replays_only_the_captured_call() -> None:

@@ -191,3 +191,82 @@ def test_graphed_packed_layer_with_changed_boundaries_matches_eager(variant, no_
     too_long.max_seqlen_q = GRAPH_MAX_SEQLEN + 1
     with pytest.raises(ValueError, match=f"at most the captured bound {GRAPH_MAX_SEQLEN}"):
         graphed(sample.hidden.detach().requires_grad_(), packed_seq_params=too_long)
+
+
+def parallel_graphs_body(rank: int, world: int, tp: int, kinds: str) -> None:
+    """Every kind of `kinds` on TP `tp` × CP `world // tp` (SP under TP): three steps of the graphed layer
+    against an eager twin with the same weights on the same rank. Failures are collected and raised at the
+    end, so that no rank leaves the others waiting in a collective."""
+    from megatron_dsa.parallel import initialize_parallel_state
+    from megatron_dsa.parallel.context import shard_sequence
+
+    cp = world // tp
+    state = initialize_parallel_state(tp_size=tp, cp_size=cp)
+    failures: list[str] = []
+
+    def check(what: str, compare) -> None:
+        try:
+            compare()
+        except AssertionError as error:
+            failures.append(f"rank {rank} {what}: {error}")
+
+    def local_rows(full: torch.Tensor) -> torch.Tensor:
+        rows = shard_sequence(full, cp, state.cp_rank, "zigzag")
+        return rows.chunk(tp)[state.tp_rank] if tp > 1 else rows
+
+    for kind in kinds:
+        config = HybridAttentionConfig.from_preset("dsv4-flash", num_layers=1, layer_pattern=kind,
+                                                   sequence_parallel=tp > 1)
+        torch.manual_seed(0)
+        layer = HybridAttention(config, kind=kind, parallel_state=state).to(CUDA, torch.bfloat16).train()
+        twin = HybridAttention(config, kind=kind, parallel_state=state).to(CUDA, torch.bfloat16).train()
+        twin.load_state_dict(layer.state_dict())
+
+        def sample(seed: int) -> torch.Tensor:
+            torch.manual_seed(seed)  # the same global sequence on every rank
+            return local_rows(torch.randn(2048, 1, config.hidden_size, device=CUDA)).bfloat16().requires_grad_()
+
+        reset_call_counts()
+        (graphed,) = make_graphed_layers([layer], [sample(1)])
+        check(f"{kind} capture used fused kernels", lambda: assert_fused(call_counts()))
+        for step, zero_first in enumerate([True, False, True]):
+            if zero_first:
+                layer.zero_grad(set_to_none=True)
+                twin.zero_grad(set_to_none=True)
+            x = sample(10 + step)
+            grad = torch.randn_like(x)
+            x_twin = x.detach().clone().requires_grad_()
+            reset_call_counts()
+            out, _ = graphed(x)
+            out.backward(grad)
+            replayed = call_counts()
+            expected, _ = twin(x_twin)
+            expected.backward(grad)
+            what = f"{kind} TP {tp} CP {cp} step {step}"
+            check(what + " replay dispatched nothing", lambda: assert_no_dispatch(replayed))
+            check(what + " output", lambda: assert_close_bf16("output", out, expected, grad=False))
+            check(what + " input grad", lambda: assert_close_bf16("input grad", x.grad, x_twin.grad, grad=True))
+            check(what + " parameter grads", lambda: assert_grads_match(grads_of(layer), grads_of(twin), what))
+            check(what + " indexer loss", lambda: assert_losses_match(graphed.last_indexer_loss,
+                                                                      twin.last_indexer_loss))
+        del graphed
+    assert not failures, "\n".join(failures)
+
+
+def assert_fused(counts: dict) -> None:
+    assert any(backend != "unfused" for backend, _ in counts), counts
+
+
+def assert_no_dispatch(counts: dict) -> None:
+    assert counts == {}, f"a replay runs no layer Python, but the dispatcher counted {counts}"
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("tp, kinds", [(1, "WCHM"), (2, "CM")], ids=["CP-2", "TP-2+SP"])
+def test_graphed_parallel_layers_match_eager_on_nccl(tp, kinds) -> None:
+    """The collectives of CP (halo exchange, entry all-gathers, the M ring's P2P) and TP + SP (sequence
+    all-gather, reduce-scatter, the latents' all-reduces) inside captured graphs: replays equal eager steps of
+    the same layer on 2 GPUs (tolerances as the one-GPU graph tests above)."""
+    from distributed import run_distributed
+
+    run_distributed(parallel_graphs_body, 2, tp, kinds, backend="nccl", timeout_s=400)

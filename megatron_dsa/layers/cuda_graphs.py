@@ -22,6 +22,11 @@ What it cannot check:
   backwards in reverse, and the outputs, `last_indexer_loss` and `last_selection` are graph memory
   the next replay overwrites (clone what you keep);
 - eval mode (or another `training` state than at capture) runs the layer eagerly, on any input.
+
+Tensor- and context-parallel layers (NCCL groups) are captured with their collectives inside the graphs:
+every rank of a layer's groups calls `make_graphed_layers` with the same layers in the same order, and
+replays them in the same order, as it would run them eagerly. Under CP the input is SBHD only: a packed
+CP input's partition plan is built on the host from its boundaries, which a replay cannot change.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor, nn
+
+import torch.distributed as dist
 
 from megatron_dsa.layers.hybrid_attention import HybridAttention
 from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
@@ -250,8 +257,8 @@ def make_graphed_layers(layers: Sequence[HybridAttention], sample_inputs: Sequen
                         num_warmup_iters: int = 3) -> list[GraphedLayer]:
     """Capture each layer's training forward and backward as CUDA graphs (one memory pool for all).
 
-    layers: CUDA `HybridAttention`s on one process (tensor and context parallel size 1), in the order a
-    step runs them. sample_inputs: one `[S, B, d]` tensor per layer with the shape, dtype and
+    layers: CUDA `HybridAttention`s in the order a step runs them; under TP or CP (NCCL groups) every rank
+    of their groups makes this call with its own layers, and the graphs hold the collectives. sample_inputs: one `[S, B, d]` tensor per layer with the shape, dtype and
     `requires_grad` of the real inputs (values do not matter). packed_seq_params: sample boundaries
     (on the layers' device, with `max_seqlen_q`) if the layers run on packed input; every layer then
     takes packed input of the same structure. Warm-up steps run first, on a side stream (lazy
@@ -260,7 +267,7 @@ def make_graphed_layers(layers: Sequence[HybridAttention], sample_inputs: Sequen
     runs them (the graphs share one memory pool). Returns one `GraphedLayer` per layer, same order.
     """
     layers, sample_inputs = list(layers), list(sample_inputs)
-    _check_layers(layers, sample_inputs, num_warmup_iters)
+    _check_layers(layers, sample_inputs, num_warmup_iters, packed_seq_params)
     captured = [CapturedInput.of(x, packed_seq_params) for x in sample_inputs]
     bound = None if packed_seq_params is None else packed_seq_params.max_seqlen_q
     graphs = [LayerGraphs(_LayerStep(layer, bound).train(layer.training), capture.graph_inputs(x, packed_seq_params))
@@ -276,7 +283,8 @@ def make_graphed_layers(layers: Sequence[HybridAttention], sample_inputs: Sequen
             for layer, layer_graphs, capture in zip(layers, graphs, captured)]
 
 
-def _check_layers(layers: list, sample_inputs: list, num_warmup_iters: int) -> None:
+def _check_layers(layers: list, sample_inputs: list, num_warmup_iters: int,
+                  packed_seq_params: Optional[PackedSeqParams]) -> None:
     if not layers or len(layers) != len(sample_inputs):
         raise ValueError(f"make_graphed_layers needs one sample input per layer, got {len(layers)} layers "
                          f"and {len(sample_inputs)} sample inputs")
@@ -288,11 +296,7 @@ def _check_layers(layers: list, sample_inputs: list, num_warmup_iters: int) -> N
     for i, (layer, x) in enumerate(zip(layers, sample_inputs)):
         if not isinstance(layer, HybridAttention):
             raise TypeError(f"layers[{i}] must be a HybridAttention, got {type(layer).__name__}")
-        state = layer.parallel_state
-        if state.tp_size > 1 or state.cp_size > 1:
-            raise ValueError(f"layers[{i}] runs with tensor parallel size {state.tp_size} and context parallel "
-                             f"size {state.cp_size}: make_graphed_layers supports single-process layers only "
-                             f"(collectives inside captured graphs are not tested here)")
+        _check_parallel_layer(i, layer, packed_seq_params)
         if not isinstance(x, Tensor) or x.device.type != "cuda":
             raise ValueError(f"sample_inputs[{i}] must be a CUDA tensor (CUDA graphs), got "
                              f"{x.device if isinstance(x, Tensor) else type(x).__name__}")
@@ -301,3 +305,16 @@ def _check_layers(layers: list, sample_inputs: list, num_warmup_iters: int) -> N
         if devices != {x.device}:
             raise ValueError(f"layers[{i}] has parameters on {sorted(map(str, devices))} but its sample input is "
                              f"on {x.device}")
+
+
+def _check_parallel_layer(i: int, layer: HybridAttention, packed_seq_params: Optional[PackedSeqParams]) -> None:
+    """A TP/CP layer's collectives go into its graphs: NCCL groups only; under CP, SBHD input only."""
+    state = layer.parallel_state
+    if state.cp_size > 1 and packed_seq_params is not None:
+        raise ValueError(f"layers[{i}] runs context parallel on packed input: its partition plan is host metadata "
+                         f"built from the boundaries, which a graph replay cannot change; graph CP layers on SBHD "
+                         f"input [S/cp, B, d], or run packed CP input eagerly")
+    for name, group, size in (("tensor", state.tp_group, state.tp_size), ("context", state.cp_group, state.cp_size)):
+        if size > 1 and dist.get_backend(group) != "nccl":
+            raise ValueError(f"layers[{i}] runs {name} parallel over a {dist.get_backend(group)} group: a CUDA graph "
+                             f"captures its collectives only on NCCL groups")
