@@ -16,7 +16,7 @@ Per rank and layer (forward + backward, B = 1, bf16):
   again); its compressed entries are all-gathered, hidden behind the indexer's selection unless the
   transfer takes longer; the halo exchange and the backward's reduce-scatter of the entry gradients are
   blocking. Two fitted numbers: a slowdown of the attention-side kernels on CP rows and a fixed host
-  cost per CP step.
+  cost per CP step; `--cuda-graph` refits the fixed cost on steps replayed as CUDA graphs.
 * TP (SP on): the heads' work divides by TP, the replicated parts (down projections, compressors,
   indexer) do not; the sequence all-gather, the output reduce-scatter and the backward all-reduces of the
   shared latents are blocking.
@@ -229,7 +229,7 @@ class Fitted:
 
     other_us_per_token: dict  # kind → µs per token of the memory-bound remainder (H200), from S = 4096
     cp_attention_slowdown: float  # attention-side kernels on CP rows (packed layout) vs one GPU
-    cp_host_ms: float  # fixed per CP layer step (host plan, blocking halo ops), eager
+    cp_host_ms: float  # fixed per CP layer step (host plan, blocking halo ops): eager, or graphed (`fit_graph_host`)
 
 
 # Per-token bytes of the activations a W/C/H layer keeps for its backward, measured at S = 65536 on one
@@ -535,6 +535,13 @@ CP_RATIOS = (
     CpPoint("H", 131072, 2, 0.524, 0.528),
     CpPoint("H", 131072, 4, 0.261, 0.268),
 )
+# 4×H200, 2026-11-27 (later), commit f611024 + the vendor stack: `context_parallel.py --kind H|C --cp 4 --seq-len
+# 32768 --repeats 5 --cuda-graph`, every layout's steps replayed as CUDA graphs (CP-1 too). Eager in the same
+# call: H 0.305, C 0.311 (the host-bound points of CP_RATIOS). They fit the graphed fixed cost only.
+GRAPH_CP_RATIOS = (
+    CpPoint("C", 32768, 4, 0.266, 0.284),
+    CpPoint("H", 32768, 4, 0.268, 0.282),
+)
 # Same box and tree, `--kind C --tp 2 --cp 2` (TP-2 × CP-2 on 4 GPUs, no sequence parallelism): a check, not
 # fitted. The model prices TP with SP's collectives; without SP the same bytes move as all-reduces.
 TP_CP_CHECKS = (
@@ -571,6 +578,20 @@ def calibrate(dims: Dims, rates: Rates = Rates(), cp_points: Sequence[CpPoint] =
     return Fitted(other, (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det)
 
 
+def fit_graph_host(fitted: Fitted, dims: Dims, rates: Rates = Rates(),
+                   points: Sequence[CpPoint] = GRAPH_CP_RATIOS) -> Fitted:
+    """`fitted` for steps replayed as CUDA graphs (`make_graphed_layers`), where the host no longer issues each
+    op: `cp_host_ms` refitted on the graph-replay CP time ratios `points` (one number: ratio = (base + h) / t1,
+    least squares in h), the slowdown and the per-token remainders kept."""
+    h200, rows = GPUS["H200"], []
+    hostless = replace(fitted, cp_host_ms=0.0)
+    for point in points:
+        t1 = predict(Setup(h200, point.kind, point.seq_len), dims, hostless, rates).step_ms
+        base = predict(Setup(h200, point.kind, point.seq_len, point.cp, point.tp), dims, hostless, rates).step_ms
+        rows.append((1 / t1, point.time_ratio - base / t1))
+    return replace(fitted, cp_host_ms=sum(x * y for x, y in rows) / sum(x * x for x, _ in rows))
+
+
 def single_gpu_peak_mib(prediction: Prediction) -> float:
     """What the benchmarks' peak counts: kept + transient activations and the gradients (no entries gather)."""
     m = prediction.memory
@@ -604,11 +625,20 @@ def calibration_table(dims: Dims, fitted: Fitted) -> str:
                      f"{time_ratio:.3f} | {relative_error(time_ratio, point.time_ratio)} | {left_out} | "
                      f"{point.memory_ratio:.3f} | {memory_ratio:.3f} | "
                      f"{relative_error(memory_ratio, point.memory_ratio)} |")
+    graphed = fit_graph_host(fitted, dims)
+    lines += ["", "CP-N against CP-1, every step a CUDA-graph replay (fits the graphed fixed cost only):", "",
+              "| kind | S | CP | time ratio measured | predicted (graphed) | error | predicted eager |",
+              "|---|--:|--:|--:|--:|--:|--:|"]
+    for point in GRAPH_CP_RATIOS:
+        time_ratio = cp_ratios(point, dims, graphed)[0]
+        lines.append(f"| {point.kind} | {point.seq_len} | {point.cp} | {point.time_ratio:.3f} | {time_ratio:.3f} | "
+                     f"{relative_error(time_ratio, point.time_ratio)} | {cp_ratios(point, dims, fitted)[0]:.3f} |")
     other = ", ".join(f"{kind} {us:.3f}" for kind, us in fitted.other_us_per_token.items())
     lines += ["", f"fitted: other µs per token (H200) {other}"
               + f" (S = 4096 steps); CP attention-side slowdown {fitted.cp_attention_slowdown:.2f}, CP host "
               f"{fitted.cp_host_ms:.2f} ms per step (the {len(CP_RATIOS)} TP-1 time ratios; the memory ratios and the "
-              "TP × CP points are not fitted)"]
+              f"TP × CP points are not fitted); graphed CP fixed cost {graphed.cp_host_ms:.2f} ms per step (the "
+              f"{len(GRAPH_CP_RATIOS)} graph-replay ratios)"]
     return "\n".join(lines)
 
 
@@ -655,10 +685,11 @@ def comm_share(dims: Dims, fitted: Fitted, gpu: Gpu, kind: str, seq_len: int, cp
 # ---------------------------------------------------------------- command line
 def prediction_table(gpu: Gpu, pattern: str, layers: int, seq_lens: Sequence[int], cps: Sequence[int],
                      tps: Sequence[int], dims: Dims, fitted: Fitted, bytes_per_parameter: float,
-                     recompute: bool) -> str:
+                     recompute: bool, graphs: bool = False) -> str:
     kinds = (pattern * layers)[:layers]
     shown = kinds if len(kinds) <= 12 else kinds[:12] + "…"
-    lines = [f"{gpu.name}, {layers} layer(s) {shown}, fwd + bwd, B = 1, bf16; "
+    lines = [f"{gpu.name}, {layers} layer(s) {shown}, fwd + bwd, B = 1, bf16"
+             f"{', CUDA-graph replays' if graphs else ', eager'} (CP fixed cost {fitted.cp_host_ms:.2f} ms per layer); "
              f"memory with {bytes_per_parameter:g} B per parameter{', attention recomputed' if recompute else ''}",
              "",
              "| S | CP | TP | S/CP | step ms | exposed comm ms | CP host ms | essential TFLOPS per GPU | "
@@ -718,6 +749,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--recompute", action="store_true", help="recompute_attention: keep only the input rows")
     parser.add_argument("--calibration", action="store_true", help="predicted against measured, every point")
     parser.add_argument("--hiding", action="store_true", help="where the entry gathers stop hiding")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="price the steps as CUDA-graph replays: the fixed CP cost fitted on graph-replay ratios")
     args = parser.parse_args(argv)
     if not args.kind or set(args.kind) - set(KINDS):
         parser.error(f"--kind must be made of {', '.join(KINDS)} (M is not modelled), got {args.kind!r}")
@@ -728,13 +761,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     dims = Dims.from_preset(args.preset)
     fitted = calibrate(dims)
+    if args.cuda_graph:
+        fitted = fit_graph_host(fitted, dims)
     if args.calibration:
         print(calibration_table(dims, fitted))
     elif args.hiding:
         print(hiding_table(dims, fitted))
     else:
         print(prediction_table(GPUS[args.gpu], args.kind, args.layers, args.seq_len, args.cp, args.tp, dims,
-                               fitted, args.bytes_per_parameter, args.recompute))
+                               fitted, args.bytes_per_parameter, args.recompute, args.cuda_graph))
     return 0
 
 

@@ -27,6 +27,8 @@ CP_MEMORY_RATIO_ERROR = 0.06
 # The TP-2 × CP-2 checks (not fitted): the model expects far more from TP than was measured.
 TP_CP_TIME_RATIO_ERROR = 0.28
 TP_CP_MEMORY_RATIO_ERROR = 0.26
+# The CUDA-graph replay ratios (one number fitted on two points).
+GRAPH_CP_TIME_RATIO_ERROR = 0.02
 
 
 def brute_force_rows(dims: model.Dims, kind: str, positions: range) -> model.Rows:
@@ -140,6 +142,20 @@ def test_calibration_points_within_the_documented_errors() -> None:
         assert memory_ratio == pytest.approx(point.memory_ratio, rel=TP_CP_MEMORY_RATIO_ERROR)
 
 
+def test_graph_replays_keep_a_fraction_of_the_fixed_cp_cost_and_fit_their_points() -> None:
+    """Replayed as CUDA graphs, a CP step's fixed cost is what the host no longer adds: positive (collective
+    latency, waits) and well under the eager one; the graph points follow within the documented error, and
+    nothing but the CP steps changes."""
+    graphed = model.fit_graph_host(FITTED, FLASH)
+    assert 0 < graphed.cp_host_ms < FITTED.cp_host_ms / 2
+    for point in model.GRAPH_CP_RATIOS:
+        assert model.cp_ratios(point, FLASH, graphed)[0] == pytest.approx(point.time_ratio,
+                                                                        rel=GRAPH_CP_TIME_RATIO_ERROR)
+        assert model.cp_ratios(point, FLASH, graphed)[0] < model.cp_ratios(point, FLASH, FITTED)[0]
+    one = model.Setup(H200, "C", 32768)
+    assert model.predict(one, FLASH, graphed).step_ms == model.predict(one, FLASH, FITTED).step_ms
+
+
 def test_command_line_prints_predictions_calibration_and_hiding(capsys: pytest.CaptureFixture) -> None:
     assert model.main(["--kind", "HC", "--layers", "4", "--seq-len", "65536", "--cp", "1", "8", "--tp", "1", "2",
                        "--gpu", "H100", "--recompute"]) == 0
@@ -149,6 +165,8 @@ def test_command_line_prints_predictions_calibration_and_hiding(capsys: pytest.C
     assert "| H200 | C | 16384 | 39.34 ms |" in capsys.readouterr().out
     assert model.main(["--hiding"]) == 0
     assert "never hidden" in capsys.readouterr().out
+    assert model.main(["--seq-len", "131072", "--cp", "8", "--cuda-graph"]) == 0
+    assert "CUDA-graph replays (CP fixed cost 0.65 ms per layer)" in capsys.readouterr().out
 
 
 def test_command_line_rejects_bad_input(capsys: pytest.CaptureFixture) -> None:
