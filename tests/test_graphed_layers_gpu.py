@@ -262,11 +262,14 @@ def assert_no_dispatch(counts: dict) -> None:
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("tp, kinds", [(1, "WCHM"), (2, "CM")], ids=["CP-2", "TP-2+SP"])
-def test_graphed_parallel_layers_match_eager_on_nccl(tp, kinds) -> None:
+@pytest.mark.parametrize("world, tp, kinds", [(2, 1, "WCHM"), (2, 2, "CM"), (4, 2, "CH")],
+                         ids=["CP-2", "TP-2+SP", "TP-2+SPxCP-2"])
+def test_graphed_parallel_layers_match_eager_on_nccl(world, tp, kinds) -> None:
     """The collectives of CP (halo exchange, entry all-gathers, the M ring's P2P) and TP + SP (sequence
     all-gather, reduce-scatter, the latents' all-reduces) inside captured graphs: replays equal eager steps of
-    the same layer on 2 GPUs (tolerances as the one-GPU graph tests above)."""
+    the same layer on 2 or 4 GPUs (tolerances as the one-GPU graph tests above)."""
     from distributed import run_distributed
 
-    run_distributed(parallel_graphs_body, 2, tp, kinds, backend="nccl", timeout_s=400)
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    run_distributed(parallel_graphs_body, world, tp, kinds, backend="nccl", timeout_s=400)
