@@ -35,9 +35,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
-from torch import Tensor, nn
-
 import torch.distributed as dist
+from torch import Tensor, nn
 
 from megatron_dsa.layers.hybrid_attention import HybridAttention
 from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
@@ -258,7 +257,8 @@ def make_graphed_layers(layers: Sequence[HybridAttention], sample_inputs: Sequen
     """Capture each layer's training forward and backward as CUDA graphs (one memory pool for all).
 
     layers: CUDA `HybridAttention`s in the order a step runs them; under TP or CP (NCCL groups) every rank
-    of their groups makes this call with its own layers, and the graphs hold the collectives. sample_inputs: one `[S, B, d]` tensor per layer with the shape, dtype and
+    of their groups makes this call with its own layers, and the graphs hold the collectives.
+    sample_inputs: one `[S, B, d]` tensor per layer (this rank's shard under CP/SP) with the shape, dtype and
     `requires_grad` of the real inputs (values do not matter). packed_seq_params: sample boundaries
     (on the layers' device, with `max_seqlen_q`) if the layers run on packed input; every layer then
     takes packed input of the same structure. Warm-up steps run first, on a side stream (lazy
