@@ -177,7 +177,8 @@ def main() -> None:
     if torch.cuda.device_count() < args.tp * max(cp_sizes):
         sys.exit(f"needs {args.tp * max(cp_sizes)} CUDA GPUs, found {torch.cuda.device_count()}")
     print(f"kind {args.kind}, preset {args.preset}, bf16, B=1, {args.comm} zigzag; median of {args.repeats} "
-          f"fwd+bwd steps{' as CUDA-graph replays' if args.cuda_graph else ''}; peak = largest per-rank peak above the inputs; ratios against TP-1 × CP-1")
+          f"fwd+bwd steps{' as CUDA-graph replays' if args.cuda_graph else ''}; peak = largest per-rank peak above "
+          f"the inputs; ratios against TP-1 × CP-1")
     chunks = args.kind == "M"
     print("\n| S | layout | GPUs |" + (" ring key rows |" if chunks else "")
           + " ms | time ratio | peak MiB | memory ratio |")
