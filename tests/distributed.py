@@ -15,6 +15,7 @@ import tempfile
 import traceback
 from typing import Any, Callable, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -85,6 +86,13 @@ def _run_ranks(ctx: Any, errors: Any, store_file: str, body: Callable[..., Any],
         if crashed:
             report.append(f"ranks {crashed} exited with codes {[procs[r].exitcode for r in crashed]}")
         raise AssertionError("distributed test failed:\n" + "\n".join(report))
+
+
+def need_gpus(count: int) -> None:
+    """Skip a test whose process group needs `count` CUDA GPUs on a machine with fewer (the `multigpu` marker
+    only asks for two)."""
+    if torch.cuda.device_count() < count:
+        pytest.skip(f"needs {count} CUDA GPUs")
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

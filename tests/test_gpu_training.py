@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
+
+from distributed import need_gpus
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -61,11 +62,6 @@ def assert_follows(got: list[float], expected: list[float], what: str) -> None:
     print(f"{what}: losses {['%.4f' % v for v in got]} vs 1 GPU {['%.4f' % v for v in expected]}, "
           f"max diff {worst:.2e}")
     assert worst < TOLERANCE, (what, got, expected)
-
-
-def need_gpus(count: int) -> None:
-    if torch.cuda.device_count() < count:
-        pytest.skip(f"needs {count} CUDA GPUs")
 
 
 @pytest.fixture(scope="module")

@@ -268,8 +268,7 @@ def test_graphed_parallel_layers_match_eager_on_nccl(world, tp, kinds) -> None:
     """The collectives of CP (halo exchange, entry all-gathers, the M ring's P2P) and TP + SP (sequence
     all-gather, reduce-scatter, the latents' all-reduces) inside captured graphs: replays equal eager steps of
     the same layer on 2 or 4 GPUs (tolerances as the one-GPU graph tests above)."""
-    from distributed import run_distributed
+    from distributed import need_gpus, run_distributed
 
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs")
+    need_gpus(world)
     run_distributed(parallel_graphs_body, world, tp, kinds, backend="nccl", timeout_s=400)
