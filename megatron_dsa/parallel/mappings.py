@@ -57,7 +57,7 @@ def reduce_scatter_sum(x: Tensor, group: ProcessGroup) -> Tensor:
     """Sum `x [size·n, ...]` over the ranks and keep this rank's `[n, ...]` slice."""
     size = dist.get_world_size(group)
     _check_divisible(x, size)
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: reduce all, keep own slice
+    if not _single_tensor_collectives(group):  # gloo has no reduce_scatter: reduce all, keep own slice
         return _all_reduce(x, group).chunk(size, dim=0)[dist.get_rank(group)].contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
