@@ -57,6 +57,28 @@ def parallel_rules_body(rank: int, world: int) -> None:
                 make_graphed_layers([layer], [batch.hidden], batch.params)
 
 
+def disagreeing_ranks_body(rank: int, world: int) -> None:
+    from megatron_dsa.parallel import initialize_parallel_state
+    from megatron_dsa.parallel.consistency import RankMismatchError
+
+    layer = HybridAttention(make_config("C"), kind="C", parallel_state=initialize_parallel_state(cp_size=world))
+    x = torch.randn(16 + 8 * rank, 1, layer.config.hidden_size, dtype=F64)  # rank 1's shard is longer
+    with pytest.raises(RankMismatchError, match=r"make_graphed_layers' call differs between ranks: sample inputs: "
+                                                 r".*\(16, 1, .* on rank 0, .*\(24, 1, .* on rank 1"):
+        make_graphed_layers([layer], [x])
+    warmup = 0 if rank == 0 else 3  # a local error on rank 0 only: both ranks still raise, neither waits
+    with pytest.raises(RankMismatchError, match="num_warmup_iters: 0 on rank 0, 3 on rank 1"):
+        make_graphed_layers([layer], [torch.randn(16, 1, layer.config.hidden_size, dtype=F64)],
+                            num_warmup_iters=warmup)
+
+
+def test_make_graphed_layers_raises_on_every_rank_when_the_ranks_calls_differ() -> None:
+    """The graphs of TP/CP layers hold collectives: ranks that would capture different calls (another shard
+    length, another argument) all raise, naming the field and the ranks, instead of one rank raising and the
+    others waiting inside a collective (real 2-process gloo groups; the agreement is checked first)."""
+    run_distributed(disagreeing_ranks_body, 2)
+
+
 def test_make_graphed_layers_takes_parallel_layers_on_nccl_and_sbhd_cp_input_only() -> None:
     """TP/CP layers are captured with their collectives (run on NCCL in test_graphed_layers_gpu.py); a gloo
     group cannot be captured, and packed CP input needs a host plan a replay cannot change: both raise,

@@ -31,6 +31,7 @@ CP input's partition plan is built on the host from its boundaries, which a repl
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar
 
@@ -40,6 +41,8 @@ from torch import Tensor, nn
 
 from megatron_dsa.layers.hybrid_attention import HybridAttention
 from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
+from megatron_dsa.parallel.consistency import check_same_on_all_ranks
+from megatron_dsa.parallel.state import group_size
 
 Result = TypeVar("Result")
 
@@ -285,6 +288,7 @@ def make_graphed_layers(layers: Sequence[HybridAttention], sample_inputs: Sequen
 
 def _check_layers(layers: list, sample_inputs: list, num_warmup_iters: int,
                   packed_seq_params: Optional[PackedSeqParams]) -> None:
+    _check_ranks_agree(layers, sample_inputs, num_warmup_iters, packed_seq_params)
     if not layers or len(layers) != len(sample_inputs):
         raise ValueError(f"make_graphed_layers needs one sample input per layer, got {len(layers)} layers "
                          f"and {len(sample_inputs)} sample inputs")
@@ -318,3 +322,35 @@ def _check_parallel_layer(i: int, layer: HybridAttention, packed_seq_params: Opt
         if size > 1 and dist.get_backend(group) != "nccl":
             raise ValueError(f"layers[{i}] runs {name} parallel over a {dist.get_backend(group)} group: a CUDA graph "
                              f"captures its collectives only on NCCL groups")
+
+
+def _check_ranks_agree(layers: list, sample_inputs: list, num_warmup_iters: object,
+                       packed_seq_params: Optional[PackedSeqParams]) -> None:
+    """Under TP/CP the graphs hold collectives, so every rank of a layer's groups must capture the same call.
+    Each rank's description of its call is all-gathered over those groups before any local check can stop a
+    rank: a call that differs raises `RankMismatchError` on every rank (naming the field and the ranks)
+    instead of one rank raising while the others wait in a collective of the warm-up or the capture."""
+    groups = {}
+    for layer in layers:
+        state = getattr(layer, "parallel_state", None)
+        for group in (state.tp_group, state.cp_group) if state is not None else ():
+            if group is not None and group_size(group) > 1:
+                groups[id(group)] = group
+    if not groups:
+        return
+    call = {"layers": [getattr(layer, "kind", type(layer).__name__) for layer in layers],
+            "sample inputs": [_describe_input(x) for x in sample_inputs], "num_warmup_iters": num_warmup_iters if isinstance(num_warmup_iters, int) else repr(num_warmup_iters),
+            "packed_seq_params": None if packed_seq_params is None else
+            (packed_seq_params.cu_seqlens_q.numel(), packed_seq_params.cu_seqlens_q_padded is not None,
+             packed_seq_params.max_seqlen_q)}
+    device = next((x.device for x in sample_inputs if isinstance(x, Tensor) and x.is_cuda), None)
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():  # NCCL gathers there
+        for group in groups.values():
+            check_same_on_all_ranks("make_graphed_layers' call", call, group)
+
+
+def _describe_input(x: object) -> str:
+    """What a rank's sample input must share with its group's (the device's type: each rank has its own GPU)."""
+    if not isinstance(x, Tensor):
+        return type(x).__name__
+    return f"{tuple(x.shape)} {x.dtype} on {x.device.type} (requires_grad={x.requires_grad})"
