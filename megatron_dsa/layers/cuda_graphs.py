@@ -338,8 +338,9 @@ def _check_ranks_agree(layers: list, sample_inputs: list, num_warmup_iters: obje
                 groups[id(group)] = group
     if not groups:
         return
+    warmup = num_warmup_iters if isinstance(num_warmup_iters, int) else repr(num_warmup_iters)  # picklable
     call = {"layers": [getattr(layer, "kind", type(layer).__name__) for layer in layers],
-            "sample inputs": [_describe_input(x) for x in sample_inputs], "num_warmup_iters": num_warmup_iters if isinstance(num_warmup_iters, int) else repr(num_warmup_iters),
+            "sample inputs": [_describe_input(x) for x in sample_inputs], "num_warmup_iters": warmup,
             "packed_seq_params": None if packed_seq_params is None else
             (packed_seq_params.cu_seqlens_q.numel(), packed_seq_params.cu_seqlens_q_padded is not None,
              packed_seq_params.max_seqlen_q)}
