@@ -190,6 +190,15 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
         # with arithmetic torch does not implement for float8.)
         "decode_indexer_scores": [("unfused", r(3, 2, 8, grad=False), r(3, 6, 8, grad=False), r(3, 2, grad=False),
                                    torch.tensor([0, 4, 6], device=device), 0.3, None)],
+        # state [B, K, 2·coff·Dc], new rows, positions, ape, norm weight, eps, inv_freq, rotate, store, scales: ratio 4
+        # (K = 8, coff 2, Dc 8) and ratio 2 (K = 2, coff 1); the FP8 store is not sampled, for the same reason.
+        "decode_compressor": [("unfused", r(3, 2 * ratio, 4 * 8, grad=False), r(3, 4 * 8, grad=False),
+                               torch.tensor([0, 5, 11], device=device), r(ratio, 2 * 8, grad=False),
+                               r(8, grad=False), 1e-6, inv_freq, rotate, r(3, 6, 8, grad=False), None)
+                              for ratio, rotate in ((4, False), (4, True))] + [
+                              ("unfused", r(3, 2, 2 * 8, grad=False), r(3, 2 * 8, grad=False),
+                               torch.tensor([0, 5, 11], device=device), r(2, 8, grad=False), r(8, grad=False), 1e-6,
+                               inv_freq, False, r(3, 6, 8, grad=False), None)],
         # (Its kept-codes form, e4m3 b with b_scales, is not sampled, for the same reason.)
         "fp8_gemm": [("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.float32, None),
                      ("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.bfloat16, None)],
@@ -206,7 +215,7 @@ OPS = {
     "topk": library.topk_op, "selection_rows": library.selection_rows_op,
     "indexer_loss": library.indexer_loss_op, "indexer_kl_bwd": library.indexer_kl_bwd_op,
     "decode_attention": library.decode_attention_op, "decode_indexer_scores": library.decode_indexer_scores_op,
-    "fp8_gemm": library.fp8_gemm_op,
+    "decode_compressor": library.decode_compressor_op, "fp8_gemm": library.fp8_gemm_op,
 }
 
 

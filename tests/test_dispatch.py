@@ -113,6 +113,7 @@ PRIORITY_ORDER = {
     "decode_attention": ("triton", "unfused"),
     "decode_indexer_scores": ("triton", "unfused"),
     "fp8_gemm": ("torch_scaled_mm", "unfused"),
+    "decode_compressor": ("triton", "unfused"),  # came after the table: first the kernel, the reference last
 }
 
 

@@ -182,3 +182,4 @@ def test_cuda_graph_generation_replays_the_eager_cached_steps(dtype: torch.dtype
     steps_on_the_host = 2 + 1  # DecodeGraph's default warm-up steps, then the capture
     assert sum(n for (_, op), n in call_counts().items() if op == "decode_attention") == (
         steps_on_the_host * len(model.layers)), call_counts()  # every kind's step, M's too
+    assert call_counts().get(("triton", "decode_compressor"), 0) > 0, call_counts()  # captured with the step

@@ -23,8 +23,8 @@ Backward:
   the gradient is exactly the eager one; the cost is one more forward of the op in backward);
 - `indexer_scores`, `topk`, `selection_rows`, `indexer_loss`, `indexer_kl_bwd` take no gradient (the
   selection runs without autograd; the indexer loss's gradient is `indexer_kl_bwd`, which
-  `backends.indexer_kl` calls from its backward); nor do `decode_attention` and `decode_indexer_scores`
-  (inference only), nor `fp8_gemm` (`ops.fp8_linear.Fp8Linear` calls it for its backward GEMMs too).
+  `backends.indexer_kl` calls from its backward); nor do `decode_attention`, `decode_indexer_scores` and
+  `decode_compressor` (inference only; the last writes the cache in place), nor `fp8_gemm` (`ops.fp8_linear.Fp8Linear` calls it for its backward GEMMs too).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def _kernel(op: OpFamily, backend: str) -> Callable[..., Any]:
     return registry.backend_op(backend, op)
 
 
-def _custom_op(name: str):
-    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
+def _custom_op(name: str, mutates_args: tuple[str, ...] = ()):
+    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)
 
 
 # ------------------------------------------------------------------------------ structured arguments
@@ -491,6 +491,16 @@ def _(backend, q, keys, weights, counts, scale, key_scales):
     return q.new_empty(keys.shape[:2], dtype=compute_dtype(q.dtype))
 
 
+@_custom_op("decode_compressor", mutates_args=("state", "store", "scales"))
+def decode_compressor_op(backend: str, state: Tensor, new_rows: Tensor, positions: Tensor, ape: Tensor,
+                         norm_weight: Tensor, eps: float, inv_freq: Tensor, rotate: bool, store: Tensor,
+                         scales: Optional[Tensor]) -> None:
+    """`decode_compressor` family: the new tokens join their compressor's pending slots (`state`) and their groups'
+    entries are written to `store` (and `scales`), in place (inference: no gradient)."""
+    _kernel(OpFamily.DECODE_COMPRESSOR, backend)(state, new_rows, positions, ape, norm_weight, eps, inv_freq, rotate,
+                                                 store, scales)
+
+
 @_custom_op("fp8_gemm")
 def fp8_gemm_op(backend: str, a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor]) -> Tensor:
     """`fp8_gemm` family: `a [M, K]·b [N, K]ᵀ` in `out_dtype`, the rows of both rounded to FP8 (b's already where
@@ -558,6 +568,10 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
     OpFamily.DECODE_INDEXER_SCORES: lambda backend: (
         lambda q, keys, weights, counts, scale, key_scales=None:
         decode_indexer_scores_op(backend, q, keys, weights, counts, float(scale), key_scales)),
+    OpFamily.DECODE_COMPRESSOR: lambda backend: (
+        lambda state, new_rows, positions, ape, norm_weight, eps, inv_freq, rotate, store, scales=None:
+        decode_compressor_op(backend, state, new_rows, positions, ape, norm_weight, float(eps), inv_freq, bool(rotate),
+                             store, scales)),
     OpFamily.FP8_GEMM: lambda backend: (
         lambda a, b, out_dtype, b_scales=None: fp8_gemm_op(backend, a, b, out_dtype, b_scales)),
     OpFamily.INDEXER_LOSS: _indexer_loss,

@@ -75,6 +75,10 @@ class OpFamily(str, Enum):
     DECODE_ATTENTION = "decode_attention"
     # (q [B,HI,DI], keys [B,C,DI], weights [B,HI], counts [B], scale) -> scores [B, C], -inf past counts[b]
     DECODE_INDEXER_SCORES = "decode_indexer_scores"
+    # (state [B,K,2·coff·Dc], new_rows [B,2·coff·Dc], positions [B], ape, norm_weight, eps, inv_freq, rotate,
+    # store [B,C,Dc], scales [B,C] or None) -> None: the new tokens join their compressor's pending slots and
+    # their groups' entries are written to the store, in place (ops.decode_compressor)
+    DECODE_COMPRESSOR = "decode_compressor"
     # (a [M, K], b [N, K], out_dtype) -> a·bᵀ [M, N], each row of a and b rounded to FP8 e4m3 with its own
     # scale (ops.fp8_linear): the projections' GEMMs under `projection_precision="fp8"`
     FP8_GEMM = "fp8_gemm"
@@ -110,6 +114,7 @@ AUTO_ORDER: dict[OpFamily, tuple[str, ...]] = {
     OpFamily.DENSE_ATTENTION_BLOCK_BWD: ("flash_attn", "triton", "torch_sdpa", "unfused"),
     OpFamily.DECODE_ATTENTION: ("triton", "unfused"),
     OpFamily.DECODE_INDEXER_SCORES: ("triton", "unfused"),
+    OpFamily.DECODE_COMPRESSOR: ("triton", "unfused"),
     # The reference rounds to FP8 and multiplies in float32: the same numbers, without FP8 tensor cores.
     OpFamily.FP8_GEMM: ("torch_scaled_mm", "unfused"),
 }
@@ -152,6 +157,7 @@ CALL_KEYS: dict[str, CallKey] = {
     "visible": CallKey((bool,), "the visible-entry structure (uniform batch or row segments) comes with the call"),
     "selected": CallKey((bool,), "decoding attends selected compressed entries"),
     "key_dtype": CallKey((torch.dtype,), "the dtype of cached keys, where it is not the query's (an FP8 cache)"),
+    "rotate": CallKey((bool,), "the compressor's entries go through the Hadamard transform (the indexer's keys)"),
     "layout": CallKey((TokenLayout, HostLayout), "the rows' TokenLayout (probes see its HostLayout)"),
 }
 EXPLICIT = "explicit"  # set by the dispatcher, never by a caller: True when the backend was named
@@ -176,6 +182,7 @@ FAMILY_KEYS: dict[OpFamily, frozenset[str]] = {family: frozenset(keys) for famil
     OpFamily.DENSE_ATTENTION_BLOCK_BWD: _DENSE,
     OpFamily.DECODE_ATTENTION: (*_DEVICE, "heads", "head_dim", "selected"),
     OpFamily.DECODE_INDEXER_SCORES: (*_DEVICE, "heads", "head_dim", "key_dtype"),
+    OpFamily.DECODE_COMPRESSOR: (*_DEVICE, "ratio", "head_dim", "rotate", "key_dtype"),
     OpFamily.FP8_GEMM: _DEVICE,
 }.items()}
 

@@ -10,9 +10,9 @@ import torch
 
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
-from megatron_dsa.backends.triton_kernels import (compressor, decode_attention, decode_indexer, dense_attention, indexer,
-                                                  indexer_loss, norm_rope, rms_norm, rope, selection, sparse_attention,
-                                                  topk_order)
+from megatron_dsa.backends.triton_kernels import (compressor, decode_attention, decode_compressor, decode_indexer,
+                                                  dense_attention, indexer, indexer_loss, norm_rope, rms_norm, rope,
+                                                  selection, sparse_attention, topk_order)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl
 
@@ -32,7 +32,9 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         probes.dtype_problem(call, DTYPES.get(op, KERNEL_DTYPES)),
         _topk_width_problem(call.get("columns"), call.get("topk"), call.get("rows"), explicit)
         if op is OpFamily.TOPK else None,
-        _fp8_keys_problem(call) if op is OpFamily.DECODE_INDEXER_SCORES else None,
+        _fp8_keys_problem(call) if op in (OpFamily.DECODE_INDEXER_SCORES, OpFamily.DECODE_COMPRESSOR) else None,
+        decode_compressor.rotate_problem(call.get("head_dim"), call.get("rotate"))
+        if op is OpFamily.DECODE_COMPRESSOR else None,
         probes.dense_problem(call, max_head_dim=dense_attention.MAX_HEAD_DIM, alignment=1)
         if op in DENSE_FAMILIES else None,
         _dense_float32_problem(call, explicit) if op in DENSE_FAMILIES else None,
@@ -95,6 +97,7 @@ TRITON = Backend(
         OpFamily.RMS_NORM: rms_norm.rms_norm,
         OpFamily.DECODE_ATTENTION: decode_attention.decode_attention,
         OpFamily.DECODE_INDEXER_SCORES: decode_indexer.decode_indexer_scores,
+        OpFamily.DECODE_COMPRESSOR: decode_compressor.decode_compress,
         OpFamily.DENSE_ATTENTION: dense_attention.dense_attention,
         OpFamily.DENSE_ATTENTION_BLOCK_FWD: dense_attention.block_forward,
         OpFamily.DENSE_ATTENTION_BLOCK_BWD: dense_attention.block_backward,

@@ -7,6 +7,7 @@ import torch
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.compressor import compress
 from megatron_dsa.ops.decode_attention import decode_attention
+from megatron_dsa.ops.decode_compressor import decode_compress
 from megatron_dsa.ops.dense_attention import block_attention_backward, block_attention_forward, causal_attention
 from megatron_dsa.ops.fp8_linear import fp8_gemm_reference
 from megatron_dsa.ops.indexer import decode_indexer_scores, indexer_scores
@@ -35,6 +36,7 @@ UNFUSED = Backend(
         OpFamily.DENSE_ATTENTION_BLOCK_BWD: block_attention_backward,
         OpFamily.DECODE_ATTENTION: decode_attention,
         OpFamily.DECODE_INDEXER_SCORES: decode_indexer_scores,
+        OpFamily.DECODE_COMPRESSOR: decode_compress,
         OpFamily.FP8_GEMM: fp8_gemm_reference,
     },
     version=lambda: f"torch {torch.__version__}",

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.layers.cuda_graphs import warm_up_on_side_stream
-from megatron_dsa.layers.decoding import LayerCache, byte_view
+from megatron_dsa.layers.decoding import LayerCache
+from megatron_dsa.ops.decode_compressor import byte_view
 
 DEFAULT_WARMUP = 2
 

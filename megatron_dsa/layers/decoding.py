@@ -32,15 +32,16 @@ Two paths:
   position), with no sink, and the first `kv_lora_rank` output columns are the latent to up-project; an M
   layer whose `linear_kv_up_proj` is not a plain weight (`DenseMLACore.plain_up_weight`) keeps the reference.
   a C layer's indexer scores each sequence's cached compressed keys where they lie (`decode_indexer_scores`,
-  then `topk`), and the compressors pool the one entry of the new token's group (written complete or not:
-  an unfinished entry is not visible yet), with every write one `index_copy_` into a flattened buffer.
+  then `topk`), and each compressor's write is one `decode_compressor` call (one kernel on CUDA): the new token
+  into its pending slot, and the one entry of its group pooled and stored (complete or not: an unfinished entry
+  is not visible yet).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
@@ -52,7 +53,8 @@ from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection,
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO
 from megatron_dsa.ops.decode_attention import entry_counts
-from megatron_dsa.ops.fp8_linear import RoundedWeights, dequantize_rows, quantize_rows, rounded_rows
+from megatron_dsa.ops.decode_compressor import byte_view, encode_rows, pending_slots
+from megatron_dsa.ops.fp8_linear import RoundedWeights, dequantize_rows, rounded_rows
 from megatron_dsa.ops.indexer import FP8_KEYS
 from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
@@ -84,68 +86,25 @@ class CompressorState:
 
 
 @dataclass(frozen=True, eq=False)
-class PendingGroups:
-    """Index tensors of a decode step's compressor writes that depend only on the cache's shapes (ratio r, K
-    pending slots and C entries per sequence; a state `[B, K, n]` and a store `[B, C, Dc]` are written
-    flattened, one row per sequence).
-
-    slot_base: `[B]` `b·K`, the first row of sequence b's slots. entry_base: `[B]` `b·C`, of its entries.
-    segments: the `TokenLayout` of B segments of K rows (each sequence's slots, oldest first, pooled as one
-    segment); numbering: `[B + 1]` `0 … B` (one entry per segment: its entries' offsets); all_valid: `[B]` True.
-    own_first: `[B]` `b·K + K − r`, the row of the first token of the new token's group among the slots
-    oldest first; previous_first: `[B]` `own_first − r`, of the group before it. oldest_first: ratio 4 only
-    (`K = 2r`, two groups held), `[2, B, K]` the rows of sequence b's slots oldest first when the new token's
-    entry `j` has parity `j % 2` (for K = r the slots are in order)."""
-
-    ratio: int
-    slots: int
-    slot_base: Tensor
-    entry_base: Tensor
-    segments: TokenLayout
-    numbering: Tensor
-    all_valid: Tensor
-    own_first: Tensor
-    previous_first: Tensor
-    oldest_first: Optional[Tensor]
-
-    @classmethod
-    def build(cls, batch: int, ratio: int, entries: int, device: torch.device) -> "PendingGroups":
-        slots = _pending_slots(ratio)
-        arange = lambda *args: torch.arange(*args, device=device)  # noqa: E731
-        slot_base = arange(0, batch * slots, slots)
-        oldest_first = None
-        if slots == 2 * ratio:  # slot of position q: q % 2r; entry j's previous group, then its own
-            halves = arange(slots).view(2, ratio)
-            in_order = torch.stack((halves.flip(0).flatten(), halves.flatten()))  # [parity, K]
-            oldest_first = slot_base.view(1, batch, 1) + in_order.unsqueeze(1)
-        return cls(ratio, slots, slot_base, arange(0, batch * entries, entries),
-                   TokenLayout(arange(0, (batch + 1) * slots, slots), batch * slots, slots), arange(batch + 1),
-                   torch.ones(batch, dtype=torch.bool, device=device), slot_base + (slots - ratio),
-                   slot_base + (slots - 2 * ratio), oldest_first)
-
-
-@dataclass(frozen=True, eq=False)
 class DecodeIndex:
     """Index tensors a decode step reads that depend only on the cache's shapes, built once with the cache (a
     captured step would otherwise replay the kernels that build them, every token).
 
     sequences: `[B]` `0 … B−1`. entry_columns: `[C]` `0 … C−1` (C: the cache's entries per sequence; empty
-    without compressors). groups: the compressors' `PendingGroups` (None without compressors). no_sink: M only,
-    `[H/tp]` float32 −inf, the decode attention's sink for a softmax without one."""
+    without compressors). no_sink: M only, `[H/tp]` float32 −inf, the decode attention's sink for a softmax
+    without one."""
 
     sequences: Tensor
     entry_columns: Tensor
-    groups: Optional[PendingGroups]
     no_sink: Optional[Tensor] = None
 
     @classmethod
-    def build(cls, batch: int, ratio: int, entries: int, device: torch.device) -> "DecodeIndex":
-        groups = PendingGroups.build(batch, ratio, entries, device) if ratio else None
-        return cls(torch.arange(batch, device=device), torch.arange(entries, device=device), groups)
+    def build(cls, batch: int, entries: int, device: torch.device) -> "DecodeIndex":
+        return cls(torch.arange(batch, device=device), torch.arange(entries, device=device))
 
     @classmethod
     def latent(cls, batch: int, heads: int, device: torch.device) -> "DecodeIndex":
-        return cls(torch.arange(batch, device=device), torch.arange(0, device=device), None,
+        return cls(torch.arange(batch, device=device), torch.arange(0, device=device),
                    torch.full((heads,), float("-inf"), device=device))
 
 
@@ -209,7 +168,7 @@ class LayerCache:
         for name, compressor in (("attention", attention.compressor),
                                  ("indexer", attention.indexer.compressor if attention.indexer else None)):
             if compressor is not None:
-                width, slots = compressor.linear_wkv.out_features, _pending_slots(compressor.ratio)
+                width, slots = compressor.linear_wkv.out_features, pending_slots(compressor.ratio)
                 cache.compressors[name] = CompressorState.empty(batch, slots, width, dtype, device)
         if attention.compressor is not None:
             cache.ratio = attention.ratio
@@ -219,8 +178,7 @@ class LayerCache:
             if fp8_indexer_keys:
                 cache.indexer_keys = cache.indexer_keys.to(FP8_KEYS)
                 cache.indexer_key_scales = torch.ones(batch, cache.entries.shape[1], device=device)
-        cache.index = DecodeIndex.build(batch, cache.ratio, 0 if cache.entries is None else cache.entries.shape[1],
-                                        device)
+        cache.index = DecodeIndex.build(batch, 0 if cache.entries is None else cache.entries.shape[1], device)
         return cache
 
     @property
@@ -232,12 +190,6 @@ class LayerCache:
         buffers = [self.window, self.entries, self.indexer_keys, self.indexer_key_scales, self.latent]
         buffers += [state.rows for state in self.compressors.values()]
         return sum(t.numel() * t.element_size() for t in buffers if t is not None)
-
-
-def _pending_slots(ratio: int) -> int:
-    """Positions a compressor keeps between calls: its unfinished group, and for the overlapping ratio 4
-    the finished group before it (the first half of the next entry's slots)."""
-    return 2 * ratio if ratio == OVERLAP_RATIO else ratio
 
 
 def new_rows_layout(hidden: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_padded: Optional[Tensor],
@@ -344,7 +296,7 @@ def _visible_entries(new: TokenLayout, entry_counts: Tensor, width: int, ratio: 
 def _append_entries(compressor: Compressor, state: CompressorState, projected: dict, new: TokenLayout,
                     before: Tensor, store: Tensor, inv_freq: Tensor, scales: Optional[Tensor] = None) -> None:
     """Pool the entries the new rows complete into `store [B, C, Dc]` (with `scales [B, C]`: an FP8 store,
-    `_encoded`) and keep their unfinished tokens.
+    `encode_rows`) and keep their unfinished tokens.
 
     The compressor runs on one segment per sequence: its pending positions (from the first token of the
     previous group for ratio 4, else of the unfinished group), then its new rows, laid out as a piece of
@@ -370,25 +322,11 @@ def _append_entries(compressor: Compressor, state: CompressorState, projected: d
     pooled = _pool(compressor, torch.cat((new_rows, state.rows.flatten(0, 1)))[source], layout, inv_freq)
     valid = layout.valid
     where = (layout.segment_ids[valid], layout.entry_index[valid])
-    values, row_scales = _encoded(pooled[valid], store, scales)
+    values, row_scales = encode_rows(pooled[valid], store, scales)
     byte_view(store)[where] = byte_view(values)
     if scales is not None:
         scales[where] = row_scales
     _write_slots(state.rows, new_rows, new, before)
-
-
-def _encoded(rows: Tensor, store: Tensor, scales: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-    """`rows [n, Dc]` as `store` keeps them: in its dtype, or for an FP8 store (`scales` given) rounded to e4m3
-    with one float32 scale per row (`ops.fp8_linear.quantize_rows`) → `(values, row scales [n] or None)`."""
-    if scales is None:
-        return rows.to(store.dtype), None
-    values, row_scales = quantize_rows(rows)
-    return values, row_scales.squeeze(1).to(scales.dtype)
-
-
-def byte_view(t: Tensor) -> Tensor:
-    """An e4m3 tensor as its bytes (torch's index writes take no float8), any other as itself."""
-    return t.view(torch.uint8) if t.dtype == FP8_KEYS else t
 
 
 def _stored_rows(store: Tensor, scales: Optional[Tensor]) -> Tensor:
@@ -437,14 +375,12 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     q, kv, projected, qr = layer.core.project(layer, x, positions, cache.stacked_weights)
     entries, picks = None, None
     if attention.compressor is not None:
-        # The attention's and the indexer's compressors share the ratio: one set of slot arithmetic serves both.
-        group = _NewTokenGroup.of(positions, index)
-        _pool_new_entry(attention.compressor, cache.compressors["attention"], projected, group, cache.entries,
-                        inv_freq)
+        _decode_compress(attention.compressor, cache.compressors["attention"], projected, positions, cache.entries,
+                         inv_freq)
         entries = cache.entries
     if attention.indexer is not None:
-        _pool_new_entry(attention.indexer.compressor, cache.compressors["indexer"], projected, group,
-                        cache.indexer_keys, inv_freq, cache.indexer_key_scales)
+        _decode_compress(attention.indexer.compressor, cache.compressors["indexer"], projected, positions,
+                         cache.indexer_keys, inv_freq, cache.indexer_key_scales)
         picks = _top_entries(attention.indexer, projected, qr, positions, cache.indexer_keys,
                              cache.indexer_key_scales, c.dsa_indexer_topk, inv_freq, index)
     kv_new = kv.to(cache.window.dtype)
@@ -482,50 +418,16 @@ def _latent_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     return values.flatten(1)
 
 
-class _NewTokenGroup(NamedTuple):
-    """Where the new token at position p sits in its compressors' pending slots, for `_pool_new_entry`, per
-    sequence (flattened rows, `PendingGroups`): its slot's row (slot `p % K`); the store row of its group's entry
-    `j = p // r`; the rows of the K slots ending with p's group, oldest first (ratio 4 only; else the slots in
-    order); and the layout that pools them, one segment and one entry per sequence."""
-
-    slot_rows: Tensor
-    entry_rows: Tensor
-    oldest_first: Optional[Tensor]
-    layout: CompressedLayout
-
-    @classmethod
-    def of(cls, positions: Tensor, index: DecodeIndex) -> "_NewTokenGroup":
-        groups, ratio = index.groups, index.groups.ratio
-        entry = torch.div(positions, ratio, rounding_mode="floor")
-        group_start = entry * ratio  # the entry's RoPE position
-        # The K positions ending with p's group start at (j + 1)·r − K (before the sequence for ratio 4's first
-        # entry, whose previous group the pooling masks): every pooled row is in the segment.
-        start = group_start if groups.slots == ratio else group_start - (groups.slots - ratio)
-        tokens = dataclasses.replace(groups.segments, position_offsets=start)
-        layout = CompressedLayout.one_entry_per_segment(tokens, ratio, entry, groups.own_first, groups.numbering,
-                                                        groups.all_valid, group_start, groups.previous_first)
-        oldest_first = (None if groups.oldest_first is None
-                        else groups.oldest_first[entry % 2, index.sequences].flatten())
-        return cls(groups.slot_base + positions % groups.slots, groups.entry_base + entry, oldest_first, layout)
-
-
-def _pool_new_entry(compressor: Compressor, state: CompressorState, projected: dict, group: _NewTokenGroup,
-                    store: Tensor, inv_freq: Tensor, scales: Optional[Tensor] = None) -> None:
-    """Keep the new token's compressor projections and pool its group into entry `j = p // r` of `store [B, C,
-    Dc]` (with `scales [B, C]`: an FP8 store, `_encoded`): complete where p completes the group (`(p + 1) % r ==
-    0`); until then the entry is not visible (`j >= (p + 1) // r`) and a later token rewrites it.
-
-    Every sequence pools the state's `K` slots (oldest first) as one segment of a layout that owns one entry
-    per segment, whether or not its group is complete (fixed shapes, no branch on values)."""
-    flat = state.rows.flatten(0, 1)  # a view: the write lands in the state
-    flat.index_copy_(0, group.slot_rows, _new_slot_rows(compressor, projected).to(flat.dtype))
-    if group.oldest_first is not None:
-        flat = flat.index_select(0, group.oldest_first)
-    pooled = _pool(compressor, flat, group.layout, inv_freq)
-    values, row_scales = _encoded(pooled, store, scales)
-    byte_view(store).flatten(0, 1).index_copy_(0, group.entry_rows, byte_view(values))
-    if scales is not None:
-        scales.flatten().index_copy_(0, group.entry_rows, row_scales)
+def _decode_compress(compressor: Compressor, state: CompressorState, projected: dict, positions: Tensor,
+                     store: Tensor, inv_freq: Tensor, scales: Optional[Tensor] = None) -> None:
+    """The new tokens (at `positions [B]`) join the compressor's pending slots, and the entry of each one's group
+    is written to `store [B, C, Dc]` (`scales [B, C]`: an FP8 store), complete or not
+    (`ops.decode_compressor.decode_compress`: one kernel on CUDA)."""
+    rows = _new_slot_rows(compressor, projected).to(state.rows.dtype)
+    write = dispatch(OpFamily.DECODE_COMPRESSOR, compressor.config, device=rows.device, dtype=rows.dtype,
+                     ratio=compressor.ratio, head_dim=store.shape[-1], rotate=compressor.rotate, key_dtype=store.dtype)
+    write(state.rows, rows, positions, compressor.ape, compressor.norm.weight, compressor.norm.eps, inv_freq,
+          compressor.rotate, store, scales)
 
 
 def _new_slot_rows(compressor: Compressor, projected: dict) -> Tensor:
@@ -641,7 +543,7 @@ def cache_footprint(config: HybridAttentionConfig, kind: str, element_size: int 
         if ratio:
             factor = 2 if ratio == OVERLAP_RATIO else 1  # coff: the ratio-4 compressor's doubled channels
             widths = [factor * c.v_head_dim] + ([factor * c.dsa_indexer_head_dim] if indexer else [])
-            fixed += sum(2 * _pending_slots(ratio) * width for width in widths)  # kv and gate
+            fixed += sum(2 * pending_slots(ratio) * width for width in widths)  # kv and gate
         return CacheFootprint(kind, per_token, fixed * element_size)
     return CacheFootprint(kind, float(dense_mla_bytes_per_token(c, element_size)), 0)
 

@@ -191,26 +191,6 @@ class CompressedLayout(KeepsDeviceValues):
         return cls(tokens=tokens, ratio=ratio, cu_compressed=cu, capacity=capacity,
                    max_entries=0, first_entry=first_entry)
 
-    @classmethod
-    def one_entry_per_segment(cls, tokens: TokenLayout, ratio: int, first_entry: Tensor, group_first_rows: Tensor,
-                              numbering: Tensor, all_valid: Tensor, entry_positions: Tensor,
-                              previous_first_rows: Tensor) -> "CompressedLayout":
-        """Segment `b` pools exactly one entry, `first_entry[b]` of its sequence, whose own group starts at token
-        row `group_first_rows[b]` (`[nseg]`): a decode step's pending groups. The index properties that
-        `owned` would search for are given instead (`numbering [nseg + 1]` 0 … nseg, `all_valid [nseg]` True,
-        `previous_first_rows` `group_first_rows − r`: tensors the caller keeps; `entry_positions`
-        `first_entry · r`, which the caller has computed), so the layout costs no device work beyond what its
-        users compute from it."""
-        segments = first_entry.shape[0]
-        layout = cls(tokens=tokens, ratio=ratio, cu_compressed=numbering, capacity=segments, max_entries=0,
-                     first_entry=first_entry)
-        # The values `device_cached_property` would compute, known in closed form for this layout.
-        previous = torch.where(first_entry > 0, previous_first_rows, -1)  # a sequence's first entry has none
-        layout.__dict__.update(segment_ids=numbering[:segments], valid=all_valid, entry_index=first_entry,
-                               group_first_rows=group_first_rows, positions=entry_positions,
-                               pooled_group_starts=(group_first_rows, previous))
-        return layout
-
     @device_cached_property
     def segment_ids(self) -> Tensor:
         """`[capacity]` segment of each compressed row (clamped for unused rows)."""
