@@ -76,6 +76,29 @@ def decoding_config(kind: str) -> HybridAttentionConfig:
                                              hca_compress_ratio=8, dsa_indexer_topk=3)
 
 
+@torch.no_grad()
+def decode_twins(kind: str, family: str, tokens: int = 30, prompt: int = 6) -> list[tuple]:
+    """A `kind` layer on the reference path and its twin (same weights) with `family` on Triton: `prompt` tokens of
+    3 sequences prefilled, then one at a time up to `tokens`. Per layer `(outputs [tokens, 3, d], picks [steps,
+    3, k] of a C layer or None, cache)`; the call counters count the twin's single-token steps."""
+    config = decoding_config(kind)
+    torch.manual_seed(0)
+    reference = build_attention(config.replace(attention_backend="unfused"), kind=kind).eval()
+    fused = build_attention(config.replace(attention_backend_overrides={family: "triton"}), kind=kind).eval()
+    fused.load_state_dict(reference.state_dict())
+    hidden = torch.randn(tokens, 3, config.hidden_size)
+    runs = []
+    for layer in (reference, fused):
+        cache = LayerCache.for_layer(layer, 3, tokens)
+        steps, chosen = [layer(hidden[:prompt], inference_cache=cache)[0]], []
+        reset_call_counts()
+        for t in range(prompt, tokens):
+            steps.append(layer(hidden[t:t + 1], inference_cache=cache)[0])
+            chosen.append(layer.core_attention.last_decode_picks if kind == "C" else None)
+        runs.append((torch.cat(steps), None if kind != "C" else torch.stack(chosen), cache))
+    return runs
+
+
 @pytest.mark.parametrize("kind", ["W", "C", "H", "M"])
 def test_decode_steps_with_the_triton_kernel_match_the_reference_decode(kind):
     """Prefill (reference path) then one token at a time: the attention through the Triton kernel (counted)

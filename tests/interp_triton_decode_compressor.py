@@ -15,16 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dsa.backends import call_counts, reset_call_counts
+from megatron_dsa.backends import call_counts
 from megatron_dsa.backends.triton_kernels import decode_compressor
 from megatron_dsa.backends.triton_kernels.decode_compressor import decode_compress as triton_write
-from megatron_dsa.layers.decoding import LayerCache
-from megatron_dsa.layers.kinds import build_attention
 from megatron_dsa.ops.decode_compressor import decode_compress as reference_write
 from megatron_dsa.ops.decode_compressor import pending_slots
 from megatron_dsa.ops.fp8_linear import FP8_MAX
 from megatron_dsa.ops.indexer import FP8_KEYS
-from interp_triton_decode_attention import decoding_config
+from interp_triton_decode_attention import decode_twins
 from triton_support import interpreter  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
@@ -117,27 +115,10 @@ def test_decode_steps_with_the_triton_compressor_write_match_the_reference_decod
     """Prefill (reference path) then one token at a time through a layer whose compressors write through the
     kernel (counted), against the same steps through the reference op: the same picks every step, outputs and
     cached entries to fp32 rounding."""
-    config = decoding_config(kind)
-    torch.manual_seed(0)
-    reference = build_attention(config.replace(attention_backend="unfused"), kind=kind).eval()
-    fused = build_attention(config.replace(attention_backend_overrides={"decode_compressor": "triton"}),
-                            kind=kind).eval()
-    fused.load_state_dict(reference.state_dict())
-    hidden = torch.randn(30, 3, config.hidden_size)
-    outputs, picks, caches = [], [], []
-    for layer in (reference, fused):
-        cache = LayerCache.for_layer(layer, 3, 30)
-        steps, chosen = [layer(hidden[:6], inference_cache=cache)[0]], []
-        reset_call_counts()
-        for t in range(6, 30):
-            steps.append(layer(hidden[t:t + 1], inference_cache=cache)[0])
-            chosen.append(layer.core_attention.last_decode_picks)
-        outputs.append(torch.cat(steps))
-        picks.append(None if chosen[0] is None else torch.stack(chosen))
-        caches.append(cache)
+    (expected, expected_picks, expected_cache), (got, picks, cache) = decode_twins(kind, "decode_compressor")
     assert call_counts()[("triton", "decode_compressor")] == 24 * (2 if kind == "C" else 1)
     if kind == "C":
-        assert torch.equal(picks[1], picks[0]) and (picks[0] >= 0).any()
-        torch.testing.assert_close(caches[1].indexer_keys, caches[0].indexer_keys, **TOL)
-    torch.testing.assert_close(caches[1].entries, caches[0].entries, **TOL)
-    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=1e-4)
+        assert torch.equal(picks, expected_picks) and (picks >= 0).any()
+        torch.testing.assert_close(cache.indexer_keys, expected_cache.indexer_keys, **TOL)
+    torch.testing.assert_close(cache.entries, expected_cache.entries, **TOL)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)

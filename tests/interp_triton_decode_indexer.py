@@ -14,13 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dsa.backends import call_counts, reset_call_counts
+from megatron_dsa.backends import call_counts
 from megatron_dsa.backends.triton_kernels import decode_indexer
 from megatron_dsa.backends.triton_kernels.decode_indexer import decode_indexer_scores as triton_scores
-from megatron_dsa.layers.decoding import LayerCache
-from megatron_dsa.layers.kinds import build_attention
 from megatron_dsa.ops.indexer import decode_indexer_scores as reference_scores
-from interp_triton_decode_attention import decoding_config
+from interp_triton_decode_attention import decode_twins
 from triton_support import interpreter  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
@@ -83,26 +81,10 @@ def test_decode_steps_with_the_triton_indexer_match_the_reference_decode():
     """Prefill (reference path) then one token at a time through a C layer whose indexer scores run the Triton
     kernel (counted), against the same steps through the reference op: the same picks every step, outputs to
     fp32 rounding."""
-    config = decoding_config("C")
-    torch.manual_seed(0)
-    reference = build_attention(config.replace(attention_backend="unfused"), kind="C").eval()
-    fused = build_attention(config.replace(attention_backend_overrides={"decode_indexer_scores": "triton"}),
-                            kind="C").eval()
-    fused.load_state_dict(reference.state_dict())
-    hidden = torch.randn(30, 3, config.hidden_size)
-    outputs, picks = [], []
-    for layer in (reference, fused):
-        cache = LayerCache.for_layer(layer, 3, 30)
-        steps, chosen = [layer(hidden[:6], inference_cache=cache)[0]], []
-        reset_call_counts()
-        for t in range(6, 30):
-            steps.append(layer(hidden[t:t + 1], inference_cache=cache)[0])
-            chosen.append(layer.core_attention.last_decode_picks)
-        outputs.append(torch.cat(steps))
-        picks.append(torch.stack(chosen))
+    (expected, expected_picks, _), (got, picks, _) = decode_twins("C", "decode_indexer_scores")
     assert call_counts()[("triton", "decode_indexer_scores")] == 24
-    assert torch.equal(picks[1], picks[0]) and (picks[0] >= 0).any()
-    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=1e-4)
+    assert torch.equal(picks, expected_picks) and (picks >= 0).any()
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
 def test_fp8_keys_of_a_head_dim_below_the_e4m3_mma_contraction():

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from megatron_dsa.ops.compressor import OVERLAP_RATIO, channel_factor, finish_entries, pool_slots
 from megatron_dsa.ops.fp8_linear import quantize_rows
-from megatron_dsa.ops.indexer import FP8_KEYS
+from megatron_dsa.ops.indexer import FP8_KEYS, check_key_scales
 
 
 def pending_slots(ratio: int) -> int:
@@ -103,12 +103,7 @@ def check_decode_compress_inputs(state: Tensor, new_rows: Tensor, positions: Ten
     if store.dim() != 3 or store.shape[0] != batch or store.shape[2] != dc:
         raise ValueError(f"decode compressor: store must be [B, C, Dc] = [{batch}, C, {dc}], got "
                          f"{tuple(store.shape)}")
-    if (store.dtype == FP8_KEYS) != (scales is not None):
-        raise TypeError(f"decode compressor: scales come with a store of dtype {FP8_KEYS} and only with it, got "
-                        f"store {store.dtype} and scales {'None' if scales is None else scales.dtype}")
-    if scales is not None and (scales.shape != store.shape[:2] or scales.dtype != torch.float32):
-        raise ValueError(f"decode compressor: scales must be float32 [B, C] = {list(store.shape[:2])}, got "
-                         f"{tuple(scales.shape)} {scales.dtype}")
+    check_key_scales("decode compressor", store, scales, "store", "scales")
     tensors = (state, new_rows, positions, ape, norm_weight, inv_freq, store) + (() if scales is None else (scales,))
     devices = {t.device for t in tensors}
     if len(devices) != 1:

@@ -131,6 +131,19 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
     return scores.masked_fill(~seen, float("-inf"))
 
 
+def check_key_scales(op: str, keys: Tensor, key_scales: Optional[Tensor], keys_name: str = "keys",
+                     scales_name: str = "key_scales") -> None:
+    """TypeError/ValueError (naming `op` and the arguments) unless cached keys `[B, C, D]` and their scales come
+    together exactly when the keys are e4m3 (an FP8 cache), the scales float32 `[B, C]`."""
+    if (keys.dtype == FP8_KEYS) != (key_scales is not None):
+        raise TypeError(f"{op}: {scales_name} come with {keys_name} of dtype {FP8_KEYS} and only with them, got "
+                        f"{keys_name} {keys.dtype} and {scales_name} "
+                        f"{'None' if key_scales is None else key_scales.dtype}")
+    if key_scales is not None and (key_scales.shape != keys.shape[:2] or key_scales.dtype != torch.float32):
+        raise ValueError(f"{op}: {scales_name} must be float32 [B, C] = {list(keys.shape[:2])}, got "
+                         f"{tuple(key_scales.shape)} {key_scales.dtype}")
+
+
 def check_decode_indexer_inputs(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor,
                                 key_scales: Optional[Tensor] = None) -> None:
     """ValueError/TypeError naming the argument when the decode indexer's arguments disagree (shapes and dtypes
@@ -148,12 +161,7 @@ def check_decode_indexer_inputs(q: Tensor, keys: Tensor, weights: Tensor, counts
         raise ValueError(f"decode indexer: counts must be [B] = [{batch}], got {tuple(counts.shape)}")
     if counts.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"decode indexer: counts must be int32/int64, got {counts.dtype}")
-    if (keys.dtype == FP8_KEYS) != (key_scales is not None):
-        raise TypeError(f"decode indexer: key_scales come with keys of dtype {FP8_KEYS} and only with them, got "
-                        f"keys {keys.dtype} and key_scales {'None' if key_scales is None else key_scales.dtype}")
-    if key_scales is not None and (key_scales.shape != keys.shape[:2] or key_scales.dtype != torch.float32):
-        raise ValueError(f"decode indexer: key_scales must be float32 [B, C] = {list(keys.shape[:2])}, got "
-                         f"{tuple(key_scales.shape)} {key_scales.dtype}")
+    check_key_scales("decode indexer", keys, key_scales)
     devices = {t.device for t in (q, keys, weights, counts) + (() if key_scales is None else (key_scales,))}
     if len(devices) != 1:
         raise ValueError(f"decode indexer inputs must share one device, got {sorted(map(str, devices))}")
