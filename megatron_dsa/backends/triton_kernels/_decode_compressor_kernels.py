@@ -51,7 +51,9 @@ def pool_pairs(slots_ptr, new_row, ape_ptr, entry, new_slot, pair_start, SLOTS: 
         cols = (COFF - 1 - half) * DC + chans
         for start in range(0, RATIO, BLOCK_S):
             in_group = start + tl.arange(0, BLOCK_S)
-            slot_ok = (in_group < RATIO) & (group_start >= 0)
+            # (group_start + in_group ≥ 0: none before entry 0; vector against vector, which Triton 3.9's
+            # interpreter keeps boolean where a vector & a scalar comparison is not)
+            slot_ok = (in_group < RATIO) & (group_start + in_group >= 0)
             slot = (group_start + in_group + SLOTS) % SLOTS
             mask = slot_ok[:, None, None] & chan_ok[None, :, :]
             kv_ptrs = tl.where((slot == new_slot)[:, None, None], new_row + cols[None, :, :],
