@@ -56,7 +56,8 @@ def test_kernel_compiles_for_sm90_without_spills(ratio, dc, rotate, fp8, stage, 
                       HADAMARD_SCALE=dc ** -0.5, FP8_MAX=448.0, INV_FP8_MAX=1.0 / 448.0,
                       TINY=torch.finfo(torch.float32).tiny, COMPUTE=tl.float32)
     signature.update({name: "constexpr" for name in constexprs})
-    compiled = compile_for_sm90(kernels, "decode_compress_kernel", signature, constexprs, launches.WARPS, 1)
+    warps = launches.POOL_WARPS if stage == 1 else launches.WARPS
+    compiled = compile_for_sm90(kernels, "decode_compress_kernel", signature, constexprs, warps, 1)
     assert "0 bytes spill stores" in ptxas_report(compiled.asm["ptx"], tmp_path)
 
 

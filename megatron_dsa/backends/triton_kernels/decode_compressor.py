@@ -29,16 +29,23 @@ from megatron_dsa.ops.precision import compute_dtype
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The Hadamard transform runs on a [Dc/2, Dc/2] sign matrix in registers: up to the indexer's head dims.
 MAX_ROTATE_DIM = 256
-# Elements of one [slots, Dc] tile of slot rows: 32 float32 values per thread of the program's 4 warps.
+# Elements of one [slots, channels] tile of slot rows (kv, gate and ape each: 16 float32 values per thread of
+# 8 warps, 64 of 2).
 TILE_ELEMENTS = 4096
 BLOCK_ROW = 1024  # the new row's copy into its slot, this many elements at a time
-WARPS = 4
+# Warps of a program that holds a whole entry (one launch, or a split write's finish): 8 spread the entry and its
+# slot tile thinnest (H200, B = 32, graph replays: C's write 5.5 µs against 7.2 with 4 warps and 8.3 with 2).
+WARPS = 8
+# A split write's pooling programs (one [128, 16] tile of slots × channels each): 2 warps and 8 channel pairs
+# took H's write 21.8 µs at B = 32 and 7.4 at B = 1, against 24.6 and 10.2 with 4 warps and 16 pairs
+# (`benchmarks/decode_compressor.py`).
+POOL_WARPS = 2
 # Up to this ratio one program per sequence pools, normalises and stores its entry (C's ratio 4: two tiles of
 # slots). A longer group is pooled over (sequence, channel block) programs first and finished in a second
 # launch: one program walking H's 128 slots tile after tile took 52 µs a step at B = 32 (H200), the memory's
 # latency sixteen times over.
 MAX_ONE_LAUNCH_RATIO = 8
-SPLIT_PAIRS = 16  # channel pairs per pooling program of a split write: all 128 slots of 32 channels in one tile
+SPLIT_PAIRS = 8  # channel pairs per pooling program of a split write: all 128 slots of 16 channels in one tile
 
 
 def rotate_problem(head_dim: Optional[int], rotate: Optional[bool]) -> Optional[str]:
@@ -75,7 +82,7 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
     constants = dict(SLOTS=slots, RATIO=ratio, COFF=channel_factor(ratio), DC=dc, HALF=inv_freq.shape[0],
                      ROTATE=bool(rotate), FP8=store.dtype == FP8_KEYS, BLOCK_ROW=min(BLOCK_ROW, pow2(row_width)),
                      HADAMARD_SCALE=dc ** -0.5 if rotate else 1.0, FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX,
-                     TINY=torch.finfo(torch.float32).tiny, num_warps=WARPS)
+                     TINY=torch.finfo(torch.float32).tiny)
     whole = pow2(dc // 2)  # the entry's channel pairs
     with on_device(state.device):
         import triton.language as tl
@@ -83,15 +90,15 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
         kernel = launcher(_kernels().decode_compress_kernel)
         if ratio <= MAX_ONE_LAUNCH_RATIO:
             kernel[(batch,)](*args, state, *sizes, STAGE=0, BLOCK_S=_slot_block(ratio, whole), BLOCK_P=whole,
-                             LOG2_P=whole.bit_length() - 1, COMPUTE=tl.float32, **constants)
+                             LOG2_P=whole.bit_length() - 1, COMPUTE=tl.float32, num_warps=WARPS, **constants)
             return
         pooled = torch.empty((batch, dc), dtype=state.dtype, device=state.device)
         block = min(whole, SPLIT_PAIRS)
         kernel[(batch, cdiv(dc // 2, block))](*args, pooled, *sizes, STAGE=1, BLOCK_S=_slot_block(ratio, block),
                                                BLOCK_P=block, LOG2_P=block.bit_length() - 1, COMPUTE=tl.float32,
-                                               **constants)
+                                               num_warps=POOL_WARPS, **constants)
         kernel[(batch,)](*args, pooled, *sizes, STAGE=2, BLOCK_S=1, BLOCK_P=whole, LOG2_P=whole.bit_length() - 1,
-                         COMPUTE=tl.float32, **constants)
+                         COMPUTE=tl.float32, num_warps=WARPS, **constants)
 
 
 def _slot_block(ratio: int, pairs: int) -> int:
