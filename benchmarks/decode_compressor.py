@@ -6,8 +6,9 @@ launch would be measured instead).
 dsv4-flash's three writes by default: a C layer's entries (ratio 4, Dc 512), its indexer's keys (ratio 4, Dc 128,
 Hadamard; `--fp8-store` for an FP8 cache) and an H layer's entries (ratio 128, Dc 512). The variants are the
 warps of a program that holds a whole entry (`WARPS`) and, for a split write (ratio above
-`MAX_ONE_LAUNCH_RATIO`), the warps and channel pairs of its pooling programs (`POOL_WARPS`, `SPLIT_PAIRS`). `GB/s` counts the bytes a write must read (the new row, the pooled slot rows,
-ape) and write (the slot row, the entry). Needs a CUDA GPU; on a machine without one it says so and exits.
+`MAX_ONE_LAUNCH_RATIO`), the warps and channel pairs of its pooling programs (`POOL_WARPS`, `SPLIT_PAIRS`).
+`GB/s` counts the bytes a write must read (the new row, the pooled slot rows, ape) and write (the slot row, the
+entry). Needs a CUDA GPU; on a machine without one it says so and exits.
 
     python benchmarks/decode_compressor.py                    # B = 1, 32; the three writes
     python benchmarks/decode_compressor.py --batches 32 --warps 2 4 8 --pool-warps 1 2 4 --split-pairs 8 16 32
@@ -41,19 +42,22 @@ def buffers(batch: int, ratio: int, dc: int, fp8: bool, dtype: torch.dtype, cont
     store, scales = randn(batch, entries, dc).to(dtype), None
     if fp8:
         store, scales = store.to(FP8_KEYS), torch.ones(batch, entries, device="cuda")
-    return dict(state=randn(batch, pending_slots(ratio), 2 * width).to(dtype), new_rows=randn(batch, 2 * width).to(dtype),
+    return dict(state=randn(batch, pending_slots(ratio), 2 * width).to(dtype),
+                new_rows=randn(batch, 2 * width).to(dtype),
                 positions=torch.randint(0, context, (batch,), device="cuda", generator=g), ape=randn(ratio, width),
                 norm_weight=randn(dc).to(dtype), eps=1e-6, inv_freq=plain_inv_freq(64, base=10000.0).float().cuda(),
                 store=store, scales=scales)
 
 
 def moved_bytes(inputs: dict, ratio: int) -> int:
-    """What a write must move: the new row read and written, the slot rows pooled (2r for ratio 4), ape, the entry."""
-    state, store = inputs["state"], inputs["store"]
-    pooled_slots = 2 * ratio if ratio == 4 else ratio
-    row = state.shape[-1] * state.element_size()
-    return state.shape[0] * (2 * row + pooled_slots * row // channel_factor(ratio) + store.shape[-1] * store.element_size()) \
-        + inputs["ape"].numel() * inputs["ape"].element_size()
+    """What a write must move: the new row read and written to its slot, the pooled slots' kv and gate columns
+    (ratio 4: 2r slots, each through half its channels; else r slots through all: r rows' worth either way),
+    ape once, and the entry written."""
+    state, store, ape = inputs["state"], inputs["store"], inputs["ape"]
+    row = state.shape[-1] * state.element_size()  # kv and gate of one slot
+    pooled = ratio * row
+    entry = store.shape[-1] * store.element_size()
+    return state.shape[0] * (2 * row + pooled + entry) + ape.numel() * ape.element_size()
 
 
 def main() -> int:
@@ -81,11 +85,13 @@ def main() -> int:
         splits = itertools.product(args.pool_warps, args.split_pairs) if split else [(None, None)]
         for warps, (pool_warps, pairs) in itertools.product(args.warps, list(splits)):
             decode_compressor.WARPS = warps
-            decode_compressor.POOL_WARPS, decode_compressor.SPLIT_PAIRS = pool_warps or defaults[1], pairs or defaults[2]
+            decode_compressor.POOL_WARPS = pool_warps or defaults[1]
+            decode_compressor.SPLIT_PAIRS = pairs or defaults[2]
             ms = graph_median_ms(lambda: decode_compressor.decode_compress(**inputs, rotate=rotate), args.repeats,
                                  args.warmup)
             print(f"| {name} | {batch} | {warps} | {pool_warps or '–'} | {pairs or '–'} | {ms * 1e3:.2f} | "
-                  f"{moved_bytes(inputs, ratio) / ms / 1e6:,.0f} | {reference_ms * 1e3:.2f} | {reference_ms / ms:.1f} |")
+                  f"{moved_bytes(inputs, ratio) / ms / 1e6:,.0f} | {reference_ms * 1e3:.2f} | "
+                  f"{reference_ms / ms:.1f} |")
     decode_compressor.WARPS, decode_compressor.POOL_WARPS, decode_compressor.SPLIT_PAIRS = defaults
     return 0
 

@@ -1,8 +1,9 @@
 """Triton decode compressor write in the CPU interpreter against the reference (`ops.decode_compressor`, fp32):
 both compressor shapes (ratio 4 overlapping, K = 2r slots, coff 2; ratio 8, K = r, coff 1), with and without the
-Hadamard transform, a bf16 and an e4m3 store, in one launch and split in two (`launches`); positions that start a sequence (entry 0, whose previous group is
-masked), complete a group, sit inside one, and wrap the slot ring; and decode steps of C and H layers whose
-compressors run the kernel against the same steps through the reference op.
+Hadamard transform, a bf16 and an e4m3 store, in one launch and split in two (`launches`); positions that start
+a sequence (entry 0, whose previous group is masked), complete a group, sit inside one, and wrap the slot ring;
+and decode steps of C and H layers whose compressors run the kernel against the same steps through the reference
+op.
 
 Not collected by the default suite: `test_triton_decode_compressor.py` runs this file in a child process under
 the interpreter (`triton_support.run_interpreted` says why). Tolerance: the fp32 kernel and the fp32 reference

@@ -190,8 +190,8 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
         # with arithmetic torch does not implement for float8.)
         "decode_indexer_scores": [("unfused", r(3, 2, 8, grad=False), r(3, 6, 8, grad=False), r(3, 2, grad=False),
                                    torch.tensor([0, 4, 6], device=device), 0.3, None)],
-        # state [B, K, 2·coff·Dc], new rows, positions, ape, norm weight, eps, inv_freq, rotate, store, scales: ratio 4
-        # (K = 8, coff 2, Dc 8) and ratio 2 (K = 2, coff 1); the FP8 store is not sampled, for the same reason.
+        # state [B, K, 2·coff·Dc], new rows, positions, ape, norm weight, eps, inv_freq, rotate, store, scales:
+        # ratio 4 (K = 8, coff 2, Dc 8) and ratio 2 (K = 2, coff 1); the FP8 store is not sampled, for the same reason.
         "decode_compressor": [("unfused", r(3, 2 * ratio, 4 * 8, grad=False), r(3, 4 * 8, grad=False),
                                torch.tensor([0, 5, 11], device=device), r(ratio, 2 * 8, grad=False),
                                r(8, grad=False), 1e-6, inv_freq, rotate, r(3, 6, 8, grad=False), None)

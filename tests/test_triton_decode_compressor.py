@@ -100,7 +100,8 @@ def gpu_write_inputs(ratio: int, dc: int, fp8: bool, batch: int = 32, context: i
     positions[:6] = torch.tensor([0, 3, 4, ratio - 1, ratio, context - 1])
     return dict(state=randn(batch, pending_slots(ratio), 2 * width).bfloat16(),
                 new_rows=randn(batch, 2 * width).bfloat16(), positions=positions,
-                ape=randn(ratio, width) * 0.5, norm_weight=(torch.rand(dc, device="cuda", generator=g) + 0.5).bfloat16(),
+                ape=randn(ratio, width) * 0.5,
+                norm_weight=(torch.rand(dc, device="cuda", generator=g) + 0.5).bfloat16(),
                 eps=1e-6, inv_freq=plain_inv_freq(64, base=10000.0).float().cuda(), store=store, scales=scales)
 
 
@@ -112,7 +113,7 @@ def test_bf16_kernel_writes_what_the_reference_writes_on_the_gpu(ratio, dc, rota
     """The kernel (dispatched under `auto` and counted) against the reference op on the same bf16 buffers, both on
     the GPU. The slot rows are copies: equal. Entries: both round the pooled row, the normalised row and each RoPE
     product to bf16 at the same points, but sum in another order (softmax, RMSNorm, Hadamard), so a rounding may
-    fall on the other side: one bf16 ulp (2⁻⁸ relative) per rounding step, four of them, rtol 2⁻⁶, atol 2⁻⁸ for
+    fall on the other side: one bf16 ulp (2⁻⁸ relative) per rounding step, four of them: rtol 2⁻⁶, atol 2⁻⁸ for
     values near 0 (entries are of order 1 after the norm). FP8: the scales as the values they are the amax of
     (rtol 2⁻⁶), the dequantized codes within that bf16 tolerance plus one e4m3 step (2⁻³ of the value, or the
     subnormal step 2⁻⁹ of the scale), nine in ten codes equal."""

@@ -24,7 +24,8 @@ Backward:
 - `indexer_scores`, `topk`, `selection_rows`, `indexer_loss`, `indexer_kl_bwd` take no gradient (the
   selection runs without autograd; the indexer loss's gradient is `indexer_kl_bwd`, which
   `backends.indexer_kl` calls from its backward); nor do `decode_attention`, `decode_indexer_scores` and
-  `decode_compressor` (inference only; the last writes the cache in place), nor `fp8_gemm` (`ops.fp8_linear.Fp8Linear` calls it for its backward GEMMs too).
+  `decode_compressor` (inference only; the last writes the cache in place), nor `fp8_gemm`
+  (`ops.fp8_linear.Fp8Linear` calls it for its backward GEMMs too).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.config import KINDS, lookup_kind
 from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection, LightningIndexer
 from megatron_dsa.layers.cores import DenseMLACore
-from megatron_dsa.ops.compressor import OVERLAP_RATIO
+from megatron_dsa.ops.compressor import OVERLAP_RATIO, channel_factor
 from megatron_dsa.ops.decode_attention import entry_counts
 from megatron_dsa.ops.decode_compressor import byte_view, encode_rows, pending_slots
 from megatron_dsa.ops.fp8_linear import RoundedWeights, dequantize_rows, rounded_rows
@@ -541,8 +541,8 @@ def cache_footprint(config: HybridAttentionConfig, kind: str, element_size: int 
         per_token = (c.v_head_dim * element_size + key_bytes) / ratio if ratio else 0.0
         fixed = max(c.csa_window_size - 1, 1) * c.v_head_dim
         if ratio:
-            factor = 2 if ratio == OVERLAP_RATIO else 1  # coff: the ratio-4 compressor's doubled channels
-            widths = [factor * c.v_head_dim] + ([factor * c.dsa_indexer_head_dim] if indexer else [])
+            coff = channel_factor(ratio)  # the ratio-4 compressor's doubled channels
+            widths = [coff * c.v_head_dim] + ([coff * c.dsa_indexer_head_dim] if indexer else [])
             fixed += sum(2 * pending_slots(ratio) * width for width in widths)  # kv and gate
         return CacheFootprint(kind, per_token, fixed * element_size)
     return CacheFootprint(kind, float(dense_mla_bytes_per_token(c, element_size)), 0)

@@ -62,7 +62,8 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
     """The `decode_compressor` contract (`ops.decode_compressor.decode_compress`), in place."""
     check_decode_compress_inputs(state, new_rows, positions, ape, norm_weight, inv_freq, store, scales)
     if state.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"triton decode compressor runs state of {[str(d) for d in SUPPORTED_DTYPES]}, got {state.dtype}")
+        raise TypeError(f"triton decode compressor runs state of {[str(d) for d in SUPPORTED_DTYPES]}, got "
+                        f"{state.dtype}")
     require_triton(state.device, "decode compressor", "state's device")
     for name, buffer in (("state", state), ("store", store), ("scales", scales)):
         if buffer is not None and not buffer.is_contiguous():
@@ -75,9 +76,9 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
     if new_rows.stride(-1) != 1:
         new_rows = new_rows.contiguous()
     compute = compute_dtype(state.dtype)
+    eps_t = eps_tensor(eps, "decode compressor", compute, state.device)
     args = [state, new_rows, positions.contiguous(), ape.contiguous(), norm_weight.contiguous(),
-            inv_freq.to(state.device, compute).contiguous(), eps_tensor(eps, "decode compressor", compute, state.device),
-            store, state if scales is None else scales]
+            inv_freq.to(state.device, compute).contiguous(), eps_t, store, state if scales is None else scales]
     sizes = [new_rows.stride(0), store.shape[1]]
     constants = dict(SLOTS=slots, RATIO=ratio, COFF=channel_factor(ratio), DC=dc, HALF=inv_freq.shape[0],
                      ROTATE=bool(rotate), FP8=store.dtype == FP8_KEYS, BLOCK_ROW=min(BLOCK_ROW, pow2(row_width)),
