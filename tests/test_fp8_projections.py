@@ -242,6 +242,7 @@ def test_the_fp8_gemms_take_exactly_the_documented_projection_weights(kind, mode
     def recording(a, b, out_dtype, b_scales=None):
         took_codes.append(b_scales is not None)
         rows, owners = (b.detach(), owner) if b_scales is None else (b.view(torch.uint8), owner_of_codes)
+        rows = rows.reshape(-1, rows.shape[-1])  # kept codes of a grouped weight come as [G, N, K], in one call
         seen.extend(owners.get(row.numpy().tobytes(), "unknown") for row in rows)
         assert a.shape[0] == 2 * 16, "the other operand is the token rows"
         return fp8_gemm_reference(a, b, out_dtype, b_scales)

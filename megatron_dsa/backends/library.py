@@ -505,14 +505,14 @@ def decode_compressor_op(backend: str, state: Tensor, new_rows: Tensor, position
 @_custom_op("fp8_gemm")
 def fp8_gemm_op(backend: str, a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor]) -> Tensor:
     """`fp8_gemm` family: `a [M, K]·b [N, K]ᵀ` in `out_dtype`, the rows of both rounded to FP8 (b's already where
-    `b_scales` come with its codes; no gradient: `ops.fp8_linear.Fp8Linear` runs its backward GEMMs through this
-    family too)."""
+    `b_scales` come with its codes, which may be G groups `[G, N, K]`: `[M, G·N]`; no gradient:
+    `ops.fp8_linear.Fp8Linear` runs its backward GEMMs through this family too)."""
     return _kernel(OpFamily.FP8_GEMM, backend)(a, b, out_dtype, b_scales)
 
 
 @fp8_gemm_op.register_fake
 def _(backend, a, b, out_dtype, b_scales):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    return a.new_empty((a.shape[0], b.shape[0] * b.shape[1] if b.dim() == 3 else b.shape[0]), dtype=out_dtype)
 
 
 # ------------------------------------------------------------------------------ the families' contracts

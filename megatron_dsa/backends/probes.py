@@ -67,6 +67,19 @@ def cuda_capability(device: Optional[torch.device]) -> Optional[tuple[int, int]]
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor cores and conversions: Ada, Hopper and later
+
+
+def fp8_capability_problem(device: Optional[torch.device], what: str) -> Optional[str]:
+    """Why `what` (e.g. "FP8 GEMMs") cannot run on the CUDA `device` for want of FP8 tensor cores; None on a GPU
+    that has them, and off CUDA (other rules decide there)."""
+    capability = cuda_capability(device)
+    if capability is None or capability >= FP8_MIN_CAPABILITY:
+        return None
+    return (f"{what} need compute capability >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} (FP8 tensor cores: "
+            f"Ada, Hopper or later), this GPU is {capability[0]}.{capability[1]}")
+
+
 def canonical_device(device: Optional[torch.device]) -> Optional[torch.device]:
     """`cuda` as `cuda:<current>`, so a call description and its tensors name one call class."""
     if device is None:

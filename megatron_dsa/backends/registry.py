@@ -115,8 +115,10 @@ AUTO_ORDER: dict[OpFamily, tuple[str, ...]] = {
     OpFamily.DECODE_ATTENTION: ("triton", "unfused"),
     OpFamily.DECODE_INDEXER_SCORES: ("triton", "unfused"),
     OpFamily.DECODE_COMPRESSOR: ("triton", "unfused"),
-    # The reference rounds to FP8 and multiplies in float32: the same numbers, without FP8 tensor cores.
-    OpFamily.FP8_GEMM: ("torch_scaled_mm", "unfused"),
+    # Triton's few-rows GEMM for a decode step's handful of rows (its probe declines more than 64): cuBLASLt's
+    # rowwise FP8 GEMM has a floor of ~13 µs per call there. The reference rounds to FP8 and multiplies in
+    # float32: the same numbers, without FP8 tensor cores.
+    OpFamily.FP8_GEMM: ("triton", "torch_scaled_mm", "unfused"),
 }
 
 
@@ -149,7 +151,8 @@ CALL_KEYS: dict[str, CallKey] = {
     "topk": CallKey(_INT, "selected slots (index columns) per query row"),
     "kv_rows": CallKey(_INT, "rows of the kv latent the indices point into"),
     "columns": CallKey(_INT, "candidate columns per row the top-k chooses from"),
-    "rows": CallKey(_INT, "rows the top-k runs over, when the caller knows them (a decode step's batch)"),
+    "rows": CallKey(_INT, "rows of the call's first operand (the top-k's rows), when the caller knows them (a decode "
+                   "step's batch)"),
     "ratio": CallKey(_INT, "the compression ratio"),
     "tp_size": CallKey(_INT, "tensor-parallel ranks the heads are split over"),
     "lse_grad": CallKey((bool,), "a gradient flows through the returned LSE"),
@@ -183,7 +186,7 @@ FAMILY_KEYS: dict[OpFamily, frozenset[str]] = {family: frozenset(keys) for famil
     OpFamily.DECODE_ATTENTION: (*_DEVICE, "heads", "head_dim", "selected"),
     OpFamily.DECODE_INDEXER_SCORES: (*_DEVICE, "heads", "head_dim", "key_dtype"),
     OpFamily.DECODE_COMPRESSOR: (*_DEVICE, "ratio", "head_dim", "rotate", "key_dtype"),
-    OpFamily.FP8_GEMM: _DEVICE,
+    OpFamily.FP8_GEMM: (*_DEVICE, "rows"),
 }.items()}
 
 

@@ -29,11 +29,10 @@ from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, count_variant, register_backend
 from megatron_dsa.backends.triton_kernels import fp8_quantize
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
-from megatron_dsa.ops.fp8_linear import quantize_rows
+from megatron_dsa.ops.fp8_linear import group_by_group, quantize_rows
 
 NAME = "torch_scaled_mm"
 ALIGNMENT = 16  # K and N of `_scaled_mm`
-MIN_CAPABILITY = (8, 9)  # FP8 tensor cores
 MIN_TORCH = (2, 5)  # rowwise (per-row) scales
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -68,7 +67,10 @@ def _padded_codes(codes: Tensor, scales: Tensor, rows: int, width: int) -> tuple
 
 
 def fp8_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor] = None) -> Tensor:
-    """The `fp8_gemm` contract (`ops.fp8_linear.Fp8Gemm`) on `torch._scaled_mm` with per-row scales."""
+    """The `fp8_gemm` contract (`ops.fp8_linear.Fp8Gemm`) on `torch._scaled_mm` with per-row scales (grouped kept
+    codes: one `_scaled_mm` per group)."""
+    if b.dim() == 3:
+        return group_by_group(fp8_gemm, a, b, out_dtype, b_scales)
     k, n = a.shape[1], b.shape[0]
     width, outputs = probes.round_up(k, ALIGNMENT), probes.round_up(n, ALIGNMENT)
     quantize = _quantizer(a.device)
@@ -97,13 +99,9 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
 def _fp8_gpu_problem(device: Optional[torch.device]) -> Optional[str]:
     if device is not None and torch.device(device).type != "cuda":
         return f"FP8 GEMMs need a CUDA GPU (tensors on {torch.device(device).type})"
-    capability = probes.cuda_capability(device)
-    if capability is None:
+    if probes.cuda_capability(device) is None:
         return "FP8 GEMMs need a CUDA GPU (none available)"
-    if capability < MIN_CAPABILITY:
-        return (f"FP8 GEMMs need compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (FP8 tensor "
-                f"cores: Ada, Hopper or later), this GPU is {capability[0]}.{capability[1]}")
-    return None
+    return probes.fp8_capability_problem(device, "FP8 GEMMs")
 
 
 TORCH_SCALED_MM = Backend(

@@ -11,8 +11,8 @@ import torch
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.backends.triton_kernels import (compressor, decode_attention, decode_compressor, decode_indexer,
-                                                  dense_attention, indexer, indexer_loss, norm_rope, rms_norm, rope,
-                                                  selection, sparse_attention, topk_order)
+                                                  dense_attention, fp8_gemm, indexer, indexer_loss, norm_rope,
+                                                  rms_norm, rope, selection, sparse_attention, topk_order)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl
 
@@ -33,6 +33,7 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         _topk_width_problem(call.get("columns"), call.get("topk"), call.get("rows"), explicit)
         if op is OpFamily.TOPK else None,
         _fp8_keys_problem(call) if op in (OpFamily.DECODE_INDEXER_SCORES, OpFamily.DECODE_COMPRESSOR) else None,
+        _fp8_gemm_problem(call, explicit) if op is OpFamily.FP8_GEMM else None,
         decode_compressor.rotate_problem(call.get("head_dim"), call.get("rotate"))
         if op is OpFamily.DECODE_COMPRESSOR else None,
         probes.dense_problem(call, max_head_dim=dense_attention.MAX_HEAD_DIM, alignment=1)
@@ -57,10 +58,18 @@ def _fp8_keys_problem(call: Mapping[str, Any]) -> Optional[str]:
     """Triton converts e4m3 on GPUs of compute capability 8.9 and up (and in the interpreter)."""
     if call.get("key_dtype") != decode_indexer.FP8_KEYS:
         return None
-    capability = probes.cuda_capability(call.get("device"))
-    if capability is not None and capability < (8, 9):
-        return f"FP8 keys need compute capability >= 8.9, this GPU is SM{capability[0]}{capability[1]}"
-    return None
+    return probes.fp8_capability_problem(call.get("device"), "FP8 keys")
+
+
+def _fp8_gemm_problem(call: Mapping[str, Any], explicit: bool) -> Optional[str]:
+    """The few-rows FP8 GEMM: e4m3 MMAs (compute capability 8.9 and up); `auto` takes it for a known few rows
+    (`fp8_gemm` says why), cuBLASLt's for more."""
+    rows = call.get("rows")
+    few = explicit or (rows is not None and rows <= fp8_gemm.MAX_AUTO_ROWS)
+    return probes.first_problem(
+        probes.fp8_capability_problem(call.get("device"), "FP8 GEMMs"),
+        None if few else (f"{'an unknown number of' if rows is None else rows} rows: above "
+                          f"{fp8_gemm.MAX_AUTO_ROWS} rows cuBLASLt's FP8 GEMM (torch_scaled_mm) is the faster"))
 
 
 def _topk_width_problem(columns: Optional[int], k: Optional[int], rows: Optional[int],
@@ -101,6 +110,7 @@ TRITON = Backend(
         OpFamily.DENSE_ATTENTION: dense_attention.dense_attention,
         OpFamily.DENSE_ATTENTION_BLOCK_FWD: dense_attention.block_forward,
         OpFamily.DENSE_ATTENTION_BLOCK_BWD: dense_attention.block_backward,
+        OpFamily.FP8_GEMM: fp8_gemm.fp8_gemm,
     },
     probe=probe,
     version=lambda: probes.versions_line("triton"),

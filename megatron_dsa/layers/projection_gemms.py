@@ -130,7 +130,10 @@ class Fp8Gemms:
     backend: Requested
 
     def gemm(self, x: Tensor) -> Fp8Gemm:
-        return dispatch(OpFamily.FP8_GEMM, self.backend, device=x.device, dtype=x.dtype)
+        """The `fp8_gemm` for products with x's rows (a decode step's few rows choose differently from training's
+        many; the backward GEMMs of those products run through the same choice)."""
+        return dispatch(OpFamily.FP8_GEMM, self.backend, device=x.device, dtype=x.dtype,
+                        rows=x.numel() // max(x.shape[-1], 1))
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         return fp8_linear(x, weight, self.gemm(x), out_dtype=_output_dtype(x), rounded=_kept_rounding(weight))

@@ -41,7 +41,9 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 class Fp8Gemm(Protocol):
     """`(a [M, K], b [N, K], out_dtype)` → `a·bᵀ [M, N]` in `out_dtype`, each row of a and of b rounded to
     FP8 with its own scale (the `fp8_gemm` op family). With `b_scales [N, 1]`, b is already rounded: the
-    e4m3 codes `quantize_rows` made of it, standing for `b·b_scales` (a weight rounded once and kept)."""
+    e4m3 codes `quantize_rows` made of it, standing for `b·b_scales` (a weight rounded once and kept). Kept
+    codes may come in G groups, b `[G, N, K]` with `b_scales [G, N, 1]` and a `[M, G·K]`: the G products
+    `a_g·b_gᵀ` side by side, `[M, G·N]` (a grouped projection's weight kept rounded, in one call)."""
 
     def __call__(self, a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor] = None) -> Tensor: ...
 
@@ -75,11 +77,20 @@ def rounded_rows(t: Tensor) -> Tensor:
 def fp8_gemm_reference(a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor] = None) -> Tensor:
     """The `fp8_gemm` contract, readably: a's and b's rows rounded to FP8 (`quantize_rows`; b's already, where
     `b_scales` comes with its codes), multiplied back by their scales and `a·bᵀ` computed in float32 (float64
-    for float64 rows); `[M, N]` in `out_dtype`."""
+    for float64 rows); `[M, N]` in `out_dtype` (grouped kept codes: `[M, G·N]`, group by group)."""
+    if b.dim() == 3:
+        return group_by_group(fp8_gemm_reference, a, b, out_dtype, b_scales)
     rounded_a = rounded_rows(a)
     rounded_b = rounded_rows(b) if b_scales is None else dequantize_rows(b, b_scales)
     compute = torch.promote_types(rounded_a.dtype, rounded_b.dtype)
     return (rounded_a.to(compute) @ rounded_b.to(compute).t()).to(out_dtype)
+
+
+def group_by_group(gemm: Fp8Gemm, a: Tensor, codes: Tensor, out_dtype: torch.dtype, scales: Tensor) -> Tensor:
+    """Grouped kept codes (`codes [G, N, K]`, `scales [G, N, 1]`, a `[M, G·K]`) through `gemm` one group at a time:
+    the G products side by side, `[M, G·N]`."""
+    return torch.cat([gemm(rows, group_codes, out_dtype, group_scales)
+                      for rows, group_codes, group_scales in zip(a.chunk(codes.shape[0], dim=1), codes, scales)], dim=1)
 
 
 def _groups(t: Tensor, groups: int) -> tuple[Tensor, ...]:
@@ -100,7 +111,7 @@ class Fp8Linear(torch.autograd.Function):
     the weight gradient needs x rounded along the tokens, not along its rows); x's gradient comes in x's
     dtype, the weight's in the weight's. Autocast is off inside: `gemm` owns the precision of its product.
     `rounded`: the weight already rounded (`RoundedWeight`), which the forward then multiplies by instead of
-    rounding it again (the same numbers).
+    rounding it again (the same numbers), all groups in one `gemm` call.
     """
 
     @staticmethod
@@ -112,8 +123,9 @@ class Fp8Linear(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             if rounded is None:
                 return _side_by_side([gemm(rows, w, out_dtype) for rows, w in zip(groups, weight)])
-            return _side_by_side([gemm(rows, codes, out_dtype, scales)
-                                  for rows, codes, scales in zip(groups, rounded.codes, rounded.scales)])
+            if len(groups) > 1:  # kept codes: every group in one call
+                return gemm(x, rounded.codes, out_dtype, rounded.scales)
+            return gemm(x, rounded.codes[0], out_dtype, rounded.scales[0])
 
     @staticmethod
     def backward(ctx, grad: Tensor):

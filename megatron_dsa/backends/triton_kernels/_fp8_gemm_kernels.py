@@ -1,0 +1,116 @@
+"""Triton kernels of the few-rows FP8 GEMM (contract: `megatron_dsa.ops.fp8_linear.Fp8Gemm`; entry point, launch
+shapes and why: `fp8_gemm.py`).
+
+Plain functions: `lazy_jit.jitted` decorates them on first launch.
+
+`quantize_rows_kernel` rounds whole rows, one block of rows per program: the row's amax, then each value divided
+and rounded (`_fp8_quantize_kernels`' helpers: the reference's numbers bit for bit).
+`few_rows_gemm_kernel` multiplies the codes: `out[m, n] = s_a[m]·s_b[n]·Σ_k qa[m, k]·qb[n, k]` (per group of a
+grouped projection: all groups in one launch), b's rows on the MMA's M side (64 output features per program) and
+a's few rows on its N side, so that a GEMM of 1–64 rows is an e4m3 MMA with no padded rows of a worth mentioning.
+The K range may be split over programs (a GEMM with few output features still fills the GPU): each split leaves
+its float32 partial in `partials [SPLITS, M, G·N]` and takes a ticket of its output tile; the split that draws
+the last ticket adds the partials in split order (the same sum whichever split came last), scales, stores, and
+puts the tile's ticket back to zero for the next call.
+"""
+
+import triton
+import triton.language as tl
+
+from megatron_dsa.backends.triton_kernels._fp8_quantize_kernels import e4m3_values, row_scale
+
+
+def quantize_rows_kernel(t_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRIDE_K, BLOCK_R: tl.constexpr,
+                         BLOCK_K: tl.constexpr, ONE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+                         INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    """Rows `[BLOCK_R]` of t `[R, K]` (any strides) → their e4m3 codes in q `[R, K]` (contiguous) and scales
+    `[R]` float32: `scale = max(amax, TINY)·(1/FP8_MAX)`, `q = clamp(t / scale)` rounded to nearest (as
+    `ops.fp8_linear.quantize_rows`). The amax is a maximum of `|t|`'s float32 bits: non-negative floats order as
+    their bits do and a NaN's lie above inf's, so a row with a NaN gets a NaN scale, as the reference's.
+    `ONE_BLOCK`: a row fits one block (`K ≤ BLOCK_K`): it is read once and rounded from registers (a decode
+    step's rows: one load's latency instead of one per block and pass)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    if ONE_BLOCK:
+        k = tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (k < K)[None, :]
+        x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K, mask=mask, other=0.0).to(tl.float32)
+        scale = row_scale(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True),
+                          INV_FP8_MAX, TINY)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        tl.store(q_ptr + rows[:, None] * K + k[None, :], e4m3_values(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        amax_bits = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.int32)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K,
+                        mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            amax_bits = tl.maximum(amax_bits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        scale = row_scale(tl.max(amax_bits, axis=1).to(tl.float32, bitcast=True), INV_FP8_MAX, TINY)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (k < K)[None, :]
+            x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_ptr + rows[:, None] * K + k[None, :],
+                     e4m3_values(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scaled(acc, a_scale_ptr, b_scale_ptr, m, n, g, G, M, N):
+    """`acc [BLOCK_N, BLOCK_M]` of group g times b's row scales (down) and a's (across)."""
+    a_scale = tl.load(a_scale_ptr + m * G + g, mask=m < M, other=0.0)
+    b_scale = tl.load(b_scale_ptr + g * N + n, mask=n < N, other=0.0)
+    return acc * b_scale[:, None] * a_scale[None, :]
+
+
+def few_rows_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, partials_ptr, tickets_ptr, M, N, K, G,
+                         K_PER_SPLIT, SPLITS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE_EVERY: tl.constexpr):
+    """One (group and block of its b rows, block of a's rows, K split) (module docstring). G groups: a `[M, G·K]`
+    (group g's columns `[g·K, (g+1)·K)`) and b `[G, N, K]` e4m3 codes, contiguous; scales `[M·G]` (row m, group g
+    at `m·G + g`: a's rows rounded per group) and `[G·N]` float32; out `[M, G·N]` contiguous; `partials [SPLITS,
+    M, G·N]` float32 (int32 offsets: a split grid has at most `fp8_gemm.MAX_SPLIT_TILES` output tiles).
+    `EVEN_K`: K and the split length are whole multiples of `BLOCK_K`, so the loads need no column mask (and
+    vectorise). `PRECISE_EVERY`: products a Hopper e4m3 MMA chain may add in its own accumulator before the sum
+    moves to a float32 one (that accumulator keeps about 14 bits: unpromoted over K = 4096, outputs were off by
+    1% of their size)."""
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    g = tl.program_id(0) // blocks_n
+    n = (tl.program_id(0) % blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2)
+    first = split * K_PER_SPLIT
+    last = tl.minimum(first + K_PER_SPLIT, K)
+    b_rows = b_ptr + (g * N + n).to(tl.int64)[:, None] * K
+    a_rows = a_ptr + m.to(tl.int64)[:, None] * (G * K) + g * K
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for start in range(first, last, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(b_rows + k[None, :], mask=(n < N)[:, None], other=0.0)
+            x = tl.load(a_rows + k[None, :], mask=(m < M)[:, None], other=0.0)
+        else:
+            w = tl.load(b_rows + k[None, :], mask=(n < N)[:, None] & (k < last)[None, :], other=0.0)
+            x = tl.load(a_rows + k[None, :], mask=(m < M)[:, None] & (k < last)[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PRECISE_EVERY)
+
+    out_mask = (n < N)[:, None] & (m < M)[None, :]
+    out_offsets = m.to(tl.int64)[None, :] * (G * N) + (g * N + n)[:, None]
+    if SPLITS == 1:
+        tl.store(out_ptr + out_offsets, _scaled(acc, a_scale_ptr, b_scale_ptr, m, n, g, G, M, N)
+                 .to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        slab = M * G * N
+        tl.store(partials_ptr + split * slab + out_offsets, acc, mask=out_mask)
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        ticket = tl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel")  # after this split's partial, before the rest
+        if ticket == SPLITS - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for other in range(SPLITS):  # from L2 (".cg"): the other programs' partials, never a stale L1 line
+                total += tl.load(partials_ptr + other * slab + out_offsets, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + out_offsets, _scaled(total, a_scale_ptr, b_scale_ptr, m, n, g, G, M, N)
+                     .to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(tickets_ptr + tile, 0)
