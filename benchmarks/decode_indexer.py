@@ -4,9 +4,9 @@ against the time its key read takes at the GPU's memory bandwidth.
 
 The variants are the kernel's orientation (`KEYS_MAJOR`: the dot as keys × heads, its sum over heads inside
 each warp, or as heads × keys, its sum across warps) and the programs per multiprocessor the column ranges aim
-at (`PROGRAMS_PER_SM`). dsv4-flash indexer dims by default (64 heads of 128), every cached key counted. `GB/s`
-is the key bytes read per second (`B · C · DI` elements); `ratio` is the reference's time over the kernel's.
-Needs a CUDA GPU; on a machine without one it says so and exits.
+at (`PROGRAMS_PER_SM`; `FP8_PROGRAMS_PER_SM` with `--fp8-keys`). dsv4-flash indexer dims by default (64 heads
+of 128), every cached key counted. `GB/s` is the key bytes read per second (`B · C · DI` elements); `ratio` is
+the reference's time over the kernel's. Needs a CUDA GPU; on a machine without one it says so and exits.
 
     python benchmarks/decode_indexer.py                    # B = 1, 32; C = 32768 (a 128k context at ratio 4)
     python benchmarks/decode_indexer.py --batches 32 --entries 2048 16384 32768
@@ -45,7 +45,8 @@ def main() -> int:
           f"median of {args.repeats} timings of {args.back_to_back} calls\n")
     print("| B | C | variant | µs | GB/s | reference µs | ratio |")
     print("|---:|---:|---|---:|---:|---:|---:|")
-    defaults = decode_indexer.KEYS_MAJOR, decode_indexer.PROGRAMS_PER_SM
+    per_sm = "FP8_PROGRAMS_PER_SM" if args.fp8_keys else "PROGRAMS_PER_SM"  # e4m3 keys launch on their own
+    defaults = decode_indexer.KEYS_MAJOR, getattr(decode_indexer, per_sm)
     for batch, entries in itertools.product(args.batches, args.entries):
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(batch, args.heads, args.dim, device="cuda", generator=g).to(dtype)
@@ -61,13 +62,15 @@ def main() -> int:
                                  args.warmup, args.back_to_back)
         key_bytes = keys.numel() * keys.element_size() + (0 if key_scales is None else key_scales.numel() * 4)
         for keys_major, programs in itertools.product([True, False], args.programs_per_sm):
-            decode_indexer.KEYS_MAJOR, decode_indexer.PROGRAMS_PER_SM = keys_major, programs
+            decode_indexer.KEYS_MAJOR = keys_major
+            setattr(decode_indexer, per_sm, programs)
             ms = median_ms(lambda: decode_indexer.decode_indexer_scores(q, keys, weights, counts, scale, key_scales),
                            args.repeats, args.warmup, args.back_to_back)
             variant = f"{'keys' if keys_major else 'heads'}-major, {programs}/SM"
             print(f"| {batch} | {entries} | {variant} | {ms * 1e3:.1f} | {key_bytes / ms / 1e6:,.0f} | "
                   f"{reference_ms * 1e3:.1f} | {reference_ms / ms:.1f} |")
-    decode_indexer.KEYS_MAJOR, decode_indexer.PROGRAMS_PER_SM = defaults
+    decode_indexer.KEYS_MAJOR = defaults[0]
+    setattr(decode_indexer, per_sm, defaults[1])
     return 0
 
 

@@ -40,10 +40,12 @@ def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(keys_major, 
                      COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr", BLOCK_D="constexpr",
                      BLOCK_C="constexpr", PRECISION="constexpr", KEYS_MAJOR="constexpr", KEY_SCALES="constexpr",
                      FP8_MAX="constexpr", INV_FP8_MAX="constexpr", TINY="constexpr")
-    constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=decode_indexer.BLOCK_C[torch.bfloat16], PRECISION="tf32",
+    block_c = decode_indexer.FP8_BLOCK_C if fp8_keys else decode_indexer.BLOCK_C[torch.bfloat16]
+    constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=block_c, PRECISION="tf32",
                       KEYS_MAJOR=keys_major, KEY_SCALES=fp8_keys, FP8_MAX=448.0, INV_FP8_MAX=1.0 / 448.0,
                       TINY=torch.finfo(torch.float32).tiny)
-    compiled = compile_for_sm90(kernels, "decode_indexer_scores_kernel", signature, constexprs, decode_indexer.WARPS,
+    warps = decode_indexer.FP8_WARPS if fp8_keys else decode_indexer.WARPS
+    compiled = compile_for_sm90(kernels, "decode_indexer_scores_kernel", signature, constexprs, warps,
                                 decode_indexer.STAGES)
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx
