@@ -9,14 +9,16 @@ Flash-decoding. A decode step has few query rows (B sequences × H heads) and, a
 keys (an H layer at 128k sees 1024 entries; a dense MLA cache 128k rows): one program per (sequence, head
 block) would leave most of the GPU idle. The keys are therefore cut into `splits` ranges, one program
 each, chosen from the shapes alone (never from `seqlens`, so a CUDA graph captured once serves every
-step): enough programs for half the multiprocessors, and enough splits that none holds more than
-`MAX_KEYS_PER_SPLIT` keys; at least one index block per split, at most `MAX_SPLITS`. A second kernel merges
-the splits' partial results with the sink; with a single split the first kernel writes the output itself.
-Each split writes float32 partials of all its heads' columns (64 × 576 × 4 bytes at dsv4-flash dims, a fifth
-of what a C sequence's 641 key rows weigh), and its program's first index block costs a query load and the
-pipeline's start: on an H200 a C layer's batch of 32 (641 keys each, top-512) took 46 µs with 3 splits, 57
-with 7 (two programs per multiprocessor), 73 with 11; a batch of 1 is fastest split into one index block per
-program (17.5 µs with 21 splits, 38 with 3). Long rows (a dense MLA cache) need the splits for bandwidth.
+step): as many splits as one wave of programs takes (one program a multiprocessor: a program of 64 heads ×
+512 columns holds its registers), and enough that none holds more than `MAX_KEYS_PER_SPLIT` keys; at least
+one index block per split, at most `MAX_SPLITS`. A second kernel merges the splits' partial results with the
+sink; with a single split the first kernel writes the output itself. Each split writes float32 partials of all
+its heads' columns (64 × 576 × 4 bytes at dsv4-flash dims, a fifth of what a C sequence's 641 key rows weigh),
+and its program's first index block costs a query load and the pipeline's start. On an H200 (D = 512, 128k): a
+C layer's batch of 32 (641 keys each, top-512) took 40.0 µs with 3 splits, 36.4 with 4 (128 programs), 49.4
+with 5 (a second wave), H's (1152 keys) 45.4, 41.7 and 51.4; a batch of 1 is fastest split into one index block
+per program (C 16.5 µs with 11 splits, 28.0 with 4). Long rows need the splits for bandwidth: a dense MLA cache
+of 128k rows took 235 µs at B = 1 in 66 splits, 147 in 128; at B = 32, 33 splits (4096 keys each) beat 128.
 
 Float32 partials are allocated per call with sizes fixed by the shapes, so a captured step replays with
 them in the graph's pool. Everything else is read where it lies; `seqlens` is read on the device.
@@ -40,7 +42,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = math.log2(math.e)
 MAX_BLOCK_H = 64  # heads per program: one Hopper warpgroup MMA tile, as the training forward
 MAX_SPLITS = 128  # the combine kernel holds every split of a head in registers
-PROGRAMS_PER_TWO_SMS = 1  # the programs `split_count` aims at, per two multiprocessors (module docstring)
 MAX_KEYS_PER_SPLIT = 4096
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one by one: a few splits exercise the merge
 INTERPRETER_BLOCK_K = 16
@@ -69,9 +70,8 @@ def decode_tiles(dtype: torch.dtype, heads: int, dim: int) -> DecodeTiles:
 def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.device) -> int:
     """Key ranges per (sequence, head block), from the shapes alone (module docstring)."""
     programs = batch * cdiv(heads, MAX_BLOCK_H)
-    target = (INTERPRETER_PROGRAMS if device.type != "cuda"
-              else PROGRAMS_PER_TWO_SMS * multiprocessors(device) // 2)
-    wanted = max(cdiv(target, programs), cdiv(slots, MAX_KEYS_PER_SPLIT))
+    wave = INTERPRETER_PROGRAMS if device.type != "cuda" else multiprocessors(device)
+    wanted = max(wave // programs, cdiv(slots, MAX_KEYS_PER_SPLIT))
     return max(1, min(wanted, cdiv(slots, block_k), MAX_SPLITS))
 
 
