@@ -68,8 +68,9 @@ def _fp8_gemm_problem(call: Mapping[str, Any], explicit: bool) -> Optional[str]:
     few = explicit or (rows is not None and rows <= fp8_gemm.MAX_AUTO_ROWS)
     return probes.first_problem(
         probes.fp8_capability_problem(call.get("device"), "FP8 GEMMs"),
-        None if few else (f"{'an unknown number of' if rows is None else rows} rows: above "
-                          f"{fp8_gemm.MAX_AUTO_ROWS} rows cuBLASLt's FP8 GEMM (torch_scaled_mm) is the faster"))
+        # The reason names no row count: `auto` logs each (choice, reasons) once, not once per batch shape.
+        None if few else (f"{'rows unknown' if rows is None else 'more rows'}: `auto` takes it for at most "
+                          f"{fp8_gemm.MAX_AUTO_ROWS} rows, cuBLASLt's FP8 GEMM (torch_scaled_mm) is the faster above"))
 
 
 def _topk_width_problem(columns: Optional[int], k: Optional[int], rows: Optional[int],
