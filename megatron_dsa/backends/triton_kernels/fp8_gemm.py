@@ -63,8 +63,8 @@ _TICKETS: dict[tuple, Tensor] = {}  # (device, stream) → one int32 per output 
 
 def quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:
     """`t [R, K]` (any strides) → `(codes [R, K]` e4m3 contiguous, `scales [R]` float32): `ops.fp8_linear.
-    quantize_rows` in one launch (one program per row; H200, 32 rows of 4096: 3.1 µs as two passes over
-    1024-value blocks, read once as one block: below)."""
+    quantize_rows` in one launch, one program per row, a row of up to `QUANTIZE_BLOCK_K` values read once (H200, 32
+    rows of 4096: 3.1 µs as two passes over 1024-value blocks with 4 warps, 2.25 read once with 16)."""
     rows, width = t.shape
     codes = torch.empty((rows, width), dtype=FP8, device=t.device)
     scales = torch.empty(rows, dtype=torch.float32, device=t.device)
