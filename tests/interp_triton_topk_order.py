@@ -154,6 +154,16 @@ def test_wide_rows_unordered_are_the_selection_in_column_order(monkeypatch):
         assert torch.equal(topk(scores, valid, k, ordered=False), _in_column_order(topk_columns(scores, valid, k)))
 
 
+
+def test_counts_stand_for_an_absent_valid_mask():
+    """A decode step passes its entry counts and no mask: the same picks as the prefix mask gives."""
+    scores, _ = _scores(4, 40, seed=7)
+    counts = torch.tensor([0, 9, 40, 23])
+    valid = torch.arange(40) < counts.unsqueeze(1)
+    for ordered in (True, False):
+        assert torch.equal(topk(scores, None, 12, counts=counts, ordered=ordered),
+                           topk(scores, valid, 12, counts=counts, ordered=ordered))
+
 class _Counted:
     def __init__(self, fn):
         self.fn, self.calls = fn, 0

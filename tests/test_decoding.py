@@ -104,10 +104,12 @@ def test_a_decode_steps_compressor_writes_are_one_family_call_each(kind: str, co
 
 # The aten ops (views excluded) of one C-layer decode step on the CPU: 256 before the step stopped stacking the
 # projection weights and converting the RoPE table every call and writing kv and gate slots separately, 250 until
-# the compressor writes became one `decode_compressor` call each (pure reference ops on the CPU), 245 since.
-# On the CPU the op families run their reference ops; the rest is the step's own glue, which a CUDA graph replays
-# as one node per kernel. A bound, not a count of each op: an accidental per-step copy, cat or constant raises it.
-C_DECODE_STEP_OPS = 245
+# the compressor writes became one `decode_compressor` call each (pure reference ops on the CPU), 245 until the
+# step stopped building the top-k's valid mask (cuDNN's top-k reads the counts; the reference builds the mask
+# from them: 246 since). On the CPU the op families run their reference ops; the rest is the step's own glue,
+# which a CUDA graph replays as one node per kernel. A bound, not a count of each op: an accidental per-step copy,
+# cat or constant raises it.
+C_DECODE_STEP_OPS = 246
 
 
 @torch.no_grad()

@@ -213,6 +213,17 @@ def test_topk_of_prefix_masks_is_the_same_with_the_uniform_rows_hint():
         assert topk_columns(scores, valid, k, hint).tolist() == expected
 
 
+
+def test_topk_counts_stand_for_an_absent_valid_mask():
+    """`valid=None` with `counts` (a decode step's call): the prefixes `[0, counts[t])`; with neither, a clear error."""
+    gen = torch.Generator().manual_seed(13)
+    scores = torch.randn(6, 10, generator=gen)
+    counts = torch.tensor([0, 3, 10, 7, 1, 5])
+    valid = torch.arange(10) < counts.unsqueeze(1)
+    assert torch.equal(topk_columns(scores, None, 4, counts=counts), topk_columns(scores, valid, 4))
+    with pytest.raises(ValueError, match="needs a valid mask, or counts"):
+        topk_columns(scores, None, 4)
+
 def test_topk_with_zero_candidates():
     got = topk_columns(torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.bool), 4)
     assert got.shape == (3, 0)

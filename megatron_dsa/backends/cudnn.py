@@ -57,7 +57,7 @@ from megatron_dsa.backends.triton_kernels.kl_slots import kl_slots as triton_kl_
 from megatron_dsa.backends.triton_kernels.topk_order import order_picks
 from megatron_dsa.device_cache import DeviceCache, device_scalar
 from megatron_dsa.ops.indexer_loss import KLFn, indexer_kl, kl_per_row
-from megatron_dsa.ops.indices import SegmentedVisibleRows, UniformVisibleRows, VisibleStructure
+from megatron_dsa.ops.indices import SegmentedVisibleRows, UniformVisibleRows, VisibleStructure, prefix_valid
 from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.sparse_attention import sparse_attention_forward as reference_sparse_forward
 from megatron_dsa.parallel.state import group_size
@@ -371,7 +371,7 @@ def _indexer_scores_problem(call: Mapping[str, Any]) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- top-k
-def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None,
+def topk(scores: Tensor, valid: Optional[Tensor], k: int, visible: Optional[UniformVisibleRows] = None,
          counts: Optional[Tensor] = None, ordered: bool = True) -> Tensor:
     """The `ops.indices.topk_columns` contract on `DSA.indexer_top_k_wrapper`.
 
@@ -386,7 +386,8 @@ def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisible
     of given length: the kernel scans each row's prefix only, so the scores go in as they are, four or five
     small ops fewer per call. With counts and `ordered=False` (a decode step) the kernel's picks are returned
     as they come: it scans only the valid prefix, so every pick in it is valid and the attention ignores the
-    rest (the order kernel took about as long as the top-k itself).
+    rest (the order kernel took about as long as the top-k itself); `valid` may then be None (`prefix_valid`
+    builds it where the order needs it).
     """
     rows, cols = scores.shape
     width = min(k, cols)
@@ -400,6 +401,7 @@ def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisible
     if counts is not None:
         ranked, seq_lens = scores.float(), counts.to(torch.int32)
     else:
+        valid = prefix_valid(valid, counts, cols)  # the error when neither is given
         ranked = torch.where(valid, scores.float(), float("-inf"))
         seq_lens = torch.where(valid, torch.arange(1, cols + 1, device=scores.device), 0).amax(1).to(torch.int32)
     if cols % TOPK_COLUMN_ALIGNMENT:
@@ -409,6 +411,7 @@ def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisible
                                           deterministic=True)["indices"]
     if counts is not None and not ordered:
         return picked.long()
+    valid = prefix_valid(valid, counts, cols)
     if triton_decline_reason(scores.device) is None:  # one kernel instead of the torch sort below
         return order_picks(picked, ranked, valid)
     return _in_reference_order(picked.long(), ranked, valid)

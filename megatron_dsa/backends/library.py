@@ -402,10 +402,10 @@ def _(backend, q, k, weights, candidates, scale, visible, segments):
 
 
 @_custom_op("topk")
-def topk_op(backend: str, scores: Tensor, valid: Tensor, k: int, visible: Optional[list[int]],
+def topk_op(backend: str, scores: Tensor, valid: Optional[Tensor], k: int, visible: Optional[list[int]],
             counts: Optional[Tensor], ordered: bool) -> Tensor:
-    """`topk` family: `[n, min(k, C)]` int64 columns, −1 where fewer are valid (`ordered=False`: a set, see
-    `ops.indices.topk_columns`)."""
+    """`topk` family: `[n, min(k, C)]` int64 columns, −1 where fewer are valid (`ordered=False`: a set; valid None
+    with counts: prefixes; see `ops.indices.topk_columns`)."""
     return _kernel(OpFamily.TOPK, backend)(scores, valid, k, _visible(visible), counts, ordered)
 
 

@@ -90,22 +90,19 @@ class DecodeIndex:
     """Index tensors a decode step reads that depend only on the cache's shapes, built once with the cache (a
     captured step would otherwise replay the kernels that build them, every token).
 
-    sequences: `[B]` `0 … B−1`. entry_columns: `[C]` `0 … C−1` (C: the cache's entries per sequence; empty
-    without compressors). no_sink: M only, `[H/tp]` float32 −inf, the decode attention's sink for a softmax
-    without one."""
+    sequences: `[B]` `0 … B−1`. no_sink: M only, `[H/tp]` float32 −inf, the decode attention's sink for a
+    softmax without one."""
 
     sequences: Tensor
-    entry_columns: Tensor
     no_sink: Optional[Tensor] = None
 
     @classmethod
-    def build(cls, batch: int, entries: int, device: torch.device) -> "DecodeIndex":
-        return cls(torch.arange(batch, device=device), torch.arange(entries, device=device))
+    def build(cls, batch: int, device: torch.device) -> "DecodeIndex":
+        return cls(torch.arange(batch, device=device))
 
     @classmethod
     def latent(cls, batch: int, heads: int, device: torch.device) -> "DecodeIndex":
-        return cls(torch.arange(batch, device=device), torch.arange(0, device=device),
-                   torch.full((heads,), float("-inf"), device=device))
+        return cls(torch.arange(batch, device=device), torch.full((heads,), float("-inf"), device=device))
 
 
 @dataclass
@@ -178,7 +175,7 @@ class LayerCache:
             if fp8_indexer_keys:
                 cache.indexer_keys = cache.indexer_keys.to(FP8_KEYS)
                 cache.indexer_key_scales = torch.ones(batch, cache.entries.shape[1], device=device)
-        cache.index = DecodeIndex.build(batch, 0 if cache.entries is None else cache.entries.shape[1], device)
+        cache.index = DecodeIndex.build(batch, device)
         return cache
 
     @property
@@ -382,7 +379,7 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
         _decode_compress(attention.indexer.compressor, cache.compressors["indexer"], projected, positions,
                          cache.indexer_keys, inv_freq, cache.indexer_key_scales)
         picks = _top_entries(attention.indexer, projected, qr, positions, cache.indexer_keys,
-                             cache.indexer_key_scales, c.dsa_indexer_topk, inv_freq, index)
+                             cache.indexer_key_scales, c.dsa_indexer_topk, inv_freq)
     kv_new = kv.to(cache.window.dtype)
     attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
                       head_dim=q.shape[2], selected=picks is not None)
@@ -450,7 +447,7 @@ def _pool(compressor: Compressor, rows: Tensor, layout: CompressedLayout, inv_fr
 
 
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
-                 key_scales: Optional[Tensor], topk: int, inv_freq: Tensor, index: DecodeIndex) -> Tensor:
+                 key_scales: Optional[Tensor], topk: int, inv_freq: Tensor) -> Tensor:
     """`[B, min(topk, C)]` entry numbers the indexer picks for each new token among its sequence's cached
     compressed keys `keys [B, C, DI]` (e4m3 with `key_scales [B, C]`: an FP8 cache; the visible ones, `j < (p + 1)
     // r`), as a set: in any order, the slots without a pick −1 or not visible (the attention reads them so;
@@ -461,10 +458,9 @@ def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positio
     score = dispatch(OpFamily.DECODE_INDEXER_SCORES, indexer.config, device=keys.device, dtype=queries.dtype,
                      heads=queries.shape[1], head_dim=queries.shape[2], key_dtype=keys.dtype)
     scores = score(queries, keys, weights, counts, indexer.scale, key_scales)
-    visible = index.entry_columns < counts.unsqueeze(1)
     pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width,
                     rows=batch)
-    return pick(scores, visible, topk, counts=counts, ordered=False)
+    return pick(scores, None, topk, counts=counts, ordered=False)  # the valid columns: each row's prefix of counts
 
 
 # ---------------------------------------------------------------- M

@@ -234,11 +234,22 @@ def visible_compressed_indices(layout: CompressedLayout) -> Tensor:
     return visible_compressed_entries(layout).rows()
 
 
-def topk_columns(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None,
+def prefix_valid(valid: Optional[Tensor], counts: Optional[Tensor], columns: int) -> Tensor:
+    """The `topk` family's valid mask: `valid`, or where it is None the prefixes `[0, counts[t])` of `columns`
+    columns that `counts [T]` stands for (a decode step passes only its counts: a backend that scans prefixes
+    never builds the `[T, C]` mask)."""
+    if valid is not None:
+        return valid
+    if counts is None:
+        raise ValueError("top-k needs a valid mask, or counts when every row's valid columns are a prefix")
+    return torch.arange(columns, device=counts.device) < counts.unsqueeze(1)
+
+
+def topk_columns(scores: Tensor, valid: Optional[Tensor], k: int, visible: Optional[UniformVisibleRows] = None,
                  counts: Optional[Tensor] = None, ordered: bool = True) -> Tensor:
     """Columns of the top-`k` valid scores per row, −1 where fewer than `k` are valid.
 
-    scores: `[T, C]`; valid: `[T, C]` bool. Returns `[T, min(k, C)]` int64: the valid columns, a valid
+    scores: `[T, C]`; valid: `[T, C]` bool, or None with `counts` (`prefix_valid`). Returns `[T, min(k, C)]` int64: the valid columns, a valid
     column scoring −inf among them (ranked as the lowest finite score), highest score first, then −1; ties
     go to the lower column (stable sort), so the selection is deterministic. Non-differentiable. `visible`
     (the `topk` op family's optional hint, as for `indexer_scores`): `valid` is the visible-entry mask of
@@ -248,6 +259,7 @@ def topk_columns(scores: Tensor, valid: Tensor, k: int, visible: Optional[Unifor
     return the same valid columns in any order, each once, with its other slots −1 or outside row t's valid
     columns; this returns the order above either way.
     """
+    valid = prefix_valid(valid, counts, scores.shape[1])
     width = min(k, scores.shape[1])
     # A valid column scoring −inf ranks as the lowest finite score, so that it comes before every invalid
     # (−inf) column, whatever their columns (one elementwise op where a second sort by validity would cost 40%).

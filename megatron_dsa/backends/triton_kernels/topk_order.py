@@ -29,7 +29,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import pow2
-from megatron_dsa.ops.indices import UniformVisibleRows
+from megatron_dsa.ops.indices import UniformVisibleRows, prefix_valid
 
 MAX_WIDTH = 4096  # keys per row one program sorts in registers
 AUTO_MAX_COLUMNS = 1024  # the widest rows sorted whole; wider ones are selected first (see above)
@@ -43,13 +43,14 @@ INTERPRETER_SELECT_BLOCK = 16  # several steps per row on the tests' small rows
 SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32, where the keys are made
 
 
-def topk(scores: Tensor, valid: Tensor, k: int, visible: Optional[UniformVisibleRows] = None,
+def topk(scores: Tensor, valid: Optional[Tensor], k: int, visible: Optional[UniformVisibleRows] = None,
          counts: Optional[Tensor] = None, ordered: bool = True) -> Tensor:
     """The `ops.indices.topk_columns` contract: scores `[T, C]` (float32/16-bit), valid `[T, C]` bool →
     `[T, min(k, C)]` int64 columns, highest score first, ties to the lower column, −1 where fewer than
     k are valid. Rows of up to `AUTO_MAX_COLUMNS` are sorted whole, wider ones selected then sorted
     (module docstring), or with `ordered=False` selected only (in column order). `visible` and `counts` (the
-    family's prefix hints) add nothing `valid` does not say."""
+    family's prefix hints) add nothing `valid` does not say; without `valid`, `counts` builds it (`prefix_valid`)."""
+    valid = prefix_valid(valid, counts, scores.shape[-1])
     _check_topk(scores, valid, k)
     from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
 
