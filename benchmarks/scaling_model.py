@@ -565,8 +565,8 @@ def calibrate(dims: Dims, rates: Rates = Rates(), cp_points: Sequence[CpPoint] =
     # ratio = (base + s·attention + h) / t1: linear in (s, h); solve the 2×2 normal equations.
     rows = []
     for point in cp_points:
-        t1 = predict(Setup(h200, point.kind, point.seq_len), dims, single, rates).step_ms
-        plain = predict(Setup(h200, point.kind, point.seq_len, point.cp), dims, single, rates)
+        one, plain = point_predictions(point, dims, single, rates)
+        t1 = one.step_ms
         attention = plain.work["sparse attention"] + plain.work.get("indexer loss", 0.0)
         rows.append(((attention / t1, 1 / t1), point.time_ratio - (plain.step_ms - attention) / t1))
     a11 = sum(x[0] * x[0] for x, _ in rows)
@@ -583,12 +583,11 @@ def fit_graph_host(fitted: Fitted, dims: Dims, rates: Rates = Rates(),
     """`fitted` for steps replayed as CUDA graphs (`make_graphed_layers`), where the host no longer issues each
     op: `cp_host_ms` refitted on the graph-replay CP time ratios `points` (one number: ratio = (base + h) / t1,
     least squares in h), the slowdown and the per-token remainders kept."""
-    h200, rows = GPUS["H200"], []
+    rows = []
     hostless = replace(fitted, cp_host_ms=0.0)
     for point in points:
-        t1 = predict(Setup(h200, point.kind, point.seq_len), dims, hostless, rates).step_ms
-        base = predict(Setup(h200, point.kind, point.seq_len, point.cp, point.tp), dims, hostless, rates).step_ms
-        rows.append((1 / t1, point.time_ratio - base / t1))
+        one, many = point_predictions(point, dims, hostless, rates)
+        rows.append((1 / one.step_ms, point.time_ratio - many.step_ms / one.step_ms))
     return replace(fitted, cp_host_ms=sum(x * y for x, y in rows) / sum(x * x for x, _ in rows))
 
 
@@ -642,10 +641,16 @@ def calibration_table(dims: Dims, fitted: Fitted) -> str:
     return "\n".join(lines)
 
 
-def cp_ratios(point: CpPoint, dims: Dims, fitted: Fitted) -> tuple[float, float]:
+def point_predictions(point: CpPoint, dims: Dims, fitted: Fitted,
+                      rates: Rates = Rates()) -> tuple[Prediction, Prediction]:
+    """What a CP point's ratios compare, on the H200 it was measured on: TP-1 × CP-1, and its own TP × CP."""
     h200 = GPUS["H200"]
-    one = predict(Setup(h200, point.kind, point.seq_len), dims, fitted)
-    many = predict(Setup(h200, point.kind, point.seq_len, point.cp, point.tp), dims, fitted)
+    return (predict(Setup(h200, point.kind, point.seq_len), dims, fitted, rates),
+            predict(Setup(h200, point.kind, point.seq_len, point.cp, point.tp), dims, fitted, rates))
+
+
+def cp_ratios(point: CpPoint, dims: Dims, fitted: Fitted) -> tuple[float, float]:
+    one, many = point_predictions(point, dims, fitted)
     peak = lambda p: single_gpu_peak_mib(p) + p.memory["gathered entries (+ gradient)"]  # noqa: E731
     return many.step_ms / one.step_ms, peak(many) / peak(one)
 
