@@ -1,7 +1,8 @@
 """The few-rows Triton FP8 GEMM in the CPU interpreter against `ops.fp8_linear.fp8_gemm_reference`.
 
 Run by `test_triton_fp8_gemm.py::test_interpreted_kernels` in a child process with `TRITON_INTERPRET=1` (see
-`triton_support.py`). The row rounding is the reference's bit for bit; the products of e4m3 values are exact in
+`triton_support.py`). The row rounding (`fp8_quantize.quantize_each_row`, tested in `interp_triton_fp8_quantize.py`) is the
+reference's bit for bit; the products of e4m3 values are exact in
 float32 and the kernel scales the sum once where the reference scales every operand first, so the GEMM agrees to
 float32 rounding of the sum (relative 1e-5 here, against the 2⁻⁴ of the rounding itself).
 """
@@ -23,15 +24,6 @@ def operands(rows: int, outputs: int, width: int, dtype: torch.dtype, seed: int 
     a = (torch.randn(rows, width, generator=gen) * spread).to(dtype)
     b = (torch.randn(outputs, width, generator=gen) * spread.flip(0)).to(dtype)
     return a, b
-
-
-def test_row_rounding_matches_the_reference_bit_for_bit():
-    a, _ = operands(5, 1, 300, torch.bfloat16)
-    a[2] = 0.0  # a zero row keeps zeros
-    codes, scales = fp8_gemm.quantize_rows(a.t().contiguous().t())  # strided rows read in place
-    want_codes, want_scales = quantize_rows(a)
-    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
-    assert torch.equal(scales, want_scales.float().view(-1))
 
 
 @pytest.mark.parametrize("rows, outputs, width", [(1, 64, 128), (5, 70, 96), (33, 130, 256), (80, 20, 64)],
@@ -83,10 +75,3 @@ def test_grouped_kept_codes_in_one_launch_match_the_reference_group_by_group(spl
     got = fp8_gemm.fp8_gemm(a, codes, torch.float32, scales, splits=splits)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
-
-def test_rows_longer_than_a_block_round_in_two_passes():
-    a, _ = operands(2, 1, fp8_gemm.QUANTIZE_BLOCK_K + 100, torch.bfloat16)
-    codes, scales = fp8_gemm.quantize_rows(a)
-    want_codes, want_scales = quantize_rows(a)
-    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
-    assert torch.equal(scales, want_scales.float().view(-1))

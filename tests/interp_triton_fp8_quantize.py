@@ -1,5 +1,6 @@
 """Triton FP8 row quantization in the CPU interpreter vs `ops.fp8_linear.quantize_rows` on the zero-padded
-operand (what `torch_scaled_mm` quantized before it had the kernel).
+operand (what `torch_scaled_mm` quantized before it had the kernel), and its one-launch form for the few-rows FP8
+GEMM (`quantize_each_row`).
 
 Run by `test_triton_fp8_quantize.py::test_interpreted_kernel` in a child process with `TRITON_INTERPRET=1`
 (see `triton_support.py`). Both sides divide in float32 with correct rounding and round to nearest e4m3, so
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_dsa.backends.triton_kernels.fp8_quantize import quantize_rows
+from megatron_dsa.backends.triton_kernels.fp8_quantize import EACH_ROW_BLOCK_K, quantize_each_row, quantize_rows
 from megatron_dsa.ops.fp8_linear import quantize_rows as reference_quantize_rows
 
 from triton_support import interpreter  # noqa: F401  (fixture)
@@ -66,3 +67,22 @@ def test_bad_arguments_are_refused():
         quantize_rows(torch.randn(4, 40), 4, 32)
     with pytest.raises(ValueError, match="2-D"):
         quantize_rows(torch.randn(4, 40, dtype=torch.float64), 4, 48)
+    with pytest.raises(ValueError, match="quantize_each_row: t must be a 2-D"):
+        quantize_each_row(torch.randn(4, 40, dtype=torch.float64))
+
+
+def test_each_row_in_one_launch_matches_the_reference_bit_for_bit():
+    a = (torch.randn(5, 300, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, 300)).bfloat16()
+    a[2] = 0.0  # a zero row keeps zeros
+    codes, scales = quantize_each_row(a.t().contiguous().t())  # strided rows read in place
+    want_codes, want_scales = reference_quantize_rows(a)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales.float().view(-1))
+
+
+def test_rows_longer_than_a_block_round_in_two_passes():
+    a = (torch.randn(2, EACH_ROW_BLOCK_K + 100, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    codes, scales = quantize_each_row(a)
+    want_codes, want_scales = reference_quantize_rows(a)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales.float().view(-1))

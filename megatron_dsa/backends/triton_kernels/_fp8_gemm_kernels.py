@@ -3,8 +3,6 @@ shapes and why: `fp8_gemm.py`).
 
 Plain functions: `lazy_jit.jitted` decorates them on first launch.
 
-`quantize_rows_kernel` rounds whole rows, one block of rows per program: the row's amax, then each value divided
-and rounded (`_fp8_quantize_kernels`' helpers: the reference's numbers bit for bit).
 `few_rows_gemm_kernel` multiplies the codes: `out[m, n] = s_a[m]·s_b[n]·Σ_k qa[m, k]·qb[n, k]` (per group of a
 grouped projection: all groups in one launch), b's rows on the MMA's M side (64 output features per program) and
 a's few rows on its N side, so that a GEMM of 1–64 rows is an e4m3 MMA with no padded rows of a worth mentioning.
@@ -16,46 +14,6 @@ puts the tile's ticket back to zero for the next call.
 
 import triton
 import triton.language as tl
-
-from megatron_dsa.backends.triton_kernels._fp8_quantize_kernels import e4m3_values, row_scale
-
-
-def quantize_rows_kernel(t_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRIDE_K, BLOCK_R: tl.constexpr,
-                         BLOCK_K: tl.constexpr, ONE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-                         INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr):
-    """Rows `[BLOCK_R]` of t `[R, K]` (any strides) → their e4m3 codes in q `[R, K]` (contiguous) and scales
-    `[R]` float32: `scale = max(amax, TINY)·(1/FP8_MAX)`, `q = clamp(t / scale)` rounded to nearest (as
-    `ops.fp8_linear.quantize_rows`). The amax is a maximum of `|t|`'s float32 bits: non-negative floats order as
-    their bits do and a NaN's lie above inf's, so a row with a NaN gets a NaN scale, as the reference's.
-    `ONE_BLOCK`: a row fits one block (`K ≤ BLOCK_K`): it is read once and rounded from registers (a decode
-    step's rows: one load's latency instead of one per block and pass)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    if ONE_BLOCK:
-        k = tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (k < K)[None, :]
-        x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K, mask=mask, other=0.0).to(tl.float32)
-        scale = row_scale(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True),
-                          INV_FP8_MAX, TINY)
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
-        tl.store(q_ptr + rows[:, None] * K + k[None, :], e4m3_values(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty),
-                 mask=mask)
-    else:
-        amax_bits = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.int32)
-        for start in range(0, K, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K,
-                        mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            amax_bits = tl.maximum(amax_bits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-        scale = row_scale(tl.max(amax_bits, axis=1).to(tl.float32, bitcast=True), INV_FP8_MAX, TINY)
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
-        for start in range(0, K, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (k < K)[None, :]
-            x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_ptr + rows[:, None] * K + k[None, :],
-                     e4m3_values(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
-
 
 @triton.jit
 def _scaled(acc, a_scale_ptr, b_scale_ptr, m, n, g, G, M, N):

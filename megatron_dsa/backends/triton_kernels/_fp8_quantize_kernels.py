@@ -1,6 +1,7 @@
 """Triton kernel of the FP8 row quantization (see `fp8_quantize.py` for the entry point and the math).
 
-Plain functions: `lazy_jit.jitted` decorates the kernels on first launch. Both run over a grid of
+Plain functions: `lazy_jit.jitted` decorates the kernels on first launch. `quantize_each_row_kernel` rounds
+whole rows in one launch, a program per row (the few-rows FP8 GEMM's operand). The other two run over a grid of
 `[BLOCK_R, BLOCK_K]` tiles, so that a few rows with many columns (the weight gradient's `dyᵀ`: out features ×
 tokens) still fill the GPU: `row_amax_kernel` gathers each row's amax across its tiles with atomics, then
 `quantize_kernel` divides and rounds. t is `[R, K]` with any strides (`STRIDE_R`, `STRIDE_K`: a transposed
@@ -81,3 +82,40 @@ def quantize_kernel(t_ptr, amax_bits_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRI
     y = e4m3_values(x, scale, FP8_MAX)
     tl.store(q_ptr + rows[:, None] * K_OUT + k[None, :], y.to(q_ptr.dtype.element_ty),
              mask=(rows < R_OUT)[:, None] & (k < K_OUT)[None, :])
+
+
+def quantize_each_row_kernel(t_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRIDE_K, BLOCK_R: tl.constexpr,
+                         BLOCK_K: tl.constexpr, ONE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+                         INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    """Rows `[BLOCK_R]` of t `[R, K]` (any strides) → their e4m3 codes in q `[R, K]` (contiguous) and scales
+    `[R]` float32: `scale = max(amax, TINY)·(1/FP8_MAX)`, `q = clamp(t / scale)` rounded to nearest (as
+    `ops.fp8_linear.quantize_rows`). The amax is a maximum of `|t|`'s float32 bits: non-negative floats order as
+    their bits do and a NaN's lie above inf's, so a row with a NaN gets a NaN scale, as the reference's.
+    `ONE_BLOCK`: a row fits one block (`K ≤ BLOCK_K`): it is read once and rounded from registers (a decode
+    step's rows: one load's latency instead of one per block and pass)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    if ONE_BLOCK:
+        k = tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (k < K)[None, :]
+        x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K, mask=mask, other=0.0).to(tl.float32)
+        scale = row_scale(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True),
+                          INV_FP8_MAX, TINY)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        tl.store(q_ptr + rows[:, None] * K + k[None, :], e4m3_values(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        amax_bits = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.int32)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K,
+                        mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            amax_bits = tl.maximum(amax_bits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        scale = row_scale(tl.max(amax_bits, axis=1).to(tl.float32, bitcast=True), INV_FP8_MAX, TINY)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (k < K)[None, :]
+            x = tl.load(t_ptr + rows[:, None] * STRIDE_R + k[None, :] * STRIDE_K, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_ptr + rows[:, None] * K + k[None, :],
+                     e4m3_values(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)

@@ -5,7 +5,7 @@ FP8 GEMM for decode steps").
 A decode step multiplies a few token rows (the batch) by every projection weight, so its GEMMs are bound by
 reading the weights: the e4m3 codes the inference cache keeps (`RoundedWeights`) are half of bf16's bytes.
 cuBLASLt's rowwise-scaled FP8 GEMM (`torch_scaled_mm`) takes about 13 µs at K = 4096 whatever N on an H200,
-slower than bf16 for all but the widest weight. Here one launch rounds a's rows (one program per row, read once)
+slower than bf16 for all but the widest weight. Here one launch rounds a's rows (`fp8_quantize.quantize_each_row`)
 and one multiplies:
 
 * b's rows on the MMA's M side, `BLOCK_N = 64` output features per program, a's rows (up to 64 per program) on
@@ -32,9 +32,10 @@ from torch import Tensor
 
 from megatron_dsa.backends.probes import canonical_device
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
+from megatron_dsa.backends.triton_kernels.fp8_quantize import quantize_each_row
 from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, multiprocessors, on_device, pow2
-from megatron_dsa.ops.fp8_linear import FP8, FP8_MAX
+from megatron_dsa.ops.fp8_linear import FP8
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_AUTO_ROWS = 64  # a's rows up to which `auto` takes these kernels (one block of a's rows per program)
@@ -53,28 +54,8 @@ PROGRAMS_PER_SM = 2
 MIN_STEPS_PER_SPLIT = 8
 MAX_SPLITS = 16
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one by one: a few exercise the split sum
-QUANTIZE_BLOCK_K = 8192  # a row up to this long is read once
-# Each thread divides its values one by one (a correctly rounded division): more threads per row, a shorter chain
-# (H200, 32 rows of 4096 / 8192: 2.77 / 4.88 µs with 4 warps, 2.25 / 3.12 with 16, 2.23 / 2.97 with 32).
-QUANTIZE_WARPS = 16
 MAX_SPLIT_TILES = 4096  # output tiles a split GEMM may have: its tickets (a split grid has fewer than the target)
 _TICKETS: dict[tuple, Tensor] = {}  # (device, stream) → one int32 per output tile, zero between calls
-
-
-def quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:
-    """`t [R, K]` (any strides) → `(codes [R, K]` e4m3 contiguous, `scales [R]` float32): `ops.fp8_linear.
-    quantize_rows` in one launch, one program per row, a row of up to `QUANTIZE_BLOCK_K` values read once (H200, 32
-    rows of 4096: 3.1 µs as two passes over 1024-value blocks with 4 warps, 2.25 read once with 16)."""
-    rows, width = t.shape
-    codes = torch.empty((rows, width), dtype=FP8, device=t.device)
-    scales = torch.empty(rows, dtype=torch.float32, device=t.device)
-    if t.numel():
-        launcher(_kernels().quantize_rows_kernel)[(rows,)](
-            t, codes, scales, rows, width, t.stride(0), t.stride(1), BLOCK_R=1,
-            BLOCK_K=min(QUANTIZE_BLOCK_K, pow2(width, 16)), ONE_BLOCK=width <= QUANTIZE_BLOCK_K,
-            FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX,
-            TINY=torch.finfo(torch.float32).tiny, num_warps=QUANTIZE_WARPS)
-    return codes, scales
 
 
 def split_count(tiles: int, steps: int, device: torch.device) -> int:
@@ -99,9 +80,9 @@ def fp8_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Te
     if width == 0:
         return out.zero_()
     with on_device(a.device):
-        codes_a, scales_a = quantize_rows(a.reshape(rows * groups, width))  # a group's columns: a row of its own
+        codes_a, scales_a = quantize_each_row(a.reshape(rows * groups, width))  # a group's columns: a row of its own
         if b_scales is None:
-            codes_b, scales_b = quantize_rows(b)
+            codes_b, scales_b = quantize_each_row(b)
         else:
             codes_b, scales_b = b.contiguous(), b_scales.reshape(-1).to(torch.float32).contiguous()
         block_m = pow2(min(rows, MAX_AUTO_ROWS), MIN_BLOCK_M)
