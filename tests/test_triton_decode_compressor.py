@@ -54,7 +54,8 @@ def test_kernel_compiles_for_sm90_without_spills(ratio, dc, rotate, fp8, stage, 
                       ROTATE=rotate, FP8=fp8, STAGE=stage, BLOCK_S=launches._slot_block(ratio, block_p),
                       BLOCK_P=block_p, BLOCK_ROW=launches.BLOCK_ROW, LOG2_P=block_p.bit_length() - 1,
                       HADAMARD_SCALE=dc ** -0.5, FP8_MAX=448.0, INV_FP8_MAX=1.0 / 448.0,
-                      TINY=torch.finfo(torch.float32).tiny, COMPUTE=tl.float32)
+                      TINY=torch.finfo(torch.float32).tiny, COMPUTE=tl.float32,
+                      CHAINED=True)  # a Hopper launch is chained
     signature.update({name: "constexpr" for name in constexprs})
     warps = launches.POOL_WARPS if stage == 1 else launches.WARPS
     compiled = compile_for_sm90(kernels, "decode_compress_kernel", signature, constexprs, warps, 1)

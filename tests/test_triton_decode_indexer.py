@@ -39,11 +39,11 @@ def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(keys_major, 
                      w_ptr="*bf16", counts_ptr="*i64", out_ptr="*fp32", C="i32", HI="i32", DI="i32",
                      COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr", BLOCK_D="constexpr",
                      BLOCK_C="constexpr", PRECISION="constexpr", KEYS_MAJOR="constexpr", KEY_SCALES="constexpr",
-                     FP8_MAX="constexpr", INV_FP8_MAX="constexpr", TINY="constexpr")
+                     FP8_MAX="constexpr", INV_FP8_MAX="constexpr", TINY="constexpr", CHAINED="constexpr")
     block_c = decode_indexer.FP8_BLOCK_C if fp8_keys else decode_indexer.BLOCK_C[torch.bfloat16]
     constexprs = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_C=block_c, PRECISION="tf32",
                       KEYS_MAJOR=keys_major, KEY_SCALES=fp8_keys, FP8_MAX=448.0, INV_FP8_MAX=1.0 / 448.0,
-                      TINY=torch.finfo(torch.float32).tiny)
+                      TINY=torch.finfo(torch.float32).tiny, CHAINED=True)  # a Hopper launch is chained
     warps = decode_indexer.FP8_WARPS if fp8_keys else decode_indexer.WARPS
     compiled = compile_for_sm90(kernels, "decode_indexer_scores_kernel", signature, constexprs, warps,
                                 decode_indexer.STAGES)

@@ -41,9 +41,9 @@ def test_gemm_compiles_for_sm90_on_e4m3_wgmma_pipelined_without_spills(block_m, 
     signature = dict(a_ptr="*fp8e4nv", a_scale_ptr="*fp32", b_ptr="*fp8e4nv", b_scale_ptr="*fp32", out_ptr="*bf16",
                      partials_ptr="*fp32", tickets_ptr="*i32", M="i32", N="i32", K="i32", G="i32", K_PER_SPLIT="i32",
                      SPLITS="constexpr", EVEN_K="constexpr", BLOCK_N="constexpr", BLOCK_M="constexpr",
-                     BLOCK_K="constexpr", PRECISE_EVERY="constexpr")
+                     BLOCK_K="constexpr", PRECISE_EVERY="constexpr", CHAINED="constexpr")
     constexprs = dict(SPLITS=splits, EVEN_K=True, BLOCK_N=fp8_gemm.BLOCK_N, BLOCK_M=block_m, BLOCK_K=fp8_gemm.BLOCK_K,
-                      PRECISE_EVERY=fp8_gemm.PRECISE_EVERY)
+                      PRECISE_EVERY=fp8_gemm.PRECISE_EVERY, CHAINED=True)  # a Hopper launch is chained
     compiled = compile_for_sm90(kernels, "few_rows_gemm_kernel", signature, constexprs, fp8_gemm.WARPS,
                                 fp8_gemm.STAGES)
     ptx = compiled.asm["ptx"]

@@ -233,3 +233,99 @@ def test_layer_with_direct_launches_equals_triton_launches_on_gpu(kind, monkeypa
         elif a is not None and not torch.equal(a, b) and (relative_error(b, a) > 1e-3 or cosine(b, a) < 0.99999):
             failures.append(f"{name}: relative error {relative_error(b, a):.2e}, cosine {cosine(b, a):.6f}")
     assert not failures, failures
+
+
+# ---------------------------------------------------------------- chained launches
+def test_chained_launch_is_asked_only_of_gpus_that_have_it(monkeypatch):
+    """Programmatic dependent launch: CUDA devices of compute capability 9.0 or later; the CPU (the interpreter),
+    older GPUs and `MEGATRON_DSA_TRITON_CHAINED_LAUNCH=0` get the kernel's `CHAINED=False` (no in-kernel wait)."""
+    from megatron_dsa.backends import probes
+
+    off, on = {"CHAINED": False}, {"CHAINED": True, "launch_pdl": True}
+    assert lazy_jit.chained_launch(torch.device("cpu")) == off
+    for capability, expected in (((8, 9), off), ((9, 0), on), ((10, 0), on), (None, off)):
+        lazy_jit._chains_on.cache_clear()
+        monkeypatch.setattr(probes, "cuda_capability", lambda device, c=capability: c)
+        assert lazy_jit.chained_launch(torch.device("cuda", 0)) == expected, capability
+        monkeypatch.setattr(lazy_jit, "CHAINED_LAUNCH", False)
+        assert lazy_jit.chained_launch(torch.device("cuda", 0)) == off
+        monkeypatch.setattr(lazy_jit, "CHAINED_LAUNCH", True)
+    lazy_jit._chains_on.cache_clear()
+
+
+def test_launcher_counts_chained_launches_on_either_path(kernel):
+    stand_in, launcher = kernel
+    before = lazy_jit.LAUNCHES.copy()
+    launcher[(1,)]("x", 16, BLOCK=8, launch_pdl=True)
+    launcher[(1,)]("x", 16, BLOCK=8, launch_pdl=True)
+    launcher[(1,)]("x", 16, BLOCK=8)
+    assert _paths(stand_in.log) == ["triton", "direct", "triton"]
+    assert lazy_jit.LAUNCHES["chained"] - before["chained"] == 2
+
+
+@pytest.mark.parametrize("chained", [True, False])
+def test_a_chained_kernel_waits_before_its_first_load(chained):
+    """Compiled for sm_90a with `CHAINED`: `griddepcontrol.wait` comes before the kernel's first global load
+    (reading the previous kernel's output before it has finished would race), then
+    `griddepcontrol.launch_dependents`; without it, neither instruction."""
+    from triton_support import compile_for_sm90
+
+    from megatron_dsa.backends.triton_kernels import _decode_attention_kernels as kernels
+
+    signature = dict(part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", sink_ptr="*fp32",
+                     out_ptr="*bf16", H="constexpr", D="constexpr", SPLITS="constexpr", BLOCK_S="constexpr",
+                     BLOCK_D="constexpr", CHAINED="constexpr")
+    constexprs = dict(H=64, D=512, SPLITS=4, BLOCK_S=4, BLOCK_D=128, CHAINED=chained)
+    ptx = compile_for_sm90(kernels, "decode_combine_kernel", signature, constexprs, 4).asm["ptx"]
+    if not chained:
+        assert "griddepcontrol" not in ptx
+        return
+    wait, first_load = ptx.index("griddepcontrol.wait"), ptx.index("ld.global")
+    assert wait < ptx.index("griddepcontrol.launch_dependents") and wait < first_load
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["C", "H"])
+@torch.no_grad()
+def test_chained_decode_steps_equal_unchained_ones_on_gpu(kind, monkeypatch):
+    """A decode step's Triton kernels (FP8 row rounding and GEMMs, norms, RoPE, compressor writes, the indexer,
+    the decode attention) launched chained on a Hopper GPU run the same code after their in-kernel wait, and a
+    decode step's kernels are deterministic: outputs and caches bit-identical to unchained launches, eager and
+    replayed in a CUDA graph (where the chaining becomes the graph's programmatic edges). dsv4-flash dims, bf16,
+    FP8 projections and FP8 indexer keys, B = 4, 8 steps after a 1000-token prefill."""
+    import copy
+
+    from megatron_dsa import HybridAttention, HybridAttentionConfig
+    from megatron_dsa.layers.decode_graph import DecodeGraph
+    from megatron_dsa.layers.decoding import LayerCache
+
+    torch.manual_seed(0)
+    config = HybridAttentionConfig.from_preset("dsv4-flash", num_layers=1, layer_pattern=kind,
+                                               projection_precision="fp8")
+    layer = HybridAttention(config, kind=kind).cuda().bfloat16().eval()
+    batch, steps = 4, 8
+    prefilled = LayerCache.for_layer(layer, batch, 2048, fp8_indexer_keys=kind == "C")
+    layer(torch.randn(1000, batch, config.hidden_size, device="cuda", dtype=torch.bfloat16),
+          inference_cache=prefilled)
+    tokens = torch.randn(steps, 1, batch, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+
+    def decode(chained: bool, graphed: bool) -> tuple[list[torch.Tensor], LayerCache]:
+        monkeypatch.setattr(lazy_jit, "CHAINED_LAUNCH", chained)
+        cache = copy.deepcopy(prefilled)
+        if graphed:
+            graph = DecodeGraph(lambda x: layer(x, inference_cache=cache)[0], tokens[0], [cache])
+            return [graph(x).clone() for x in tokens], cache
+        return [layer(x, inference_cache=cache)[0] for x in tokens], cache
+
+    expected, expected_cache = decode(False, False)
+    hopper = torch.cuda.get_device_capability() >= lazy_jit.CHAINED_LAUNCH_MIN_CAPABILITY
+    for graphed in (False, True):
+        before = lazy_jit.LAUNCHES.copy()
+        got, cache = decode(True, graphed)
+        chained = lazy_jit.LAUNCHES["chained"] - before["chained"]
+        assert (chained > 0) == hopper, (chained, torch.cuda.get_device_capability())
+        for step, (a, b) in enumerate(zip(expected, got)):
+            assert torch.equal(a, b), f"graphed={graphed}: step {step} differs"
+        for name in ("seqlens", "window", "entries", "indexer_keys"):
+            a, b = getattr(expected_cache, name), getattr(cache, name)
+            assert (a is None and b is None) or torch.equal(a, b), f"graphed={graphed}: cache {name} differs"

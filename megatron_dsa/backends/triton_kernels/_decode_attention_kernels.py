@@ -14,6 +14,7 @@ sink in the denominator. With one split the first kernel normalises and writes t
 
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
 from megatron_dsa.backends.triton_kernels._sparse_attention_kernels import LOG2E, MAX_FLOOR, online_softmax_step, row_tile
 
 
@@ -24,12 +25,13 @@ def decode_attention_split_kernel(
     H: tl.constexpr, D: tl.constexpr, R, RING_LIMIT, C, K, RATIO, SLOTS, SLOTS_PER_SPLIT,
     SPLITS: tl.constexpr, HAS_ENTRIES: tl.constexpr, SELECTED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CHAINED: tl.constexpr,
 ):
     """One (sequence, head block, split): online softmax over the split's slots (module docstring).
 
     R ring slots, of which `min(p, RING_LIMIT)` are valid; C entry slots per sequence in `entries`; K
     selected ids per sequence (`SELECTED`); the sequence sees entries `j < (p + 1) // RATIO`."""
+    wait_for_previous_kernel(CHAINED)
     head_blocks: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -108,9 +110,11 @@ def decode_attention_split_kernel(
 def decode_combine_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr,
     H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHAINED: tl.constexpr,
 ):
     """One (sequence, head): `out = Σ_s 2^(m_s − M) acc_s / (2^(sink − M) + Σ_s 2^(m_s − M) l_s)` with `M` the
     largest of the splits' maxima and the sink; the columns in chunks of `BLOCK_D`."""
+    wait_for_previous_kernel(CHAINED)
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     head = row % H
     splits = tl.arange(0, BLOCK_S)

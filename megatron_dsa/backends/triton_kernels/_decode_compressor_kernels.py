@@ -14,6 +14,8 @@ entry's own group through channels `DC + c`, half 1 the previous group through c
 import triton
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+
 from megatron_dsa.backends.triton_kernels._fp8_quantize_kernels import e4m3_values, row_scale
 from megatron_dsa.backends.triton_kernels._rope_kernels import rotate_pairs
 
@@ -112,7 +114,7 @@ def decode_compress_kernel(state_ptr, new_ptr, pos_ptr, ape_ptr, w_ptr, freq_ptr
                            FP8: tl.constexpr, STAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
                            BLOCK_ROW: tl.constexpr, LOG2_P: tl.constexpr, HADAMARD_SCALE: tl.constexpr,
                            FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-                           COMPUTE: tl.constexpr):
+                           COMPUTE: tl.constexpr, CHAINED: tl.constexpr):
     """Sequence b's new row into slot `p % SLOTS`; entry `j = p // RATIO` = pool → round → RMSNorm (rounded) →
     RoPE at `j·RATIO` on the last 2·HALF channels (rounded as `rotate_pairs`) → Hadamard (`ROTATE`, rounded
     once) → the store's dtype, or e4m3 codes with the row's scale `max(amax, tiny) / FP8_MAX` (`FP8`).
@@ -121,6 +123,7 @@ def decode_compress_kernel(state_ptr, new_ptr, pos_ptr, ape_ptr, w_ptr, freq_ptr
     on the latency of one slot tile after another, so it is split in two launches: `STAGE` 1, grid (B, pair
     blocks), writes the slot and pools `BLOCK_P` channel pairs per program into `pooled [B, DC]` (rounded to the
     state's dtype, as the entry is); `STAGE` 2, grid (B,), finishes the entry from there."""
+    wait_for_previous_kernel(CHAINED)
     dtype = state_ptr.dtype.element_ty
     ROW: tl.constexpr = 2 * COFF * DC
     b = tl.program_id(0).to(tl.int64)

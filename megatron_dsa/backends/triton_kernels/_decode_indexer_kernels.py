@@ -11,6 +11,8 @@ shared-memory loads: 97 µs against 74 for bf16 keys at B = 32, 32768 keys, H200
 
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+
 from megatron_dsa.backends.triton_kernels._fp8_quantize_kernels import e4m3_values, row_scale
 
 
@@ -18,7 +20,7 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr
                                  COLS_PER_PROGRAM, scale, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                                  BLOCK_C: tl.constexpr, PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr,
                                  KEY_SCALES: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-                                 TINY: tl.constexpr):
+                                 TINY: tl.constexpr, CHAINED: tl.constexpr):
     """One (sequence b, column range): `scores[b, j] = scale · Σ_h w[b,h]·ReLU(<q[b,h], k[b,j]>)` for
     `j < counts[b]`, −inf for the rest of the range.
 
@@ -31,6 +33,7 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr
     (`KEY_SCALES`) each query row is rounded to e4m3 with its own scale `max(amax, TINY) / FP8_MAX` (correctly
     rounded quotient, as `fp8_quantize`) and the dot multiplies the codes; the head's scale joins its weight and
     the key's, positive, multiplies its score after the ReLU and the sum over heads."""
+    wait_for_previous_kernel(CHAINED)
     b = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * COLS_PER_PROGRAM
     last = tl.minimum(first + COLS_PER_PROGRAM, C)

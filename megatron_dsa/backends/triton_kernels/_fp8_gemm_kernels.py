@@ -15,6 +15,8 @@ puts the tile's ticket back to zero for the next call.
 import triton
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+
 @triton.jit
 def _scaled(acc, a_scale_ptr, b_scale_ptr, m, n, g, G, M, N):
     """`acc [BLOCK_N, BLOCK_M]` of group g times b's row scales (down) and a's (across)."""
@@ -25,7 +27,8 @@ def _scaled(acc, a_scale_ptr, b_scale_ptr, m, n, g, G, M, N):
 
 def few_rows_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, partials_ptr, tickets_ptr, M, N, K, G,
                          K_PER_SPLIT, SPLITS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE_EVERY: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE_EVERY: tl.constexpr,
+                         CHAINED: tl.constexpr):
     """One (group and block of its b rows, block of a's rows, K split) (module docstring). G groups: a `[M, G·K]`
     (group g's columns `[g·K, (g+1)·K)`) and b `[G, N, K]` e4m3 codes, contiguous; scales `[M·G]` (row m, group g
     at `m·G + g`: a's rows rounded per group) and `[G·N]` float32; out `[M, G·N]` contiguous; `partials [SPLITS,
@@ -34,6 +37,7 @@ def few_rows_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, partia
     vectorise). `PRECISE_EVERY`: products a Hopper e4m3 MMA chain may add in its own accumulator before the sum
     moves to a float32 one (that accumulator keeps about 14 bits: unpromoted over K = 4096, outputs were off by
     1% of their size)."""
+    wait_for_previous_kernel(CHAINED)
     blocks_n = tl.cdiv(N, BLOCK_N)
     g = tl.program_id(0) // blocks_n
     n = (tl.program_id(0) % blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)

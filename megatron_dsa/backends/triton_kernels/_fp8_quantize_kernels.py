@@ -13,6 +13,8 @@ GEMM's alignment padding).
 import triton
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+
 
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2⁻⁶; below it e4m3 steps by 2⁻⁹
 SUBNORMAL_ROUNDER = tl.constexpr(24576.0)  # 1.5·2¹⁴: float32 sums near it step by 2⁻⁹
@@ -86,13 +88,14 @@ def quantize_kernel(t_ptr, amax_bits_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRI
 
 def quantize_each_row_kernel(t_ptr, q_ptr, scale_ptr, R, K, STRIDE_R, STRIDE_K, BLOCK_R: tl.constexpr,
                          BLOCK_K: tl.constexpr, ONE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-                         INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+                         INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr, CHAINED: tl.constexpr):
     """Rows `[BLOCK_R]` of t `[R, K]` (any strides) → their e4m3 codes in q `[R, K]` (contiguous) and scales
     `[R]` float32: `scale = max(amax, TINY)·(1/FP8_MAX)`, `q = clamp(t / scale)` rounded to nearest (as
     `ops.fp8_linear.quantize_rows`). The amax is a maximum of `|t|`'s float32 bits: non-negative floats order as
     their bits do and a NaN's lie above inf's, so a row with a NaN gets a NaN scale, as the reference's.
     `ONE_BLOCK`: a row fits one block (`K ≤ BLOCK_K`): it is read once and rounded from registers (a decode
     step's rows: one load's latency instead of one per block and pass)."""
+    wait_for_previous_kernel(CHAINED)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     if ONE_BLOCK:

@@ -13,6 +13,8 @@ contiguous rows split into pairs in registers (`load_pairs`).
 import triton
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+
 from megatron_dsa.backends.triton_kernels._rms_norm_kernels import load_rows
 from megatron_dsa.backends.triton_kernels._rope_kernels import load_pairs, pair_layout, rotate_pairs, store_pairs
 
@@ -52,9 +54,10 @@ def load_weights(w_ptr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.cons
 def norm_rope_forward_kernel(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, eps_ptr, R, H, X_STRIDE,
                              NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                             ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr):
+                             ONE_TOKEN: tl.constexpr, COMPUTE: tl.constexpr, CHAINED: tl.constexpr):
     """out = rope(rms_norm(x, w)): n = (x·rstd)·w rounded to x's dtype (as `rms_norm` rounds once); the
     first NOPE dims of n are stored, the pairs after them rotated (rounded as `rotate_pairs` says)."""
+    wait_for_previous_kernel(CHAINED)
     dtype = out_ptr.dtype.element_ty
     x, rstd, offsets, nope_mask, pair_offsets, x_pair_offsets, pair_mask, angles = load_head_rows(
         x_ptr, pos_ptr, freq_ptr, eps_ptr, tl.program_id(0), R, H, X_STRIDE, NOPE, HALF, BLOCK_R, BLOCK_D,

@@ -11,6 +11,8 @@ from memory once per pass.
 import triton
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+
 
 @triton.jit
 def load_rows(x_ptr, eps_ptr, rows, row_ok, X_STRIDE, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -27,8 +29,10 @@ def load_rows(x_ptr, eps_ptr, rows, row_ok, X_STRIDE, WIDTH: tl.constexpr, BLOCK
 
 
 def rms_norm_forward_kernel(x_ptr, w_ptr, out_ptr, eps_ptr, R, X_STRIDE, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_D: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE: tl.constexpr):
+                            BLOCK_D: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE: tl.constexpr,
+                            CHAINED: tl.constexpr):
     """out = (x·rstd)·w in COMPUTE, rounded once to out's dtype (the reference's single rounding)."""
+    wait_for_previous_kernel(CHAINED)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     x, rstd, offsets, dims = load_rows(x_ptr, eps_ptr, rows, row_ok, X_STRIDE, D, BLOCK_D, COMPUTE)

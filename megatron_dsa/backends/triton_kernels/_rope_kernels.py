@@ -10,6 +10,8 @@ imports triton at the top and is itself imported only on first launch. x and out
 import triton
 import triton.language as tl
 
+from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+
 
 @triton.jit
 def rotate_pairs(even, odd, angles, amplitude, INVERSE: tl.constexpr, dtype: tl.constexpr,
@@ -71,10 +73,11 @@ def store_pairs(ptr, pair_offsets, pair_mask, even, odd, BLOCK_R: tl.constexpr, 
 def rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, amp_ptr, R, H,
                 NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_HALF: tl.constexpr, ONE_TOKEN: tl.constexpr, INVERSE: tl.constexpr,
-                COMPUTE: tl.constexpr):
+                COMPUTE: tl.constexpr, CHAINED: tl.constexpr):
     """out[:, :NOPE] = x[:, :NOPE]; pairs (x[NOPE+2i], x[NOPE+2i+1]) rotated by pos·freq[i]
     (rounded as `rotate_pairs` says). The first NOPE dims and the rotated dims are each read and
     written once, as contiguous row blocks."""
+    wait_for_previous_kernel(CHAINED)
     dtype = out_ptr.dtype.element_ty
     WIDTH: tl.constexpr = NOPE + 2 * HALF
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)

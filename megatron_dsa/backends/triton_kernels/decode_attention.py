@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
 from megatron_dsa.backends.triton_kernels.tiles import (MIN_DOT, cdiv, dot_precision, head_dim_chunks, multiprocessors,
                                                        on_device, pow2)
 from megatron_dsa.ops.decode_attention import check_decode_inputs
@@ -120,12 +120,14 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
             ratio if entries is not None else 1, slots, per_split,
             SPLITS=splits, HAS_ENTRIES=entries is not None, SELECTED=selected,
             BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DT=block_dt,
-            DOT_PRECISION=dot_precision(query.dtype), num_warps=warps, num_stages=stages)
+            DOT_PRECISION=dot_precision(query.dtype), num_warps=warps, num_stages=stages,
+            **chained_launch(query.device))
         if splits > 1:
             block_s = pow2(splits)
             launcher(_kernels().decode_combine_kernel)[(batch * heads,)](
                 part_acc, part_max, part_sum, sink, out, heads, dim, SPLITS=splits, BLOCK_S=block_s,
-                BLOCK_D=pow2(dim, 1, max(MIN_DOT, COMBINE_ELEMENTS // block_s)), num_warps=4)
+                BLOCK_D=pow2(dim, 1, max(MIN_DOT, COMBINE_ELEMENTS // block_s)), num_warps=4,
+                **chained_launch(query.device))
     return out
 
 

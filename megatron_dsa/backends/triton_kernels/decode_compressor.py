@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
 from megatron_dsa.backends.triton_kernels.rms_norm import eps_tensor
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, on_device, pow2
 from megatron_dsa.ops.compressor import channel_factor
@@ -88,18 +88,18 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
     with on_device(state.device):
         import triton.language as tl
 
-        kernel = launcher(_kernels().decode_compress_kernel)
+        kernel, chained = launcher(_kernels().decode_compress_kernel), chained_launch(state.device)
         if ratio <= MAX_ONE_LAUNCH_RATIO:
             kernel[(batch,)](*args, state, *sizes, STAGE=0, BLOCK_S=_slot_block(ratio, whole), BLOCK_P=whole,
-                             LOG2_P=whole.bit_length() - 1, COMPUTE=tl.float32, num_warps=WARPS, **constants)
+                             LOG2_P=whole.bit_length() - 1, COMPUTE=tl.float32, num_warps=WARPS, **constants, **chained)
             return
         pooled = torch.empty((batch, dc), dtype=state.dtype, device=state.device)
         block = min(whole, SPLIT_PAIRS)
         kernel[(batch, cdiv(dc // 2, block))](*args, pooled, *sizes, STAGE=1, BLOCK_S=_slot_block(ratio, block),
                                                BLOCK_P=block, LOG2_P=block.bit_length() - 1, COMPUTE=tl.float32,
-                                               num_warps=POOL_WARPS, **constants)
+                                               num_warps=POOL_WARPS, **constants, **chained)
         kernel[(batch,)](*args, pooled, *sizes, STAGE=2, BLOCK_S=1, BLOCK_P=whole, LOG2_P=whole.bit_length() - 1,
-                         COMPUTE=tl.float32, num_warps=WARPS, **constants)
+                         COMPUTE=tl.float32, num_warps=WARPS, **constants, **chained)
 
 
 def _slot_block(ratio: int, pairs: int) -> int:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
 from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, multiprocessors, on_device, pow2
 from megatron_dsa.ops.fp8_linear import FP8_MAX
 from megatron_dsa.ops.indexer import FP8_KEYS, check_decode_indexer_inputs
@@ -86,7 +86,7 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
             BLOCK_C=block_c,
             PRECISION=dot_precision(q.dtype), KEYS_MAJOR=KEYS_MAJOR, KEY_SCALES=fp8,
             FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, TINY=torch.finfo(torch.float32).tiny,
-            num_warps=FP8_WARPS if fp8 else WARPS, num_stages=STAGES)
+            num_warps=FP8_WARPS if fp8 else WARPS, num_stages=STAGES, **chained_launch(q.device))
     return scores
 
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from megatron_dsa.backends.probes import canonical_device
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.fp8_quantize import quantize_each_row
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, multiprocessors, on_device, pow2
 from megatron_dsa.ops.fp8_linear import FP8
 
@@ -100,7 +100,7 @@ def fp8_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Te
         launcher(_kernels().few_rows_gemm_kernel)[(grid_n, grid_m, splits)](
             codes_a, scales_a, codes_b, scales_b, out, partials, tickets, rows, outputs, width, groups, per_split,
             SPLITS=splits, EVEN_K=width % block_k == 0, BLOCK_N=BLOCK_N, BLOCK_M=block_m, BLOCK_K=block_k,
-            PRECISE_EVERY=PRECISE_EVERY, num_warps=WARPS, num_stages=STAGES)
+            PRECISE_EVERY=PRECISE_EVERY, num_warps=WARPS, num_stages=STAGES, **chained_launch(a.device))
     return out
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
 from megatron_dsa.ops.fp8_linear import FP8, FP8_MAX
 
@@ -87,5 +87,5 @@ def quantize_each_row(t: Tensor) -> tuple[Tensor, Tensor]:
             t, codes, scales, rows, width, t.stride(0), t.stride(1), BLOCK_R=1,
             BLOCK_K=min(EACH_ROW_BLOCK_K, pow2(width, 16)), ONE_BLOCK=width <= EACH_ROW_BLOCK_K,
             FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX,
-            TINY=torch.finfo(torch.float32).tiny, num_warps=EACH_ROW_WARPS)
+            TINY=torch.finfo(torch.float32).tiny, num_warps=EACH_ROW_WARPS, **chained_launch(t.device))
     return codes, scales

@@ -20,6 +20,13 @@ finds the kernel, hands the bound arguments straight to the compiled kernel's la
 on Triton versions whose launch path it mirrors (`DIRECT_LAUNCH_VERSIONS`, read in their source and run
 on GPUs), with no launch hooks installed (profilers such as proton install them) and no pre-run hooks;
 everything else, and `MEGATRON_DSA_TRITON_DIRECT_LAUNCH=0`, takes Triton's path.
+
+Chained launches. A decode step runs ~35 short kernels back to back, each normally placed on the GPU only once
+the one before it has finished. A kernel launched with `chained_launch(device)`'s options on a Hopper or later
+GPU (programmatic dependent launch) is placed on the SMs while the kernel before it still runs and waits there,
+in its first statement (`_grid_dependency.wait_for_previous_kernel`), for that kernel's end and writes: its
+launch and start overlap the previous kernel (a C decode step 2–4% faster on an H200, docs/performance.md).
+`MEGATRON_DSA_TRITON_CHAINED_LAUNCH=0` turns it off (benchmarks compare both).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import types
 from collections import Counter
 from typing import Any, Callable, Hashable, Optional, Union
 
+import torch
+
 from megatron_dsa.backends import probes
 
 # Triton versions (major, minor) whose `JITFunction.run` this module's direct launch mirrors: the
@@ -38,8 +47,25 @@ from megatron_dsa.backends import probes
 DIRECT_LAUNCH_VERSIONS = frozenset({(3, 6)})
 # Read once; tests and benchmarks switch it per process (or patch it) to compare both paths.
 DIRECT_LAUNCH = os.environ.get("MEGATRON_DSA_TRITON_DIRECT_LAUNCH", "1") != "0"
-# Launches per path ("direct" or "triton"): the GPU tests check the direct path ran.
+# Launches per path ("direct" or "triton"), and of them the "chained" ones: the GPU tests check these paths ran.
 LAUNCHES: Counter = Counter()
+# Read once, as DIRECT_LAUNCH.
+CHAINED_LAUNCH = os.environ.get("MEGATRON_DSA_TRITON_CHAINED_LAUNCH", "1") != "0"
+CHAINED_LAUNCH_MIN_CAPABILITY = (9, 0)  # griddepcontrol: Hopper and later
+
+
+def chained_launch(device: torch.device) -> dict[str, bool]:
+    """Launch options of a kernel that takes the constexpr `CHAINED` and begins with
+    `_grid_dependency.wait_for_previous_kernel(CHAINED)` (module docstring): a chained launch on CUDA GPUs
+    that have it, `CHAINED=False` (no code) elsewhere and under the interpreter."""
+    chained = CHAINED_LAUNCH and device.type == "cuda" and _chains_on(device.index)
+    return {"CHAINED": True, "launch_pdl": True} if chained else {"CHAINED": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _chains_on(index: Optional[int]) -> bool:
+    capability = probes.cuda_capability(torch.device("cuda", index) if index is not None else None)
+    return capability is not None and capability >= CHAINED_LAUNCH_MIN_CAPABILITY
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,6 +127,8 @@ class KernelLauncher:
 
     def _launch(self, grid: Any, *args: Any, **options: Any) -> Any:
         kernel = self.kernel
+        if options.get("launch_pdl"):
+            LAUNCHES["chained"] += 1
         if (not (DIRECT_LAUNCH and self._direct) or kernel.pre_run_hooks or not _no_launch_hooks(self._knobs)
                 or not _globals_unchanged(kernel)):  # Triton's path raises for a changed global
             return self._triton_launch(grid, args, options)

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
 from megatron_dsa.backends.triton_kernels.rms_norm import DWEIGHT_PROGRAMS, check_weight, eps_tensor
 from megatron_dsa.backends.triton_kernels.rope import check_inputs, rotary_row_args
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows
@@ -41,7 +41,7 @@ def _forward(x: Tensor, weight: Optional[Tensor], positions: Tensor, freq: Tenso
     args = rotary_row_args(x, positions, freq)
     launcher(kernels.norm_rope_forward_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
         x, weight, out, positions, freq, eps, x.shape[0], X_STRIDE=x.stride(0), HAS_WEIGHT=weight is not None,
-        **args)
+        **args, **chained_launch(x.device))
     return out
 
 

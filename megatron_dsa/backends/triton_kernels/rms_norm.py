@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
 from megatron_dsa.backends.triton_kernels.rope import row_block
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, fresh_rows, kernel_rows
 from megatron_dsa.device_cache import device_scalar
@@ -62,7 +62,7 @@ def _forward(x: Tensor, weight: Optional[Tensor], eps: Tensor) -> Tensor:
         return out
     args = _launch_args(x, weight)
     launcher(kernels.rms_norm_forward_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
-        x, weight, out, eps, x.shape[0], x.stride(0), **args)
+        x, weight, out, eps, x.shape[0], x.stride(0), **args, **chained_launch(x.device))
     return out
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
 from megatron_dsa.backends.triton_kernels.tiles import cdiv, pow2
 from megatron_dsa.device_cache import device_scalar
 from megatron_dsa.ops.precision import compute_dtype
@@ -63,7 +63,7 @@ def _launch(x: Tensor, positions: Tensor, freq: Tensor, amplitude: Tensor, inver
         return out
     args = rotary_row_args(x, positions, freq)
     launcher(kernels.rope_kernel)[(cdiv(x.shape[0], args["BLOCK_R"]),)](
-        x, out, positions, freq, amplitude, x.shape[0], INVERSE=inverse, **args)
+        x, out, positions, freq, amplitude, x.shape[0], INVERSE=inverse, **args, **chained_launch(x.device))
     return out
 
 
