@@ -306,9 +306,26 @@ def test_the_footprint_counts_what_the_cache_allocates(kind: str, fp8_indexer_ke
     layer, _ = layer_and_input(kind, 1, 1)
     footprint = cache_footprint(layer.config, kind, element_size=8,  # float64 buffers
                                 fp8_indexer_keys=fp8_indexer_keys)
-    for capacity in (16, 64):  # multiples of every ratio
+    for capacity in (64, 256):  # entry slots a multiple of ENTRY_SLOT_MULTIPLE at every ratio
         cache = LayerCache.for_layer(layer, 3, capacity, fp8_indexer_keys=fp8_indexer_keys)
         assert cache.nbytes() == 3 * (footprint.per_sequence + footprint.per_token * capacity)
+
+
+@pytest.mark.parametrize("kind", ["C", "H"])
+def test_entry_slots_are_rounded_up_to_whole_rows_of_scores(kind: str) -> None:
+    """`⌈capacity / r⌉` entry slots rounded up to a multiple of 8 (cuDNN's top-k takes 32-byte rows of float32
+    scores without a padded copy), the same for the indexer's keys; a prefill and decode steps in a cache whose
+    last slots no token reaches equal the full forward."""
+    layer, hidden = layer_and_input(kind, 21, batch=2, seed=3)
+    ratio = layer.core_attention.ratio
+    for capacity, slots in ((21, 8), (8 * ratio, 8), (8 * ratio + 1, 16)):
+        cache = LayerCache.for_layer(layer, 2, capacity)
+        assert cache.entries.shape[1] == slots, (capacity, cache.entries.shape)
+        if cache.indexer_keys is not None:
+            assert cache.indexer_keys.shape[1] == slots
+    with torch.no_grad():
+        expected = layer(hidden)[0]
+        torch.testing.assert_close(run_in_chunks(layer, hidden, [9] + [1] * 12), expected, rtol=0, atol=TOLERANCE)
 
 
 def test_at_dsv4_flash_dims_the_sparse_kinds_cache_a_fraction_of_dense_mla() -> None:

@@ -65,6 +65,11 @@ if TYPE_CHECKING:
     from megatron_dsa.config import HybridAttentionConfig
     from megatron_dsa.layers.hybrid_attention import HybridAttention
 
+# Entry slots per sequence are a multiple of this: a C layer's decode scores `[B, slots]` (float32) then have
+# 32-byte rows, which cuDNN's top-k takes as they are (otherwise every step padded them: a fill and a copy,
+# 6.4 µs at B = 32 and 32k entries on an H200).
+ENTRY_SLOT_MULTIPLE = 8
+
 
 @dataclass(frozen=True)
 class CompressorState:
@@ -112,11 +117,11 @@ class LayerCache:
     seqlens: `[B]` int64 tokens cached per sequence (updated in place: a captured decode step reads it where it
     is); `longest` a host-side upper bound of its largest value (checked against `capacity` without a sync).
     W/C/H: `window [B, max(W−1, 1), D]` K = V rows at slot `position % (W−1)`; `compressors` the `CompressorState` of the attention's (`"attention"`) and
-    the indexer's (`"indexer"`) compressor; `entries [B, ⌈capacity / r⌉, D]` compressed entries and
-    `indexer_keys [B, ⌈capacity / r⌉, DI]` (entry `j` is valid once its group is complete, `j < seqlens // r`;
-    a decode step writes the new token's unfinished group there too, never seen before it is rewritten
-    complete); `indexer_key_scales [B, ⌈capacity / r⌉]` float32 with FP8 indexer keys (`for_layer`'s
-    `fp8_indexer_keys`: e4m3 rows, key `j` standing for `indexer_keys[b, j] · indexer_key_scales[b, j]`), else None;
+    the indexer's (`"indexer"`) compressor; `entries [B, E, D]` compressed entries and `indexer_keys [B, E, DI]`
+    in `E` entry slots, `⌈capacity / r⌉` rounded up to a multiple of `ENTRY_SLOT_MULTIPLE` (entry `j` is valid
+    once its group is complete, `j < seqlens // r`; a decode step writes the new token's unfinished group there
+    too, never seen before it is rewritten complete); `indexer_key_scales [B, E]` float32 with FP8 indexer keys
+    (`for_layer`'s `fp8_indexer_keys`: e4m3 rows, key `j` standing for `indexer_keys[b, j] · indexer_key_scales[b, j]`), else None;
     `index` the step's static index tensors (`DecodeIndex`). M: `latent [B, capacity, kv_lora_rank + P]`, each
     position's normalised KV latent then its RoPE key.
     """
@@ -169,7 +174,8 @@ class LayerCache:
                 cache.compressors[name] = CompressorState.empty(batch, slots, width, dtype, device)
         if attention.compressor is not None:
             cache.ratio = attention.ratio
-            cache.entries = empty(batch, -(-capacity // attention.ratio), c.v_head_dim)
+            entry_slots = -(-capacity // attention.ratio)
+            cache.entries = empty(batch, entry_slots + -entry_slots % ENTRY_SLOT_MULTIPLE, c.v_head_dim)
         if attention.indexer is not None:
             cache.indexer_keys = empty(batch, cache.entries.shape[1], c.dsa_indexer_head_dim)
             if fp8_indexer_keys:
