@@ -199,6 +199,9 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
                               ("unfused", r(3, 2, 2 * 8, grad=False), r(3, 2 * 8, grad=False),
                                torch.tensor([0, 5, 11], device=device), r(2, 8, grad=False), r(8, grad=False), 1e-6,
                                inv_freq, False, r(3, 6, 8, grad=False), None)],
+        # buffer [B, R, D] (a ring of 4 slots), new rows [B, D], seqlens [B] (the last two wrap around the ring)
+        "decode_append": [("unfused", r(3, 4, 8, grad=False), r(3, 8, grad=False),
+                           torch.tensor([0, 5, 11], device=device))],
         # (Its kept-codes form, e4m3 b with b_scales, is not sampled, for the same reason.)
         "fp8_gemm": [("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.float32, None),
                      ("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.bfloat16, None)],
@@ -215,7 +218,8 @@ OPS = {
     "topk": library.topk_op, "selection_rows": library.selection_rows_op,
     "indexer_loss": library.indexer_loss_op, "indexer_kl_bwd": library.indexer_kl_bwd_op,
     "decode_attention": library.decode_attention_op, "decode_indexer_scores": library.decode_indexer_scores_op,
-    "decode_compressor": library.decode_compressor_op, "fp8_gemm": library.fp8_gemm_op,
+    "decode_compressor": library.decode_compressor_op, "decode_append": library.decode_append_op,
+    "fp8_gemm": library.fp8_gemm_op,
 }
 
 

@@ -87,29 +87,36 @@ class AtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("kind, compressors", [("C", 2), ("H", 1)])
+@pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
-def test_a_decode_steps_compressor_writes_are_one_family_call_each(kind: str, compressors: int) -> None:
-    """A decode step hands each compressor's new slot and its group's entry to one `decode_compressor` call (one
-    kernel on CUDA; the writes, the slot arithmetic and the pooling are the family's), and a prefill call none."""
+def test_a_decode_step_writes_each_cache_buffer_in_one_family_call(kind: str) -> None:
+    """A decode step hands each compressor's new slot and its group's entry to one `decode_compressor` call, and the
+    new row's write into the window ring (M: the latent cache) with the lengths' increment to one `decode_append`
+    call (one kernel each on CUDA; the writes, the slot arithmetic and the pooling are the families'); after it the
+    lengths count the new token. A prefill call makes neither."""
     layer, hidden = layer_and_input(kind, 12, batch=3)
     cache = LayerCache.for_layer(layer, 3, 12)
     reset_call_counts()
+    writes = lambda: {op: n for (_, op), n in call_counts().items()  # noqa: E731
+                      if op in ("decode_compressor", "decode_append")}
     layer(hidden[:9], inference_cache=cache)
-    assert not [op for (_, op) in call_counts() if op == "decode_compressor"], call_counts()
+    assert not writes(), call_counts()
     layer(hidden[9:10], inference_cache=cache)
-    calls = {op: n for (_, op), n in call_counts().items()}
-    assert calls["decode_compressor"] == compressors, call_counts()
+    compressors = {"C": 2, "H": 1}.get(kind)
+    assert writes() == {"decode_append": 1, **({"decode_compressor": compressors} if compressors else {})}, call_counts()
+    assert cache.seqlens.tolist() == [10] * 3
 
 
 # The aten ops (views excluded) of one C-layer decode step on the CPU: 256 before the step stopped stacking the
 # projection weights and converting the RoPE table every call and writing kv and gate slots separately, 250 until
 # the compressor writes became one `decode_compressor` call each (pure reference ops on the CPU), 245 until the
 # step stopped building the top-k's valid mask (cuDNN's top-k reads the counts; the reference builds the mask
-# from them: 246 since). On the CPU the op families run their reference ops; the rest is the step's own glue,
+# from them: 246 since), 247 since the window write and the length increment became one `decode_append` call (one
+# kernel on CUDA; the reference numbers the sequences itself, where the step kept an arange). On the CPU the op
+# families run their reference ops; the rest is the step's own glue,
 # which a CUDA graph replays as one node per kernel. A bound, not a count of each op: an accidental per-step copy,
 # cat or constant raises it.
-C_DECODE_STEP_OPS = 246
+C_DECODE_STEP_OPS = 247
 
 
 @torch.no_grad()

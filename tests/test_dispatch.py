@@ -115,6 +115,7 @@ PRIORITY_ORDER = {
     # Came after the table: Triton's few-rows kernel first (its probe declines more than 64 rows).
     "fp8_gemm": ("triton", "torch_scaled_mm", "unfused"),
     "decode_compressor": ("triton", "unfused"),  # came after the table: first the kernel, the reference last
+    "decode_append": ("triton", "unfused"),  # likewise
 }
 
 

@@ -23,8 +23,8 @@ Backward:
   the gradient is exactly the eager one; the cost is one more forward of the op in backward);
 - `indexer_scores`, `topk`, `selection_rows`, `indexer_loss`, `indexer_kl_bwd` take no gradient (the
   selection runs without autograd; the indexer loss's gradient is `indexer_kl_bwd`, which
-  `backends.indexer_kl` calls from its backward); nor do `decode_attention`, `decode_indexer_scores` and
-  `decode_compressor` (inference only; the last writes the cache in place), nor `fp8_gemm`
+  `backends.indexer_kl` calls from its backward); nor do `decode_attention`, `decode_indexer_scores`,
+  `decode_compressor` and `decode_append` (inference only; the last two write the cache in place), nor `fp8_gemm`
   (`ops.fp8_linear.Fp8Linear` calls it for its backward GEMMs too).
 """
 
@@ -502,6 +502,13 @@ def decode_compressor_op(backend: str, state: Tensor, new_rows: Tensor, position
                                                  store, scales)
 
 
+@_custom_op("decode_append", mutates_args=("buffer", "seqlens"))
+def decode_append_op(backend: str, buffer: Tensor, rows: Tensor, seqlens: Tensor) -> None:
+    """`decode_append` family: each sequence's new row into slot `seqlens[b] % R` of `buffer`, then `seqlens += 1`,
+    in place (inference: no gradient)."""
+    _kernel(OpFamily.DECODE_APPEND, backend)(buffer, rows, seqlens)
+
+
 @_custom_op("fp8_gemm")
 def fp8_gemm_op(backend: str, a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor]) -> Tensor:
     """`fp8_gemm` family: `a [M, K]·b [N, K]ᵀ` in `out_dtype`, the rows of both rounded to FP8 (b's already where
@@ -573,6 +580,8 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
         lambda state, new_rows, positions, ape, norm_weight, eps, inv_freq, rotate, store, scales=None:
         decode_compressor_op(backend, state, new_rows, positions, ape, norm_weight, float(eps), inv_freq, bool(rotate),
                              store, scales)),
+    OpFamily.DECODE_APPEND: lambda backend: (
+        lambda buffer, rows, seqlens: decode_append_op(backend, buffer, rows, seqlens)),
     OpFamily.FP8_GEMM: lambda backend: (
         lambda a, b, out_dtype, b_scales=None: fp8_gemm_op(backend, a, b, out_dtype, b_scales)),
     OpFamily.INDEXER_LOSS: _indexer_loss,

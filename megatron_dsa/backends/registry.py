@@ -79,6 +79,9 @@ class OpFamily(str, Enum):
     # store [B,C,Dc], scales [B,C] or None) -> None: the new tokens join their compressor's pending slots and
     # their groups' entries are written to the store, in place (ops.decode_compressor)
     DECODE_COMPRESSOR = "decode_compressor"
+    # (buffer [B,R,D], rows [B,D], seqlens [B]) -> None: buffer[b, seqlens[b] % R] = rows[b], then seqlens += 1,
+    # in place: a decode step's last write (ops.decode_append)
+    DECODE_APPEND = "decode_append"
     # (a [M, K], b [N, K], out_dtype) -> a·bᵀ [M, N], each row of a and b rounded to FP8 e4m3 with its own
     # scale (ops.fp8_linear): the projections' GEMMs under `projection_precision="fp8"`
     FP8_GEMM = "fp8_gemm"
@@ -115,6 +118,7 @@ AUTO_ORDER: dict[OpFamily, tuple[str, ...]] = {
     OpFamily.DECODE_ATTENTION: ("triton", "unfused"),
     OpFamily.DECODE_INDEXER_SCORES: ("triton", "unfused"),
     OpFamily.DECODE_COMPRESSOR: ("triton", "unfused"),
+    OpFamily.DECODE_APPEND: ("triton", "unfused"),
     # Triton's few-rows GEMM for a decode step's handful of rows (its probe declines more than 64): cuBLASLt's
     # rowwise FP8 GEMM has a floor of ~13 µs per call there. The reference rounds to FP8 and multiplies in
     # float32: the same numbers, without FP8 tensor cores.
@@ -186,6 +190,7 @@ FAMILY_KEYS: dict[OpFamily, frozenset[str]] = {family: frozenset(keys) for famil
     OpFamily.DECODE_ATTENTION: (*_DEVICE, "heads", "head_dim", "selected"),
     OpFamily.DECODE_INDEXER_SCORES: (*_DEVICE, "heads", "head_dim", "key_dtype"),
     OpFamily.DECODE_COMPRESSOR: (*_DEVICE, "ratio", "head_dim", "rotate", "key_dtype"),
+    OpFamily.DECODE_APPEND: _DEVICE,
     OpFamily.FP8_GEMM: (*_DEVICE, "rows"),
 }.items()}
 

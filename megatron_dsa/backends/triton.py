@@ -10,9 +10,9 @@ import torch
 
 from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
-from megatron_dsa.backends.triton_kernels import (compressor, decode_attention, decode_compressor, decode_indexer,
-                                                  dense_attention, fp8_gemm, indexer, indexer_loss, norm_rope,
-                                                  rms_norm, rope, selection, sparse_attention, topk_order)
+from megatron_dsa.backends.triton_kernels import (compressor, decode_append, decode_attention, decode_compressor,
+                                                  decode_indexer, dense_attention, fp8_gemm, indexer, indexer_loss,
+                                                  norm_rope, rms_norm, rope, selection, sparse_attention, topk_order)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl
 
@@ -108,6 +108,7 @@ TRITON = Backend(
         OpFamily.DECODE_ATTENTION: decode_attention.decode_attention,
         OpFamily.DECODE_INDEXER_SCORES: decode_indexer.decode_indexer_scores,
         OpFamily.DECODE_COMPRESSOR: decode_compressor.decode_compress,
+        OpFamily.DECODE_APPEND: decode_append.append_rows,
         OpFamily.DENSE_ATTENTION: dense_attention.dense_attention,
         OpFamily.DENSE_ATTENTION_BLOCK_FWD: dense_attention.block_forward,
         OpFamily.DENSE_ATTENTION_BLOCK_BWD: dense_attention.block_backward,

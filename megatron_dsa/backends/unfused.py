@@ -6,6 +6,7 @@ import torch
 
 from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
 from megatron_dsa.ops.compressor import compress
+from megatron_dsa.ops.decode_append import append_rows
 from megatron_dsa.ops.decode_attention import decode_attention
 from megatron_dsa.ops.decode_compressor import decode_compress
 from megatron_dsa.ops.dense_attention import block_attention_backward, block_attention_forward, causal_attention
@@ -37,6 +38,7 @@ UNFUSED = Backend(
         OpFamily.DECODE_ATTENTION: decode_attention,
         OpFamily.DECODE_INDEXER_SCORES: decode_indexer_scores,
         OpFamily.DECODE_COMPRESSOR: decode_compress,
+        OpFamily.DECODE_APPEND: append_rows,
         OpFamily.FP8_GEMM: fp8_gemm_reference,
     },
     version=lambda: f"torch {torch.__version__}",

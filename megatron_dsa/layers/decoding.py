@@ -34,7 +34,8 @@ Two paths:
   a C layer's indexer scores each sequence's cached compressed keys where they lie (`decode_indexer_scores`,
   then `topk`), and each compressor's write is one `decode_compressor` call (one kernel on CUDA): the new token
   into its pending slot, and the one entry of its group pooled and stored (complete or not: an unfinished entry
-  is not visible yet).
+  is not visible yet). The step ends with one `decode_append` call (one kernel on CUDA): the new K = V row into
+  the window ring (M: the latent row into its position) and the lengths counted up.
 """
 
 from __future__ import annotations
@@ -90,26 +91,6 @@ class CompressorState:
         return self.rows.shape[1]
 
 
-@dataclass(frozen=True, eq=False)
-class DecodeIndex:
-    """Index tensors a decode step reads that depend only on the cache's shapes, built once with the cache (a
-    captured step would otherwise replay the kernels that build them, every token).
-
-    sequences: `[B]` `0 … B−1`. no_sink: M only, `[H/tp]` float32 −inf, the decode attention's sink for a
-    softmax without one."""
-
-    sequences: Tensor
-    no_sink: Optional[Tensor] = None
-
-    @classmethod
-    def build(cls, batch: int, device: torch.device) -> "DecodeIndex":
-        return cls(torch.arange(batch, device=device))
-
-    @classmethod
-    def latent(cls, batch: int, heads: int, device: torch.device) -> "DecodeIndex":
-        return cls(torch.arange(batch, device=device), torch.full((heads,), float("-inf"), device=device))
-
-
 @dataclass
 class LayerCache:
     """What one layer keeps of `batch` sequences of at most `capacity` tokens (see the module docstring).
@@ -122,8 +103,9 @@ class LayerCache:
     once its group is complete, `j < seqlens // r`; a decode step writes the new token's unfinished group there
     too, never seen before it is rewritten complete); `indexer_key_scales [B, E]` float32 with FP8 indexer keys
     (`for_layer`'s `fp8_indexer_keys`: e4m3 rows, key `j` standing for `indexer_keys[b, j] · indexer_key_scales[b, j]`), else None;
-    `index` the step's static index tensors (`DecodeIndex`). M: `latent [B, capacity, kv_lora_rank + P]`, each
-    position's normalised KV latent then its RoPE key.
+    M: `latent [B, capacity, kv_lora_rank + P]`, each position's normalised KV latent then its RoPE key, and
+    `no_sink [H/tp]` float32 −inf, the decode attention's sink for a softmax without one (made once with the
+    cache: a captured step would otherwise replay the fill every token).
     """
 
     kind: str
@@ -137,7 +119,7 @@ class LayerCache:
     latent: Optional[Tensor] = None
     longest: int = 0
     ratio: int = 0  # the compressors' ratio r (0: none)
-    index: Optional[DecodeIndex] = None  # W/C/H: what `decode_step` indexes with (built by `for_layer`)
+    no_sink: Optional[Tensor] = None
     # The layer's input projection weights stacked for its one GEMM, kept for the cache's life rather than
     # stacked again every call (`ops.stacked_projection.KeptStack`: a copy of those weights).
     stacked_weights: KeptStack = field(default_factory=KeptStack)
@@ -163,7 +145,7 @@ class LayerCache:
         cache = cls(layer.kind_spec.symbol, capacity, torch.zeros(batch, dtype=torch.long, device=device))
         if isinstance(layer.core, DenseMLACore):
             cache.latent = empty(batch, capacity, c.mla_kv_lora_rank + c.qk_pos_emb_head_dim)
-            cache.index = DecodeIndex.latent(batch, layer.local_heads, device)
+            cache.no_sink = torch.full((layer.local_heads,), float("-inf"), device=device)
             return cache
         cache.window = empty(batch, max(c.csa_window_size - 1, 1), c.v_head_dim)
         attention = layer.core_attention
@@ -181,7 +163,6 @@ class LayerCache:
             if fp8_indexer_keys:
                 cache.indexer_keys = cache.indexer_keys.to(FP8_KEYS)
                 cache.indexer_key_scales = torch.ones(batch, cache.entries.shape[1], device=device)
-        cache.index = DecodeIndex.build(batch, device)
         return cache
 
     @property
@@ -366,13 +347,12 @@ def decode_step(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tenso
         raise ValueError(f"a sequence would reach {cache.longest + 1} tokens, more than the inference cache's "
                          f"capacity {cache.capacity}")
     out = (_latent_decode if isinstance(layer.core, DenseMLACore) else _sparse_decode)(layer, x, cache)
-    cache.seqlens += 1  # last: the steps read it as the new token's positions
-    cache.longest += 1
+    cache.longest += 1  # the step's last write counted the tokens in (`_append`)
     return out
 
 
 def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
-    c, attention, index = layer.config, layer.core_attention, cache.index
+    c, attention = layer.config, layer.core_attention
     positions = cache.seqlens  # the new token's position in each sequence
     inv_freq = layer.angle_freq(x.dtype)
     q, kv, projected, qr = layer.core.project(layer, x, positions, cache.stacked_weights)
@@ -391,11 +371,12 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
                       head_dim=q.shape[2], selected=picks is not None)
     out = attend(q, kv_new, cache.window, positions, c.csa_window_size, entries, picks, attention.ratio or 1,
                  attention.attn_sink, c.softmax_scale)
-    # After the attention: the slot of position p held position p − (W − 1), still in p's window.
-    cache.window[index.sequences, positions % cache.window.shape[1]] = kv_new
     # The reference path's selection names rows of a kv_all this step never builds: only the picks are kept.
     attention.last_selection, attention.last_decode_picks = None, picks
-    return layer.core.finish(layer, out, positions)
+    out = layer.core.finish(layer, out, positions)
+    # After the attention: the slot of position p held position p − (W − 1), still in p's window.
+    _append(c, cache.window, kv_new, cache.seqlens)
+    return out
 
 
 def _latent_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
@@ -414,11 +395,19 @@ def _latent_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     rows_new = torch.cat((latent, k_rope), dim=-1).to(cache.latent.dtype)
     attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=query.shape[1],
                       head_dim=query.shape[2], selected=False)
-    out = attend(query, rows_new, cache.latent, positions, cache.capacity + 1, None, None, 1, cache.index.no_sink,
+    out = attend(query, rows_new, cache.latent, positions, cache.capacity + 1, None, None, 1, cache.no_sink,
                  core.softmax_scale(c))  # [B, H, R + P]
-    cache.latent[cache.index.sequences, positions] = rows_new
+    _append(c, cache.latent, rows_new, cache.seqlens)
     values = torch.einsum("bghr,gvr->bghv", out[..., :rank].unflatten(1, (groups, -1)), w_v.to(out.dtype))
     return values.flatten(1)
+
+
+def _append(config: "HybridAttentionConfig", buffer: Tensor, rows: Tensor, seqlens: Tensor) -> None:
+    """A decode step's last write: each new row into its slot of `buffer [B, R, D]` (`seqlens % R`), then the
+    lengths count the new tokens (`ops.decode_append`: one kernel on CUDA). Last, since until then `seqlens` are the
+    new tokens' positions."""
+    append = dispatch(OpFamily.DECODE_APPEND, config, device=buffer.device, dtype=buffer.dtype)
+    append(buffer, rows, seqlens)
 
 
 def _decode_compress(compressor: Compressor, state: CompressorState, projected: dict, positions: Tensor,
