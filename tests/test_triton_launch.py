@@ -236,21 +236,42 @@ def test_layer_with_direct_launches_equals_triton_launches_on_gpu(kind, monkeypa
 
 
 # ---------------------------------------------------------------- chained launches
-def test_chained_launch_is_asked_only_of_gpus_that_have_it(monkeypatch):
-    """Programmatic dependent launch: CUDA devices of compute capability 9.0 or later; the CPU (the interpreter),
-    older GPUs and `MEGATRON_DSA_TRITON_CHAINED_LAUNCH=0` get the kernel's `CHAINED=False` (no in-kernel wait)."""
+def test_chained_launch_is_asked_only_of_gpus_that_have_it_inside_chained_launches(monkeypatch):
+    """Programmatic dependent launch: inside `chained_launches()` (an inference cache's calls), on CUDA devices of
+    compute capability 9.0 or later; outside it, on the CPU (the interpreter), older GPUs and with
+    `MEGATRON_DSA_TRITON_CHAINED_LAUNCH=0` the kernel gets `CHAINED=False` (no in-kernel wait)."""
     from megatron_dsa.backends import probes
 
     off, on = {"CHAINED": False}, {"CHAINED": True, "launch_pdl": True}
-    assert lazy_jit.chained_launch(torch.device("cpu")) == off
-    for capability, expected in (((8, 9), off), ((9, 0), on), ((10, 0), on), (None, off)):
-        lazy_jit._chains_on.cache_clear()
-        monkeypatch.setattr(probes, "cuda_capability", lambda device, c=capability: c)
-        assert lazy_jit.chained_launch(torch.device("cuda", 0)) == expected, capability
-        monkeypatch.setattr(lazy_jit, "CHAINED_LAUNCH", False)
-        assert lazy_jit.chained_launch(torch.device("cuda", 0)) == off
-        monkeypatch.setattr(lazy_jit, "CHAINED_LAUNCH", True)
+    cuda = torch.device("cuda", 0)
+    with lazy_jit.chained_launches():
+        assert lazy_jit.chained_launch(torch.device("cpu")) == off
+        for capability, expected in (((8, 9), off), ((9, 0), on), ((10, 0), on), (None, off)):
+            lazy_jit._chains_on.cache_clear()
+            monkeypatch.setattr(probes, "cuda_capability", lambda device, c=capability: c)
+            assert lazy_jit.chained_launch(cuda) == expected, capability
+            monkeypatch.setattr(lazy_jit, "CHAINED_LAUNCH", False)
+            assert lazy_jit.chained_launch(cuda) == off
+            monkeypatch.setattr(lazy_jit, "CHAINED_LAUNCH", True)
+    assert lazy_jit.chained_launch(cuda) == off  # a training step's launches: plain
     lazy_jit._chains_on.cache_clear()
+
+
+def test_calls_through_an_inference_cache_are_inside_chained_launches(monkeypatch):
+    """The layer enters `chained_launches()` for its cached calls only (one stream, no CP / SP), so training and
+    evaluation steps keep plain launches."""
+    from megatron_dsa import HybridAttention, HybridAttentionConfig
+    from megatron_dsa.layers.decoding import LayerCache
+
+    seen = []  # inside chained_launches() when the layer's output projection runs, per call
+    config = HybridAttentionConfig.from_preset("tiny", num_layers=1, layer_pattern="W")
+    layer = HybridAttention(config, kind="W").eval()
+    monkeypatch.setattr(layer.linear_proj, "forward", lambda x: (seen.append(lazy_jit._CHAINING.get()), x @ layer.linear_proj.weight.t())[1])
+    x = torch.randn(3, 2, config.hidden_size)
+    with torch.no_grad():
+        layer(x)
+        layer(x, inference_cache=LayerCache.for_layer(layer, 2, 8))
+    assert seen == [False, True]
 
 
 def test_launcher_counts_chained_launches_on_either_path(kernel):

@@ -28,12 +28,13 @@ from megatron_dsa.backends.registry import (
     set_auto_order,
     variant_counts,
 )
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launches
 
 check_auto_order()  # every built-in backend has its place in `AUTO_ORDER`, and only those that implement a family
 
 __all__ = [
     "AUTO", "AUTO_ORDER", "FAMILY_KEYS", "Backend", "BackendSelector", "BackendUnavailableError",
     "CallDescriptionError", "OpFamily", "Requested", "auto_order", "availability_table", "call_counts",
-    "check_backend_choice", "dispatch", "register_backend", "registered_backends", "reset_call_counts", "resolve",
+    "chained_launches", "check_backend_choice", "dispatch", "register_backend", "registered_backends", "reset_call_counts", "resolve",
     "set_auto_order", "variant_counts",
 ]

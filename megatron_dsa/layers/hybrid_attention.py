@@ -15,7 +15,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from megatron_dsa.backends import check_backend_choice
+from megatron_dsa.backends import chained_launches, check_backend_choice
 from megatron_dsa.config import HybridAttentionConfig, LayerKind
 from megatron_dsa.device_cache import KeptWhileUnchanged
 from megatron_dsa.layers.common import HighPrecisionModule, linear, make_norm, output_init_std, project_rows
@@ -112,7 +112,8 @@ class HybridAttention(HighPrecisionModule):
         if inference_cache is not None:
             if not isinstance(inference_cache, LayerCache):
                 raise TypeError(f"inference_cache must be a LayerCache, got {type(inference_cache).__name__}")
-            with rounded_weights_kept(inference_cache.rounded_weights):  # FP8: weights rounded once per cache
+            # FP8: weights rounded once per cache; kernels chained (one stream, no CP / SP: `_forward_cached`).
+            with rounded_weights_kept(inference_cache.rounded_weights), chained_launches():
                 return apply(self.linear_proj, self._forward_cached(full, attention_mask, packed_seq_params,
                                                                     inference_cache)), None
         rows = token_rows(full, attention_mask, packed_seq_params, self.parallel_state, self.config,

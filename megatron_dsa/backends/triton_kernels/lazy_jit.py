@@ -26,16 +26,21 @@ the one before it has finished. A kernel launched with `chained_launch(device)`'
 GPU (programmatic dependent launch) is placed on the SMs while the kernel before it still runs and waits there,
 in its first statement (`_grid_dependency.wait_for_previous_kernel`), for that kernel's end and writes: its
 launch and start overlap the previous kernel (a C decode step 2–4% faster on an H200, docs/performance.md).
+Only inside `chained_launches()`, which a layer's calls through an inference cache enter: one process, one stream,
+kernels in order (a cache refuses context and sequence parallelism). Training steps keep plain launches: chaining
+next to the context-parallel ring's side streams and events was not validated on GPUs.
 `MEGATRON_DSA_TRITON_CHAINED_LAUNCH=0` turns it off (benchmarks compare both).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import types
 from collections import Counter
-from typing import Any, Callable, Hashable, Optional, Union
+from contextvars import ContextVar
+from typing import Any, Callable, Hashable, Iterator, Optional, Union
 
 import torch
 
@@ -52,13 +57,25 @@ LAUNCHES: Counter = Counter()
 # Read once, as DIRECT_LAUNCH.
 CHAINED_LAUNCH = os.environ.get("MEGATRON_DSA_TRITON_CHAINED_LAUNCH", "1") != "0"
 CHAINED_LAUNCH_MIN_CAPABILITY = (9, 0)  # griddepcontrol: Hopper and later
+_CHAINING: ContextVar[bool] = ContextVar("megatron_dsa_chained_launches", default=False)
+
+
+@contextlib.contextmanager
+def chained_launches() -> Iterator[None]:
+    """Within it, kernels that take `CHAINED` are launched chained where the GPU has it (`chained_launch`; module
+    docstring). For code whose kernels run on one stream in order: an inference cache's calls."""
+    token = _CHAINING.set(True)
+    try:
+        yield
+    finally:
+        _CHAINING.reset(token)
 
 
 def chained_launch(device: torch.device) -> dict[str, bool]:
     """Launch options of a kernel that takes the constexpr `CHAINED` and begins with
-    `_grid_dependency.wait_for_previous_kernel(CHAINED)` (module docstring): a chained launch on CUDA GPUs
-    that have it, `CHAINED=False` (no code) elsewhere and under the interpreter."""
-    chained = CHAINED_LAUNCH and device.type == "cuda" and _chains_on(device.index)
+    `_grid_dependency.wait_for_previous_kernel(CHAINED)` (module docstring): inside `chained_launches()` a chained
+    launch on CUDA GPUs that have it; `CHAINED=False` (no code) elsewhere and under the interpreter."""
+    chained = CHAINED_LAUNCH and _CHAINING.get() and device.type == "cuda" and _chains_on(device.index)
     return {"CHAINED": True, "launch_pdl": True} if chained else {"CHAINED": False}
 
 
