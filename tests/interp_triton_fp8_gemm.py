@@ -1,10 +1,10 @@
 """The few-rows Triton FP8 GEMM in the CPU interpreter against `ops.fp8_linear.fp8_gemm_reference`.
 
 Run by `test_triton_fp8_gemm.py::test_interpreted_kernels` in a child process with `TRITON_INTERPRET=1` (see
-`triton_support.py`). The row rounding (`fp8_quantize.quantize_each_row`, tested in `interp_triton_fp8_quantize.py`) is the
-reference's bit for bit; the products of e4m3 values are exact in
-float32 and the kernel scales the sum once where the reference scales every operand first, so the GEMM agrees to
-float32 rounding of the sum (relative 1e-5 here, against the 2⁻⁴ of the rounding itself).
+`triton_support.py`). The row rounding (`fp8_quantize.quantize_each_row`, tested in
+`interp_triton_fp8_quantize.py`) is the reference's bit for bit; the products of e4m3 values are exact in float32
+and the kernel scales the sum once where the reference scales every operand first, so the GEMM agrees to float32
+rounding of the sum (relative 1e-5 here, against the 2⁻⁴ of the rounding itself).
 """
 
 import pytest

@@ -103,7 +103,8 @@ def test_a_decode_step_writes_each_cache_buffer_in_one_family_call(kind: str) ->
     assert not writes(), call_counts()
     layer(hidden[9:10], inference_cache=cache)
     compressors = {"C": 2, "H": 1}.get(kind)
-    assert writes() == {"decode_append": 1, **({"decode_compressor": compressors} if compressors else {})}, call_counts()
+    expected = {"decode_append": 1, **({"decode_compressor": compressors} if compressors else {})}
+    assert writes() == expected, call_counts()
     assert cache.seqlens.tolist() == [10] * 3
 
 

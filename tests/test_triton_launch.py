@@ -266,7 +266,8 @@ def test_calls_through_an_inference_cache_are_inside_chained_launches(monkeypatc
     seen = []  # inside chained_launches() when the layer's output projection runs, per call
     config = HybridAttentionConfig.from_preset("tiny", num_layers=1, layer_pattern="W")
     layer = HybridAttention(config, kind="W").eval()
-    monkeypatch.setattr(layer.linear_proj, "forward", lambda x: (seen.append(lazy_jit._CHAINING.get()), x @ layer.linear_proj.weight.t())[1])
+    monkeypatch.setattr(layer.linear_proj, "forward",
+                        lambda x: (seen.append(lazy_jit._CHAINING.get()), x @ layer.linear_proj.weight.t())[1])
     x = torch.randn(3, 2, config.hidden_size)
     with torch.no_grad():
         layer(x)

@@ -35,6 +35,6 @@ check_auto_order()  # every built-in backend has its place in `AUTO_ORDER`, and 
 __all__ = [
     "AUTO", "AUTO_ORDER", "FAMILY_KEYS", "Backend", "BackendSelector", "BackendUnavailableError",
     "CallDescriptionError", "OpFamily", "Requested", "auto_order", "availability_table", "call_counts",
-    "chained_launches", "check_backend_choice", "dispatch", "register_backend", "registered_backends", "reset_call_counts", "resolve",
-    "set_auto_order", "variant_counts",
+    "chained_launches", "check_backend_choice", "dispatch", "register_backend", "registered_backends",
+    "reset_call_counts", "resolve", "set_auto_order", "variant_counts",
 ]

@@ -97,12 +97,13 @@ class LayerCache:
 
     seqlens: `[B]` int64 tokens cached per sequence (updated in place: a captured decode step reads it where it
     is); `longest` a host-side upper bound of its largest value (checked against `capacity` without a sync).
-    W/C/H: `window [B, max(W−1, 1), D]` K = V rows at slot `position % (W−1)`; `compressors` the `CompressorState` of the attention's (`"attention"`) and
-    the indexer's (`"indexer"`) compressor; `entries [B, E, D]` compressed entries and `indexer_keys [B, E, DI]`
-    in `E` entry slots, `⌈capacity / r⌉` rounded up to a multiple of `ENTRY_SLOT_MULTIPLE` (entry `j` is valid
-    once its group is complete, `j < seqlens // r`; a decode step writes the new token's unfinished group there
-    too, never seen before it is rewritten complete); `indexer_key_scales [B, E]` float32 with FP8 indexer keys
-    (`for_layer`'s `fp8_indexer_keys`: e4m3 rows, key `j` standing for `indexer_keys[b, j] · indexer_key_scales[b, j]`), else None;
+    W/C/H: `window [B, max(W−1, 1), D]` K = V rows at slot `position % (W−1)`; `compressors` the `CompressorState`
+    of the attention's (`"attention"`) and the indexer's (`"indexer"`) compressor; `entries [B, E, D]` compressed
+    entries and `indexer_keys [B, E, DI]` in `E` entry slots, `⌈capacity / r⌉` rounded up to a multiple of
+    `ENTRY_SLOT_MULTIPLE` (entry `j` is valid once its group is complete, `j < seqlens // r`; a decode step writes
+    the new token's unfinished group there too, never seen before it is rewritten complete);
+    `indexer_key_scales [B, E]` float32 with FP8 indexer keys (`for_layer`'s `fp8_indexer_keys`: e4m3 rows, key `j`
+    standing for `indexer_keys[b, j] · indexer_key_scales[b, j]`), else None;
     M: `latent [B, capacity, kv_lora_rank + P]`, each position's normalised KV latent then its RoPE key, and
     `no_sink [H/tp]` float32 −inf, the decode attention's sink for a softmax without one (made once with the
     cache: a captured step would otherwise replay the fill every token).

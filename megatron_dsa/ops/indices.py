@@ -249,12 +249,13 @@ def topk_columns(scores: Tensor, valid: Optional[Tensor], k: int, visible: Optio
                  counts: Optional[Tensor] = None, ordered: bool = True) -> Tensor:
     """Columns of the top-`k` valid scores per row, −1 where fewer than `k` are valid.
 
-    scores: `[T, C]`; valid: `[T, C]` bool, or None with `counts` (`prefix_valid`). Returns `[T, min(k, C)]` int64: the valid columns, a valid
-    column scoring −inf among them (ranked as the lowest finite score), highest score first, then −1; ties
-    go to the lower column (stable sort), so the selection is deterministic. Non-differentiable. `visible`
-    (the `topk` op family's optional hint, as for `indexer_scores`): `valid` is the visible-entry mask of
-    these uniform-batch rows, a prefix of each row; `counts [T]` (the family's other hint, `0 ≤ counts[t] ≤ C`):
-    `valid[t]` is the prefix `[0, counts[t])` of row t. `valid` says the same, so this ignores both.
+    scores: `[T, C]`; valid: `[T, C]` bool, or None with `counts` (`prefix_valid`). Returns `[T, min(k, C)]`
+    int64: the valid columns, a valid column scoring −inf among them (ranked as the lowest finite score), highest
+    score first, then −1; ties go to the lower column (stable sort), so the selection is deterministic.
+    Non-differentiable. `visible` (the `topk` op family's optional hint, as for `indexer_scores`): `valid` is the
+    visible-entry mask of these uniform-batch rows, a prefix of each row; `counts [T]` (the family's other hint,
+    `0 ≤ counts[t] ≤ C`): `valid[t]` is the prefix `[0, counts[t])` of row t. `valid` says the same, so this
+    ignores both.
     `ordered=False` (a caller that reads the picks as a set, such as a decode step's attention) lets a kernel
     return the same valid columns in any order, each once, with its other slots −1 or outside row t's valid
     columns; this returns the order above either way.
