@@ -22,15 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from timing import DTYPES, cuda_available, kernel_parser, median_ms  # noqa: E402
+from timing import DTYPES, add_decode_shape_options, cuda_available, kernel_parser, median_ms  # noqa: E402
 from megatron_dsa.backends.triton_kernels import decode_indexer  # noqa: E402
 from megatron_dsa.ops.indexer import decode_indexer_scores as reference_scores  # noqa: E402
 
 
 def main() -> int:
     parser = kernel_parser(__doc__, warmup=3)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--entries", type=int, nargs="+", default=[32768], help="cached compressed keys per sequence")
+    add_decode_shape_options(parser)
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 4, 8])

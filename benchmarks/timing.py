@@ -24,6 +24,13 @@ def kernel_parser(doc: str, warmup: int = 2, warmup_note: str = "includes compil
     return parser
 
 
+def add_decode_shape_options(parser: argparse.ArgumentParser) -> None:
+    """`--batches` and `--entries`: a decode step's sequences and the compressed entries each has cached (by default
+    B = 1 and 32 at 32768 entries, a 128k context at ratio 4)."""
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--entries", type=int, nargs="+", default=[32768], help="cached compressed keys per sequence")
+
+
 def cuda_available(script: str) -> bool:
     """Whether a CUDA GPU is here; if not, says that `script` has nothing to measure."""
     if not torch.cuda.is_available():

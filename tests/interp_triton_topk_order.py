@@ -111,6 +111,38 @@ def test_select_picks_the_top_k_set_with_the_lower_tied_columns(rows, cols, k, d
     assert torch.equal(got, _in_column_order(topk_columns(scores, valid, k)))
 
 
+@pytest.mark.parametrize("programs", [2, 3, 7])
+@pytest.mark.parametrize("rows,cols,k", [(6, 100, 20), (5, 70, 33), (3, 50, 1), (4, 64, 64)])
+def test_select_split_over_several_programs_per_row_matches(programs, rows, cols, k):
+    """Each row's columns split into chunks, one program each (the tickets and histograms in memory): the same
+    set as the reference, the tied columns at the threshold spread over chunks, the lower ones winning."""
+    scores, valid = _scores(rows, cols, seed=programs + rows + cols + k)
+    got = select_top_columns(scores, valid, k, programs_per_row=programs)
+    assert torch.equal(got, _in_column_order(topk_columns(scores, valid, k)))
+
+
+@pytest.mark.parametrize("programs", [1, 4])
+def test_select_reads_counts_for_a_prefix_of_valid_columns(programs):
+    """A decode step's rows: no mask, the valid columns `[0, counts[t])` (none, fewer than k, all, some)."""
+    scores, _ = _scores(5, 90, seed=11)
+    counts = torch.tensor([0, 7, 90, 41, 63])
+    valid = torch.arange(90) < counts.unsqueeze(1)
+    got = select_top_columns(scores, None, 16, counts=counts, programs_per_row=programs)
+    assert torch.equal(got, _in_column_order(topk_columns(scores, valid, 16)))
+
+
+def test_select_leaves_its_workspace_zeroed_for_the_next_call():
+    """The kernels zero the histograms and tickets they used (a CUDA graph replays them without a reset)."""
+    from megatron_dsa.backends.triton_kernels import topk_order
+
+    scores, valid = _scores(6, 100, seed=3)
+    for _ in range(2):  # a second call finds them zero, else its counts would be off
+        got = select_top_columns(scores, valid, 20, programs_per_row=5)
+        assert torch.equal(got, _in_column_order(topk_columns(scores, valid, 20)))
+    hist, tickets = topk_order._select_workspace(scores.device)
+    assert not hist.any() and not tickets.any()
+
+
 def test_select_of_one_score_everywhere_takes_the_first_columns():
     """Every column tied: the threshold is that score and the k lowest columns win (the tie rank crosses steps)."""
     scores, valid = torch.full((2, 45), 0.25), torch.ones(2, 45, dtype=torch.bool)

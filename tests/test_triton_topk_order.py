@@ -10,7 +10,9 @@ forms, exactly.
 import pytest
 import torch
 
+import megatron_dsa.backends.triton as triton_backend
 from megatron_dsa.backends import OpFamily, registered_backends
+from megatron_dsa.backends.registry import Backend
 from megatron_dsa.backends.cudnn import _in_reference_order
 from megatron_dsa.backends.triton import TRITON
 from megatron_dsa.backends.triton_kernels.topk_order import (AUTO_MAX_COLUMNS, MAX_WIDTH, SELECT_AUTO_MAX_ROWS,
@@ -23,14 +25,25 @@ def test_interpreted_kernels():
     run_interpreted("interp_triton_topk_order.py")
 
 
-def test_select_kernel_compiles_for_sm90_without_spills(tmp_path):
-    """The radix select (its masked histograms among them) compiles for sm_90a as launched, without spills."""
+@pytest.mark.parametrize("kernel, extra", [
+    ("select_digit_kernel", dict(hist_ptr="*i32", tickets_ptr="*i32", state_ptr="*i64", C="i32", K="i32",
+                                 CHUNK="i32", PROGRAMS="i32", LEVEL="constexpr")),
+    ("select_count_kernel", dict(state_ptr="*i64", part_ptr="*i32", C="i32", CHUNK="i32", PROGRAMS="i32")),
+    ("select_write_kernel", dict(state_ptr="*i64", part_ptr="*i32", picked_ptr="*i64", C="i32", K="i32",
+                                 CHUNK="i32", PROGRAMS="i32", BLOCK_P="constexpr")),
+])
+@pytest.mark.parametrize("has_valid", [True, False], ids=["mask", "counts"])
+def test_select_kernels_compile_for_sm90_without_spills(kernel, extra, has_valid, tmp_path):
+    """The radix select's kernels (the masked histograms and the ticket among them) compile for sm_90a as a decode
+    step launches them (chained), without spills."""
     from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
     from megatron_dsa.backends.triton_kernels import topk_order
 
-    signature = dict(scores_ptr="*fp32", valid_ptr="*i1", picked_ptr="*i64", C="i32", K="i32", BLOCK="constexpr")
-    compiled = compile_for_sm90(kernels, "select_top_columns_kernel", signature,
-                                dict(BLOCK=topk_order.SELECT_BLOCK), topk_order.SELECT_WARPS)
+    signature = dict(scores_ptr="*fp32", valid_ptr="*i1", counts_ptr="*i64", **extra, BLOCK="constexpr",
+                     HAS_VALID="constexpr", CHAINED="constexpr")
+    constexprs = dict(BLOCK=topk_order.SELECT_BLOCK, HAS_VALID=has_valid, CHAINED=True,
+                      **({"LEVEL": 1} if "LEVEL" in extra else {}), **({"BLOCK_P": 16} if "BLOCK_P" in extra else {}))
+    compiled = compile_for_sm90(kernels, kernel, signature, constexprs, topk_order.SELECT_WARPS)
     assert "0 bytes spill stores" in ptxas_report(compiled.asm["ptx"], tmp_path)
 
 
@@ -65,24 +78,41 @@ def test_cpu_without_interpreter_is_refused(without_interpreter):
         topk(torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool), 2)
 
 
-def test_auto_prefers_triton_topk_up_to_1024_columns_or_for_few_rows():
+def test_auto_prefers_triton_topk_up_to_1024_columns_or_for_few_rows_cudnn_declines(monkeypatch):
     """The selection runs while the GPU waits for the host: Triton's one launch ranks before cuDNN's
     frontend call. Wider rows (slower in registers) go to the next backend under `auto`, unless the call says
-    they are few (a decode step: one row per sequence), which the select-then-sort path serves; asked for by
-    name any width runs, up to k = MAX_WIDTH picks."""
+    they are few (a decode step: one row per sequence) and cuDNN's top-k, faster there, declines them: then the
+    select-then-sort path serves them. Asked for by name any width runs, up to k = MAX_WIDTH picks."""
     pytest.importorskip("triton")
     order = [backend.name for backend in registered_backends(OpFamily.TOPK)]
     assert order.index("triton") < order.index("cudnn") < order.index("unfused")
     call = dict(device=torch.device("cuda"), dtype=torch.float32, topk=512)
     auto, named = {**call, "explicit": False}, {**call, "explicit": True}
+    few_wide = {**auto, "columns": 32768, "rows": SELECT_AUTO_MAX_ROWS}
     assert TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": AUTO_MAX_COLUMNS}) is None
     assert "slower" in TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": AUTO_MAX_COLUMNS + 1})
     assert "unknown number of rows" in TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": 32768})
-    assert "300 rows" in TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": 32768, "rows": 300})
-    assert TRITON.decline_reason(OpFamily.TOPK, {**auto, "columns": 32768, "rows": SELECT_AUTO_MAX_ROWS}) is None
+    many = SELECT_AUTO_MAX_ROWS + 1
+    assert f"{many} rows" in TRITON.decline_reason(OpFamily.TOPK, {**few_wide, "rows": many})
     assert TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": 32768}) is None
     too_many = TRITON.decline_reason(OpFamily.TOPK, {**named, "columns": 32768, "topk": MAX_WIDTH + 1})
     assert f"exceeds the {MAX_WIDTH} picks" in too_many
+
+    asked = []
+
+    def cudnn_decline(op, call):
+        asked.append((op, call["rows"], call["columns"]))
+        return cudnn_answer
+
+    cudnn = Backend(name="cudnn", ops={OpFamily.TOPK: lambda *args, **kwargs: None}, probe=cudnn_decline)
+    monkeypatch.setattr(triton_backend, "backend_named", {"cudnn": cudnn}.get)
+    cudnn_answer = "not installed"
+    assert TRITON.decline_reason(OpFamily.TOPK, few_wide) is None
+    cudnn_answer = None
+    assert "cuDNN's top-k selects wide rows faster" in TRITON.decline_reason(OpFamily.TOPK, few_wide)
+    assert TRITON.decline_reason(OpFamily.TOPK, {**few_wide, "explicit": True}) is None
+    assert TRITON.decline_reason(OpFamily.TOPK, {**few_wide, "columns": AUTO_MAX_COLUMNS}) is None
+    assert asked == [(OpFamily.TOPK, SELECT_AUTO_MAX_ROWS, 32768)] * 2
 
 
 def test_the_layer_tells_the_dispatcher_its_top_k_width(monkeypatch):
@@ -203,3 +233,37 @@ def test_gpu_unordered_decode_topk_is_the_reference_set(backend):
         inside = (got >= 0) & (got < counts.unsqueeze(1))
         as_set = torch.where(inside, got, -1).sort(dim=1, descending=True).values
         assert torch.equal(as_set, want)
+
+
+@pytest.mark.gpu
+def test_gpu_select_split_over_programs_replays_in_a_graph_as_the_reference():
+    """A decode batch (32 rows of 32768 columns, top-512, valid prefixes from the counts, many exact ties): each row
+    split over several programs that meet through their histograms and a ticket in memory; eager, then captured in
+    a CUDA graph with chained launches and replayed five times, the reference set in column order every time (the
+    kernels leave the workspace zeroed for the next replay)."""
+    from megatron_dsa.backends import chained_launches
+    from megatron_dsa.backends.triton_kernels import topk_order
+
+    pytest.importorskip("triton")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows, cols, k = 32, 32768, 512
+    scores = torch.randn(rows, cols, device="cuda", generator=gen).mul(2).round().clamp(-4, 3)
+    counts = torch.randint(0, cols + 1, (rows,), device="cuda", generator=gen)
+    counts[:3] = torch.tensor([0, 300, cols])
+    valid = torch.arange(cols, device="cuda") < counts.unsqueeze(1)
+    expected = topk_columns(scores, valid, k)
+    expected = torch.where(expected >= 0, expected, cols).sort(dim=1).values  # column order, −1 last
+    expected = torch.where(expected < cols, expected, -1)
+    assert topk_order._programs_per_row(scores.device, rows, cols, topk_order.SELECT_BLOCK) > 1
+    assert torch.equal(topk_order.select_top_columns(scores, None, k, counts), expected)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), chained_launches():
+        topk_order.select_top_columns(scores, None, k, counts)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), chained_launches():
+        picked = topk_order.select_top_columns(scores, None, k, counts)
+    for _ in range(5):
+        picked.fill_(-7)
+        graph.replay()
+        assert torch.equal(picked, expected)

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron_dsa.backends import probes
-from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
+from megatron_dsa.backends.registry import Backend, OpFamily, backend_named, register_backend
 from megatron_dsa.backends.triton_kernels import (compressor, decode_append, decode_attention, decode_compressor,
                                                   decode_indexer, dense_attention, fp8_gemm, indexer, indexer_loss,
                                                   norm_rope, rms_norm, rope, selection, sparse_attention, topk_order)
@@ -30,8 +30,7 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
     return probes.first_problem(
         triton_decline_reason(call.get("device"), explicit),
         probes.dtype_problem(call, DTYPES.get(op, KERNEL_DTYPES)),
-        _topk_width_problem(call.get("columns"), call.get("topk"), call.get("rows"), explicit)
-        if op is OpFamily.TOPK else None,
+        _topk_width_problem(call, explicit) if op is OpFamily.TOPK else None,
         _fp8_keys_problem(call) if op in (OpFamily.DECODE_INDEXER_SCORES, OpFamily.DECODE_COMPRESSOR) else None,
         _fp8_gemm_problem(call, explicit) if op is OpFamily.FP8_GEMM else None,
         decode_compressor.rotate_problem(call.get("head_dim"), call.get("rotate"))
@@ -73,22 +72,26 @@ def _fp8_gemm_problem(call: Mapping[str, Any], explicit: bool) -> Optional[str]:
                           f"{fp8_gemm.MAX_AUTO_ROWS} rows, cuBLASLt's FP8 GEMM (torch_scaled_mm) is the faster above"))
 
 
-def _topk_width_problem(columns: Optional[int], k: Optional[int], rows: Optional[int],
-                        explicit: bool) -> Optional[str]:
-    """Rows of up to `AUTO_MAX_COLUMNS` are sorted whole; wider rows are selected (one program per row) and
-    their k picks sorted, which `auto` takes only for a known few rows (`topk_order` says why)."""
+def _topk_width_problem(call: Mapping[str, Any], explicit: bool) -> Optional[str]:
+    """Rows of up to `AUTO_MAX_COLUMNS` are sorted whole; wider rows are selected and their k picks sorted,
+    which `auto` takes only for a known few rows (a decode step's) and only where cuDNN's top-k declines the
+    call (asked through the registry, so its rules live in one place): `topk_order` gives the times."""
+    columns, k, rows = call.get("columns"), call.get("topk"), call.get("rows")
     if columns is None:
         return None
     if k is not None and min(k, columns) > topk_order.MAX_WIDTH:
         return f"top-k {k} exceeds the {topk_order.MAX_WIDTH} picks one program sorts"
     if columns <= topk_order.AUTO_MAX_COLUMNS or explicit:
         return None
-    if rows is not None and rows <= topk_order.SELECT_AUTO_MAX_ROWS:
+    if rows is None or rows > topk_order.SELECT_AUTO_MAX_ROWS:
+        return (f"{columns} columns per row over {'an unknown number of' if rows is None else rows} rows: above "
+                f"{topk_order.AUTO_MAX_COLUMNS} columns the register sort is slower than cuDNN's top-k and torch's "
+                f"sort, and `auto` gives the select-then-sort path at most {topk_order.SELECT_AUTO_MAX_ROWS} rows")
+    cudnn = backend_named("cudnn")
+    if cudnn is None or cudnn.decline_reason(OpFamily.TOPK, call) is not None:
         return None
-    return (f"{columns} columns per row over {'an unknown number of' if rows is None else rows} rows: above "
-            f"{topk_order.AUTO_MAX_COLUMNS} columns the register sort is slower than cuDNN's top-k and torch's "
-            f"sort, and the select-then-sort path (one program per row) serves at most "
-            f"{topk_order.SELECT_AUTO_MAX_ROWS} rows")
+    return (f"{columns} columns per row: cuDNN's top-k selects wide rows faster than the Triton select "
+            "('auto' leaves them to 'cudnn'; name 'triton' to run it)")
 
 
 TRITON = Backend(

@@ -30,11 +30,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_dsa.backends.probes import canonical_device
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.fp8_quantize import quantize_each_row
 from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
-from megatron_dsa.backends.triton_kernels.tiles import cdiv, multiprocessors, on_device, pow2
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, multiprocessors, on_device, pow2, zeros_per_stream
 from megatron_dsa.ops.fp8_linear import FP8
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,7 +54,6 @@ MIN_STEPS_PER_SPLIT = 8
 MAX_SPLITS = 16
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one by one: a few exercise the split sum
 MAX_SPLIT_TILES = 4096  # output tiles a split GEMM may have: its tickets (a split grid has fewer than the target)
-_TICKETS: dict[tuple, Tensor] = {}  # (device, stream) → one int32 per output tile, zero between calls
 
 
 def split_count(tiles: int, steps: int, device: torch.device) -> int:
@@ -128,12 +126,7 @@ def _tickets(device: torch.device, tiles: int) -> Tensor:
     if tiles > MAX_SPLIT_TILES:
         raise ValueError(f"triton fp8 gemm: a K split serves at most {MAX_SPLIT_TILES} output tiles, this GEMM has "
                          f"{tiles}; pass splits=1")
-    device = canonical_device(device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    tickets = _TICKETS.get((device, stream))
-    if tickets is None:
-        tickets = _TICKETS[(device, stream)] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return tickets
+    return zeros_per_stream("fp8_gemm_tickets", (MAX_SPLIT_TILES,), device)
 
 
 def _kernels():

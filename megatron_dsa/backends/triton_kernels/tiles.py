@@ -8,7 +8,10 @@ import functools
 import torch
 from torch import Tensor
 
+from megatron_dsa.backends.probes import canonical_device
+
 MIN_DOT = 16  # `tl.dot` needs every operand side >= 16
+_ZEROS_PER_STREAM: dict[tuple, Tensor] = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -19,6 +22,18 @@ def cdiv(a: int, b: int) -> int:
 def multiprocessors(device: torch.device) -> int:
     """The CUDA device's streaming multiprocessors (grids aim at a few programs per multiprocessor)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def zeros_per_stream(name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """An int32 buffer of `shape` that the kernels on the current stream of `device` find zero and leave zero (they
+    zero what they used: tickets, counts): one per (`name`, device, stream), made once and never replaced (a captured
+    CUDA graph keeps its address)."""
+    device = canonical_device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    buffer = _ZEROS_PER_STREAM.get((name, device, stream))
+    if buffer is None:
+        buffer = _ZEROS_PER_STREAM[(name, device, stream)] = torch.zeros(shape, dtype=torch.int32, device=device)
+    return buffer
 
 
 def pow2(size: int, floor: int = 1, cap: int = 1 << 30) -> int:

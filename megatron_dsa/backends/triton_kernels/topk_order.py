@@ -11,12 +11,16 @@ warp its exchanges go through shared memory (an sm_90 compile shows no spills at
 used): on an H100 the top-k of 4096 x 1024 took 0.114 ms (cuDNN's 0.123 ms, torch's sort 0.202), of
 16384 x 4096 7.3 ms (cuDNN's 0.58, torch's 2.4). So `topk` sorts whole rows up to `AUTO_MAX_COLUMNS`
 (S = 4096 at ratio 4). Wider rows are first cut down to their k best columns without a sort
-(`select_top_columns`: a radix select of the k-th best score, one program per row, five passes over the
-row), whose k picks `order_picks` then sorts: any width, k up to `MAX_WIDTH`. That is the decode step's
-case (one row per sequence of up to 32768 columns at 128k tokens, top-512), where the unfused top-k ran four
-full radix sorts. One program per row suits few rows: `auto` takes the wide-row path for at most
-`SELECT_AUTO_MAX_ROWS` rows (a decode batch) and leaves the training selection's wide rows (thousands) to
-cuDNN or the unfused sort.
+(`select_top_columns`: a radix select of the k-th best score, six passes over the row), whose k picks
+`order_picks` then sorts: any width, k up to `MAX_WIDTH`. That is the decode step's case (one row per sequence of
+up to 32768 columns at 128k tokens, top-512), where the unfused top-k ran four full radix sorts. The select
+gave each row one program at first (183 µs at 32 rows of 32768 columns on an H200, against the unfused stable
+sort's 84 µs); it now splits each row into chunks, one program each, about four programs per multiprocessor over
+the rows, the programs of a row meeting through a histogram and a ticket in memory (`_topk_order_kernels`): top-512
+of 32768 columns in 55 µs at 32 rows and 31 µs at one (H200, graph replays, `benchmarks/decode_topk.py`), against
+the unfused sort's 167 / 67 µs. cuDNN's top-k is faster there still (23 µs at 32 rows in a decode step's trace), so
+`auto` takes the wide-row path for at most `SELECT_AUTO_MAX_ROWS` rows where cuDNN's top-k is not installed, and
+leaves the training selection's wide rows (thousands, rows unknown to the call) to cuDNN or the unfused sort.
 """
 
 from __future__ import annotations
@@ -27,18 +31,20 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
-from megatron_dsa.backends.triton_kernels.lazy_jit import launcher
-from megatron_dsa.backends.triton_kernels.tiles import pow2
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, multiprocessors, on_device, pow2, zeros_per_stream
 from megatron_dsa.ops.indices import UniformVisibleRows, prefix_valid
 
 MAX_WIDTH = 4096  # keys per row one program sorts in registers
 AUTO_MAX_COLUMNS = 1024  # the widest rows sorted whole; wider ones are selected first (see above)
-# The most rows `auto` gives the wide-row path. None: one program per row leaves most of a GPU idle, and at a decode
-# batch (32 rows of 32768 columns, top-512, H200) the select took 183 µs where the unfused stable sort takes 84 µs.
-# Named, `triton` takes it for any rows.
-SELECT_AUTO_MAX_ROWS = 0
+# The most rows `auto` gives the wide-row path (a decode batch; the select keeps state for `SELECT_MAX_ROWS` rows per
+# launch). Named, `triton` takes it for any rows.
+SELECT_AUTO_MAX_ROWS = 1024
 SELECT_BLOCK = 2048  # columns per step of the select's passes
 SELECT_WARPS = 8
+PROGRAMS_PER_SM = 4  # the select's programs per multiprocessor, over all rows (2: 58 µs where 4 took 55)
+SELECT_MAX_ROWS = 1024  # rows of select state kept per stream (more rows: launched 1024 at a time)
+RADIX = 256  # the select's digit: 8 bits a pass (`_topk_order_kernels.RADIX`)
 INTERPRETER_SELECT_BLOCK = 16  # several steps per row on the tests' small rows
 SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32, where the keys are made
 
@@ -49,17 +55,18 @@ def topk(scores: Tensor, valid: Optional[Tensor], k: int, visible: Optional[Unif
     `[T, min(k, C)]` int64 columns, highest score first, ties to the lower column, −1 where fewer than
     k are valid. Rows of up to `AUTO_MAX_COLUMNS` are sorted whole, wider ones selected then sorted
     (module docstring), or with `ordered=False` selected only (in column order). `visible` and `counts` (the
-    family's prefix hints) add nothing `valid` does not say; without `valid`, `counts` builds it (`prefix_valid`)."""
-    valid = prefix_valid(valid, counts, scores.shape[-1])
-    _check_topk(scores, valid, k)
-    from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
-
+    family's prefix hints) add nothing `valid` does not say; without `valid`, `counts` stands for it (the select
+    reads the counts; the sort builds the mask, `prefix_valid`)."""
+    _check_topk(scores, valid, counts, k)
     rows, cols = scores.shape
     width = min(k, cols)
     if cols > AUTO_MAX_COLUMNS:
-        ranked, valid = scores.float().contiguous(), valid.contiguous()
-        picks = select_top_columns(ranked, valid, width)
-        return order_picks(picks, ranked, valid) if ordered else picks
+        ranked = scores.float().contiguous()
+        picks = select_top_columns(ranked, valid, width, counts)
+        return order_picks(picks, ranked, prefix_valid(valid, counts, cols)) if ordered else picks
+    valid = prefix_valid(valid, counts, cols)
+    from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
+
     out = torch.empty((rows, width), dtype=torch.long, device=scores.device)
     if out.numel() == 0:
         return out
@@ -69,23 +76,70 @@ def topk(scores: Tensor, valid: Optional[Tensor], k: int, visible: Optional[Unif
     return out
 
 
-def select_top_columns(scores: Tensor, valid: Tensor, k: int) -> Tensor:
+def select_top_columns(scores: Tensor, valid: Optional[Tensor], k: int, counts: Optional[Tensor] = None,
+                       programs_per_row: Optional[int] = None) -> Tensor:
     """The columns of each row's `k` best valid columns (the set `topk` returns) in column order, −1 after them
-    where fewer are valid: scores `[T, C]` float32/16-bit, valid `[T, C]` bool → `[T, k]` int64, k <= C.
-    One program per row finds the k-th best score by radix select (no sort; `_topk_order_kernels`)."""
-    _check_topk(scores, valid, k)
-    from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
+    where fewer are valid: scores `[T, C]` float32/16-bit, valid `[T, C]` bool, or None with `counts [T]` (the
+    valid columns of row t are `[0, counts[t])`) → `[T, k]` int64, k <= C.
 
+    Radix select, no sort (`_topk_order_kernels`): each row is split into chunks of columns, one program each
+    (`programs_per_row`, by default about `PROGRAMS_PER_SM` programs per multiprocessor), which count digits for the
+    row's four passes, then their columns above the threshold and tied with it, then write their picks; six
+    launches, each row's state (`SelectWorkspace`) left zeroed for the next call (CUDA-graph safe)."""
+    _check_topk(scores, valid, counts, k)
     rows, cols = scores.shape
     if k > cols:
         raise ValueError(f"select_top_columns: k = {k} exceeds the row's {cols} columns")
     out = torch.empty((rows, k), dtype=torch.long, device=scores.device)
     if out.numel() == 0:
         return out
-    launcher(kernels.select_top_columns_kernel)[(rows,)](
-        scores.contiguous(), valid.contiguous(), out, cols, k,
-        BLOCK=INTERPRETER_SELECT_BLOCK if interpreting() else SELECT_BLOCK, num_warps=SELECT_WARPS)
+    block = INTERPRETER_SELECT_BLOCK if interpreting() else SELECT_BLOCK
+    programs = programs_per_row or _programs_per_row(scores.device, min(rows, SELECT_MAX_ROWS), cols, block)
+    chunk = cdiv(cdiv(cols, programs), block) * block
+    programs = cdiv(cols, chunk)
+    scores = scores.contiguous()
+    valid = None if valid is None else valid.contiguous()
+    counts = None if counts is None else counts.contiguous()
+    with on_device(scores.device):
+        for first in range(0, rows, SELECT_MAX_ROWS):  # the workspace holds SELECT_MAX_ROWS rows' state
+            stop = min(rows, first + SELECT_MAX_ROWS)
+            _select_rows(scores[first:stop], None if valid is None else valid[first:stop],
+                         None if counts is None else counts[first:stop], out[first:stop], k, chunk, programs, block)
     return out
+
+
+def _select_rows(scores: Tensor, valid: Optional[Tensor], counts: Optional[Tensor], out: Tensor, k: int, chunk: int,
+                 programs: int, block: int) -> None:
+    from megatron_dsa.backends.triton_kernels import _topk_order_kernels as kernels
+
+    rows, cols = scores.shape
+    hist, tickets = _select_workspace(scores.device)
+    state = torch.empty((rows, 2), dtype=torch.long, device=scores.device)
+    part = torch.empty((rows, programs, 2), dtype=torch.int32, device=scores.device)
+    has_valid = valid is not None
+    masks = valid if has_valid else scores  # unread without a mask
+    lengths = counts if counts is not None else state  # unread with a mask
+    launch = dict(BLOCK=block, HAS_VALID=has_valid, num_warps=SELECT_WARPS, **chained_launch(scores.device))
+    grid = (rows, programs)
+    for level in range(4):
+        launcher(kernels.select_digit_kernel)[grid](scores, masks, lengths, hist, tickets, state, cols, k, chunk,
+                                                    programs, LEVEL=level, **launch)
+    launcher(kernels.select_count_kernel)[grid](scores, masks, lengths, state, part, cols, chunk, programs, **launch)
+    launcher(kernels.select_write_kernel)[grid](scores, masks, lengths, state, part, out, cols, k, chunk, programs,
+                                                BLOCK_P=pow2(programs), **launch)
+
+
+def _programs_per_row(device: torch.device, rows: int, cols: int, block: int) -> int:
+    """About `PROGRAMS_PER_SM` programs per multiprocessor over the rows, each at least one block of columns."""
+    processors = multiprocessors(device) if device.type == "cuda" else 1
+    return max(1, min(cdiv(cols, block), cdiv(PROGRAMS_PER_SM * processors, rows)))
+
+
+def _select_workspace(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The select's per-row histograms `[SELECT_MAX_ROWS, RADIX]` and tickets `[SELECT_MAX_ROWS]`, zero between
+    calls (the kernels zero them after use), for kernels on the current stream of `device`."""
+    return (zeros_per_stream("select_histograms", (SELECT_MAX_ROWS, RADIX), device),
+            zeros_per_stream("select_tickets", (SELECT_MAX_ROWS,), device))
 
 
 def order_picks(picked: Tensor, ranked: Tensor, valid: Tensor) -> Tensor:
@@ -113,20 +167,27 @@ def _warps(width: int) -> int:
     return min(4, max(1, pow2(width) // 1024))
 
 
-def _check_topk(scores: Tensor, valid: Tensor, k: int) -> None:
-    if scores.dim() != 2 or valid.shape != scores.shape:
+def _check_topk(scores: Tensor, valid: Optional[Tensor], counts: Optional[Tensor], k: int) -> None:
+    """scores `[T, C]` float, and a valid mask of their shape or, without one, `counts [T]` int (the select's
+    prefix form)."""
+    if scores.dim() != 2 or (valid is not None and valid.shape != scores.shape):
         raise ValueError(f"triton top-k needs 2-D scores and a valid mask of their shape, got "
-                         f"{tuple(scores.shape)} and {tuple(valid.shape)}")
+                         f"{tuple(scores.shape)} and {None if valid is None else tuple(valid.shape)}")
+    if valid is None and (counts is None or counts.shape != scores.shape[:1] or counts.dtype.is_floating_point
+                          or counts.dtype == torch.bool):
+        raise ValueError(f"triton top-k without a valid mask needs integer counts [T = {scores.shape[0]}], got "
+                         f"{None if counts is None else (tuple(counts.shape), counts.dtype)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"top-k k must be a non-negative int, got {k!r}")
     if min(k, scores.shape[1]) > MAX_WIDTH:
         raise ValueError(f"triton top-k orders at most {MAX_WIDTH} picks per row, got k = {k} of "
                          f"{scores.shape[1]} columns")
-    if scores.dtype not in SCORE_DTYPES or valid.dtype != torch.bool:
+    if scores.dtype not in SCORE_DTYPES or (valid is not None and valid.dtype != torch.bool):
         raise TypeError(f"triton top-k needs float32/bfloat16/float16 scores and a bool valid mask, got "
-                        f"{scores.dtype} and {valid.dtype}")
-    if scores.device != valid.device:
-        raise ValueError(f"top-k scores and valid must share one device, got {scores.device}, {valid.device}")
+                        f"{scores.dtype} and {None if valid is None else valid.dtype}")
+    other = valid if valid is not None else counts
+    if scores.device != other.device:
+        raise ValueError(f"top-k scores and valid must share one device, got {scores.device}, {other.device}")
     require_triton(scores.device, "top-k", "scores' device")
 
 
