@@ -4,9 +4,10 @@ and against the time its reads take at the GPU's memory bandwidth.
 
 Three cases at dsv4-flash dims (64 heads, rows of 576 = 512 + 64 columns, window 128), each at a 128k context:
 `C` attends its top-512 selected entries, `H` every visible entry (1024 at ratio 128), `M` a dense MLA cache
-(every cached latent row, the ring of the absorbed step). A tile is `key rows / warps / stages` (`DecodeTiles`),
-`splits` the key ranges per (sequence, head block); `default` is what the launcher picks. Each time is the median
-per call of calls replayed as one CUDA graph (a call's host work takes longer than its kernels at small batches).
+(every cached latent row, the ring of the absorbed step). A tile is `key rows / warps / stages[ / value parts]`
+(`DecodeTiles`), `splits` the key ranges per (sequence, head block); `default` is what the launcher picks. Each
+time is the median per call of calls replayed as one CUDA graph (a call's host work takes longer than its kernels
+at small batches).
 `GB/s` counts the key rows each sequence reads once (`B · (1 + R + E) · D` elements); `ratio` is the reference's
 time over the kernel's. Needs a CUDA GPU; on a machine without one it says so and exits.
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from timing import DTYPES, cuda_available, graph_median_ms, kernel_parser, median_ms  # noqa: E402
 from megatron_dsa.backends.triton_kernels.decode_attention import (  # noqa: E402
-    DecodeTiles, decode_attention, decode_tiles)
+    DecodeTiles, decode_attention, decode_tiles, value_parts)
 from megatron_dsa.ops.decode_attention import decode_attention as reference_decode  # noqa: E402
 
 CONTEXT = 131072
@@ -64,8 +65,8 @@ def read_elements(inputs: dict) -> int:
 
 
 def parse_tiles(text: str) -> DecodeTiles:
-    block_k, warps, stages = (int(part) for part in text.split("/"))
-    return DecodeTiles(block_k, warps, stages)
+    """`key rows/warps/stages[/value parts]`."""
+    return DecodeTiles(*(int(part) for part in text.split("/")))
 
 
 def main() -> int:
@@ -76,9 +77,9 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=576)
     parser.add_argument("--tiles", type=parse_tiles, nargs="+",
                         default=["32/8/2", "32/4/2", "16/4/2", "64/8/3", "64/4/2"],
-                        help="key rows/warps/stages to try besides the default")
+                        help="key rows/warps/stages[/value parts] to try besides the default")
     parser.add_argument("--splits", type=int, nargs="+", default=[],
-                        help="key ranges per (sequence, head block) to try with the default tiles")
+                        help="key ranges per (sequence, head block) to try with each tile choice")
     parser.add_argument("--calls", type=int, default=10, help="calls per graph replay")
     parser.add_argument("--reference-max-batch", type=int, default=1,
                         help="time the unfused reference up to this batch (it gathers every attended row)")
@@ -86,6 +87,7 @@ def main() -> int:
     args.tiles = [parse_tiles(t) if isinstance(t, str) else t for t in args.tiles]  # the defaults come as text
     if not cuda_available("decode_attention.py"):
         return 0
+    from triton.runtime.errors import OutOfResources
     dtype = DTYPES[args.dtype]
     print(f"decode attention, {torch.cuda.get_device_name()}, {args.dtype}, H = {args.heads}, D = {args.dim}, "
           f"context {CONTEXT}; median of {args.repeats} graph replays of {args.calls} calls\n")
@@ -96,13 +98,20 @@ def main() -> int:
         reference_ms = (median_ms(lambda: reference_decode(**inputs), args.repeats, args.warmup)
                         if batch <= args.reference_max_batch else None)
         read_bytes = read_elements(inputs) * inputs["kv_new"].element_size()
+        slots = read_elements(inputs) // (batch * args.dim)  # the new row, the ring and the attended entries
         default = decode_tiles(dtype, args.heads, args.dim)
-        variants = ([(None, None)] + [(t, None) for t in args.tiles if t != default]
-                    + [(None, splits) for splits in args.splits])
+        default = default._replace(parts=value_parts(batch, args.heads, slots, args.dim, default.block_k,
+                                                     inputs["query"].device))
+        tile_choices = [None] + [t for t in args.tiles if t != default]
+        variants = list(itertools.product(tile_choices, [None, *args.splits]))
         for tiles, splits in variants:
-            ms = graph_median_ms(lambda: decode_attention(**inputs, tiles=tiles, splits=splits), args.repeats,
-                                 args.warmup, args.calls)
             name = "/".join(map(str, default if tiles is None else tiles)) + (" (default)" if tiles is None else "")
+            try:
+                ms = graph_median_ms(lambda: decode_attention(**inputs, tiles=tiles, splits=splits), args.repeats,
+                                     args.warmup, args.calls)
+            except OutOfResources as error:  # a tile choice this GPU cannot hold (shared memory)
+                print(f"| {case} | {batch} | {name} | {splits or 'default'} | {error} | | | |", flush=True)
+                continue
             reference = "–" if reference_ms is None else f"{reference_ms * 1e3:.1f}"
             ratio = "–" if reference_ms is None else f"{reference_ms / ms:.1f}"
             print(f"| {case} | {batch} | {name} | {splits or 'default'} | {ms * 1e3:.1f} | "

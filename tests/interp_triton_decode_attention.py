@@ -16,6 +16,7 @@ import torch
 
 from megatron_dsa import HybridAttentionConfig
 from megatron_dsa.backends import call_counts, reset_call_counts
+from megatron_dsa.backends.triton_kernels.decode_attention import INTERPRETER_BLOCK_K, DecodeTiles
 from megatron_dsa.backends.triton_kernels.decode_attention import decode_attention as triton_decode
 from megatron_dsa.layers.decoding import LayerCache
 from megatron_dsa.layers.kinds import build_attention
@@ -54,6 +55,46 @@ def test_op_matches_reference(heads, dim, entries, splits):
     got = triton_decode(window=window, splits=splits, **inputs)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("entries", ["every", "selected"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_two_value_parts_match_the_reference(entries, splits):
+    """Two programs per (sequence, head block, split), each writing half of the output's columns (one the output,
+    several the partials the combine merges), give the same output as one."""
+    inputs = decode_inputs(4, 32, ring=7, entries=9, picks=5)
+    if entries != "selected":
+        inputs["entry_ids"] = None
+    tiles = DecodeTiles(INTERPRETER_BLOCK_K, 4, 2, parts=2)
+    got = triton_decode(window=8, splits=splits, tiles=tiles, **inputs)
+    torch.testing.assert_close(got, reference_decode(window=8, **inputs), **TOL)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_split_then_rope_kernel", "in_the_combine"])
+@pytest.mark.parametrize("heads, dim, pairs", [(4, 32, 4), (3, 48, 8), (4, 32, 16)],
+                         ids=["h4_d32_p8", "h3_d48_p16", "h4_d32_all_rotated"])
+def test_the_output_turned_back_matches_the_reference(splits, heads, dim, pairs):
+    """With `inverse_rope_freq` the RoPE columns leave turned back by −p·freq (the reference applies the RoPE op
+    after the attention; the kernel's combine applies it as it writes)."""
+    inputs = decode_inputs(heads, dim, ring=7, entries=9, picks=5)
+    freq = 1.0 / 40 ** (torch.arange(pairs) / pairs)
+    expected = reference_decode(window=8, inverse_rope_freq=freq, **inputs)
+    unturned = reference_decode(window=8, **inputs)
+    assert not torch.allclose(expected[..., -2 * pairs:], unturned[..., -2 * pairs:])
+    got = triton_decode(window=8, splits=splits, inverse_rope_freq=freq, **inputs)
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_a_bad_inverse_rope_freq_is_named():
+    inputs = decode_inputs(4, 32, ring=7, entries=9, picks=5)
+    with pytest.raises(ValueError, match="inverse_rope_freq must be a floating"):
+        triton_decode(window=8, inverse_rope_freq=torch.ones(17), **inputs)
+
+
+def test_two_value_parts_need_a_power_of_two_head_dim():
+    inputs = decode_inputs(3, 48, ring=7, entries=9, picks=5)
+    with pytest.raises(ValueError, match="value parts must be 1, or 2 where the head dim is a power of two"):
+        triton_decode(window=8, tiles=DecodeTiles(INTERPRETER_BLOCK_K, 4, 2, parts=2), **inputs)
 
 
 def test_window_of_one_attends_the_new_row_and_entries_only():

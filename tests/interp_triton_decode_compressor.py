@@ -47,7 +47,7 @@ def write_inputs(ratio: int, dc: int, rope_dims: int, fp8: bool = False, seed: i
                 new_rows=torch.randn(5, 2 * width, generator=g), positions=torch.tensor(POSITIONS),
                 ape=torch.randn(ratio, width, generator=g), norm_weight=torch.rand(dc, generator=g) + 0.5,
                 eps=1e-6, inv_freq=1.0 / 40 ** (torch.arange(rope_dims // 2) / (rope_dims // 2)),
-                store=store, scales=scales)
+                store=store, scales=scales, counts=torch.full((5,), -7, dtype=torch.int32))
 
 
 def run_both(inputs: dict, rotate: bool) -> tuple[dict, dict]:
@@ -81,6 +81,8 @@ def test_write_matches_the_reference(ratio, dc, rope_dims, rotate, launches):
     untouched[torch.arange(5), torch.tensor(POSITIONS) // ratio] = False
     inputs = write_inputs(ratio, dc, rope_dims)
     assert torch.equal(got["store"][untouched], inputs["store"][untouched])
+    visible = (torch.tensor(POSITIONS, dtype=torch.int32) + 1) // ratio
+    assert torch.equal(got["counts"], visible) and torch.equal(expected["counts"], visible)
 
 
 @pytest.mark.parametrize("ratio", [4, 8])
@@ -108,6 +110,8 @@ def test_bad_buffers_are_refused_by_name():
         triton_write(**bad, rotate=True)
     with pytest.raises(ValueError, match="new_rows must be"):
         triton_write(**{**inputs, "new_rows": inputs["new_rows"][:, :-2]}, rotate=False)
+    with pytest.raises(ValueError, match="counts must be a contiguous int32/int64"):
+        triton_write(**{**inputs, "counts": inputs["counts"].float()}, rotate=False)
 
 
 @pytest.mark.parametrize("kind", ["C", "H"])

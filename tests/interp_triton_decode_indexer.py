@@ -54,6 +54,19 @@ def test_keys_in_another_dtype_are_read_in_the_query_dtype():
                                reference_scores(q, half, weights, counts, 0.37), **TOL)
 
 
+def test_weights_as_a_column_slice_are_read_where_they_lie():
+    """A decode step's head weights are columns of its stacked projection's rows: the kernel reads them with their
+    row stride (no copy), and a layout whose heads are not adjacent is copied first."""
+    q, keys, weights, counts = scores_inputs(4, 16)
+    stacked = torch.cat((torch.randn(5, 3), weights, torch.randn(5, 2)), dim=1)
+    sliced = stacked[:, 3:7]
+    assert sliced.stride() == (9, 1)
+    expected = reference_scores(q, keys, weights, counts, 0.37)
+    torch.testing.assert_close(triton_scores(q, keys, sliced, counts, 0.37), expected, **TOL)
+    scattered = torch.stack((weights, torch.randn(5, 4)), dim=-1)[..., 0]
+    torch.testing.assert_close(triton_scores(q, keys, scattered, counts, 0.37), expected, **TOL)
+
+
 @pytest.mark.parametrize("keys_major", [True, False], ids=["keys_major", "heads_major"])
 def test_fp8_keys_with_scales_match_the_reference(keys_major, monkeypatch):
     """e4m3 keys and one float32 scale per key (an FP8 cache), against the reference on the same codes and

@@ -182,10 +182,11 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
         "indexer_kl_bwd": [("unfused", iq, ik, iw, candidates, target, student, per_row.detach(), 0.3)],
         "decode_attention": [("unfused", r(3, heads, dim, grad=False), r(3, dim, grad=False), r(3, 4, dim, grad=False),
                               torch.tensor([0, 3, 17], device=device), 5, entries_rows, entry_ids, 4,
-                              r(heads, grad=False), 0.25)
-                             for entries_rows, entry_ids in (
-                                 (None, None), (r(3, 6, dim, grad=False), None),
-                                 (r(3, 6, dim, grad=False), torch.tensor([[0, -1], [1, 0], [5, 2]], device=device)))],
+                              r(heads, grad=False), 0.25, freq)
+                             for entries_rows, entry_ids, freq in (
+                                 (None, None, None), (r(3, 6, dim, grad=False), None, None),
+                                 (r(3, 6, dim, grad=False), torch.tensor([[0, -1], [1, 0], [5, 2]], device=device),
+                                  torch.rand(2, device=device)))],
         # (Its FP8-keys form, e4m3 keys with key_scales, is not sampled: opcheck's schema check compares inputs
         # with arithmetic torch does not implement for float8.)
         "decode_indexer_scores": [("unfused", r(3, 2, 8, grad=False), r(3, 6, 8, grad=False), r(3, 2, grad=False),
@@ -194,11 +195,13 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
         # ratio 4 (K = 8, coff 2, Dc 8) and ratio 2 (K = 2, coff 1); the FP8 store is not sampled, for the same reason.
         "decode_compressor": [("unfused", r(3, 2 * ratio, 4 * 8, grad=False), r(3, 4 * 8, grad=False),
                                torch.tensor([0, 5, 11], device=device), r(ratio, 2 * 8, grad=False),
-                               r(8, grad=False), 1e-6, inv_freq, rotate, r(3, 6, 8, grad=False), None)
-                              for ratio, rotate in ((4, False), (4, True))] + [
+                               r(8, grad=False), 1e-6, inv_freq, rotate, r(3, 6, 8, grad=False), None, counts)
+                              for ratio, rotate, counts in ((4, False, None),
+                                                            (4, True, torch.zeros(3, dtype=torch.int32,
+                                                                                  device=device)))] + [
                               ("unfused", r(3, 2, 2 * 8, grad=False), r(3, 2 * 8, grad=False),
                                torch.tensor([0, 5, 11], device=device), r(2, 8, grad=False), r(8, grad=False), 1e-6,
-                               inv_freq, False, r(3, 6, 8, grad=False), None)],
+                               inv_freq, False, r(3, 6, 8, grad=False), None, None)],
         # buffer [B, R, D] (a ring of 4 slots), new rows [B, D], seqlens [B] (the last two wrap around the ring)
         "decode_append": [("unfused", r(3, 4, 8, grad=False), r(3, 8, grad=False),
                            torch.tensor([0, 5, 11], device=device))],

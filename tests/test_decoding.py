@@ -113,11 +113,12 @@ def test_a_decode_step_writes_each_cache_buffer_in_one_family_call(kind: str) ->
 # the compressor writes became one `decode_compressor` call each (pure reference ops on the CPU), 245 until the
 # step stopped building the top-k's valid mask (cuDNN's top-k reads the counts; the reference builds the mask
 # from them: 246 since), 247 since the window write and the length increment became one `decode_append` call (one
-# kernel on CUDA; the reference numbers the sequences itself, where the step kept an arange). On the CPU the op
-# families run their reference ops; the rest is the step's own glue,
-# which a CUDA graph replays as one node per kernel. A bound, not a count of each op: an accidental per-step copy,
-# cat or constant raises it.
-C_DECODE_STEP_OPS = 247
+# kernel on CUDA; the reference numbers the sequences itself, where the step kept an arange), 248 since the
+# indexer's compressor write gives the entry counts (the reference copies them into the step's int32 buffer; on
+# CUDA the write's kernel stores them, three elementwise kernels fewer). On the CPU the op families run their
+# reference ops; the rest is the step's own glue, which a CUDA graph replays as one node per kernel. A bound, not a
+# count of each op: an accidental per-step copy, cat or constant raises it.
+C_DECODE_STEP_OPS = 248
 
 
 @torch.no_grad()
@@ -216,16 +217,16 @@ def test_fp8_indexer_keys_pick_the_top_k_of_the_scores_of_the_stored_keys() -> N
     layer(hidden[:prefill], inference_cache=cache)
     queries = []
     original = indexer.queries
-    indexer.queries = lambda *args: queries.append(original(*args)) or queries[-1]
+    indexer.queries = lambda *args, **kwargs: queries.append(original(*args, **kwargs)) or queries[-1]
     chosen = 0
     for position in range(prefill, seqlen):
         layer(hidden[position:position + 1], inference_cache=cache)
-        q, weights = queries[-1]
+        q, weights = queries[-1]  # the step's head weights without HI^-1/2: its scale carries it
         counts = entry_counts(torch.full((2,), position), indexer.compressor.ratio)
         keys = cache.indexer_keys.double() * cache.indexer_key_scales.double().unsqueeze(-1)
         q_codes, q_scales = quantize_rows(q.flatten(0, 1))
         rounded = (q_codes.double() * q_scales).view(q.shape)
-        scores = decode_indexer_scores(rounded, keys, weights, counts, indexer.scale)
+        scores = decode_indexer_scores(rounded, keys, weights, counts, indexer.scale * indexer.head_weight_scale)
         visible = torch.arange(keys.shape[1]) < counts.unsqueeze(1)
         want = topk_columns(scores, visible, layer.config.dsa_indexer_topk)
         step = layer.core_attention.last_decode_picks

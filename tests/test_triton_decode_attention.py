@@ -9,6 +9,8 @@ explicit requests that cannot run, the counters), input checks, undoing a warm-u
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from megatron_dsa.layers.decoding import LayerCache
 from megatron_dsa.layers.kinds import build_attention
 from megatron_dsa.ops.decode_attention import decode_attention as reference_decode
 from interp_triton_decode_attention import decode_inputs, decoding_config
-from triton_support import run_interpreted, without_interpreter  # noqa: F401  (fixture)
+from triton_support import compile_for_sm90, ptxas_report, run_interpreted, without_interpreter  # noqa: F401
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -100,6 +102,56 @@ def test_a_warm_up_step_is_undone_exactly(kind, fp8_indexer_keys):
         assert torch.equal(now, then)
 
 
+def test_two_value_parts_only_where_single_block_splits_leave_processors_idle():
+    """`value_parts` from the shapes: the CPU's wave is `INTERPRETER_PROGRAMS` programs, a key block 16 slots."""
+    from megatron_dsa.backends.triton_kernels.decode_attention import INTERPRETER_PROGRAMS, value_parts
+
+    cpu = torch.device("cpu")
+    assert INTERPRETER_PROGRAMS == 4
+    assert value_parts(batch=1, heads=4, slots=32, dim=32, block_k=16, device=cpu) == 2  # 2 blocks: 4 programs
+    assert value_parts(batch=1, heads=4, slots=33, dim=32, block_k=16, device=cpu) == 1  # 3 blocks: 6 programs
+    assert value_parts(batch=2, heads=4, slots=32, dim=32, block_k=16, device=cpu) == 1
+    assert value_parts(batch=1, heads=4, slots=32, dim=48, block_k=16, device=cpu) == 1  # a tail of columns
+    assert value_parts(batch=1, heads=4, slots=16, dim=16, block_k=16, device=cpu) == 1  # halves under one dot
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_split_kernel_compiles_for_sm90_and_two_value_parts_do_not_spill(parts, tmp_path):
+    """dsv4-flash's C step tiles (64 heads × 512 columns, 64 keys a block, 8 warps): wgmma, pipelined gathers; one
+    part spills its accumulator (the reason for two parts), two parts nearly not at all."""
+    from megatron_dsa.backends.triton_kernels import _decode_attention_kernels as kernels
+
+    signature = dict(q_ptr="*bf16", new_ptr="*bf16", ring_ptr="*bf16", entries_ptr="*bf16", ids_ptr="*i64",
+                     seqlens_ptr="*i64", sink_ptr="*fp32", out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32",
+                     part_sum_ptr="*fp32", qk_scale="fp32", H="constexpr", D="constexpr", R="i32", RING_LIMIT="i32",
+                     C="i32", K="i32", RATIO="i32", SLOTS="i32", SLOTS_PER_SPLIT="i32", SPLITS="constexpr",
+                     HAS_ENTRIES="constexpr", SELECTED="constexpr", BLOCK_H="constexpr", BLOCK_K="constexpr",
+                     BLOCK_D="constexpr", BLOCK_DT="constexpr", VALUE_PARTS="constexpr", DOT_PRECISION="constexpr",
+                     CHAINED="constexpr")
+    constexprs = dict(H=64, D=512, SPLITS=4, HAS_ENTRIES=True, SELECTED=True, BLOCK_H=64, BLOCK_K=64, BLOCK_D=512,
+                      BLOCK_DT=0, VALUE_PARTS=parts, DOT_PRECISION="tf32", CHAINED=True)
+    compiled = compile_for_sm90(kernels, "decode_attention_split_kernel", signature, constexprs, 8, 2)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    spilled = int(re.search(r"(\d+) bytes spill stores", ptxas_report(ptx, tmp_path)).group(1))
+    assert spilled > 256 if parts == 1 else spilled <= 16, spilled
+
+
+@pytest.mark.parametrize("half", [0, 32], ids=["plain", "turned_back"])
+def test_the_combine_kernel_compiles_for_sm90_without_spills(half, tmp_path):
+    """dsv4-flash's combine (D = 512, 4 splits), with and without the inverse RoPE of the last 64 columns."""
+    from megatron_dsa.backends.triton_kernels import _decode_attention_kernels as kernels
+
+    signature = dict(part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", sink_ptr="*fp32",
+                     out_ptr="*bf16", seqlens_ptr="*i64", freq_ptr="*fp32", H="constexpr", D="constexpr",
+                     SPLITS="constexpr", BLOCK_S="constexpr", BLOCK_D="constexpr", HALF="constexpr",
+                     BLOCK_HALF="constexpr", CHAINED="constexpr")
+    constexprs = dict(H=64, D=512, SPLITS=4, BLOCK_S=4, BLOCK_D=512, HALF=half, BLOCK_HALF=max(half, 1),
+                      CHAINED=True)
+    compiled = compile_for_sm90(kernels, "decode_combine_kernel", signature, constexprs, 4, 1)
+    assert "0 bytes spill stores" in ptxas_report(compiled.asm["ptx"], tmp_path)
+
+
 def test_a_decode_graph_needs_cuda():
     layer = build_attention(decoding_config("M"), kind="M")
     cache = LayerCache.for_layer(layer, 1, 4)
@@ -130,24 +182,48 @@ def gpu_decode_inputs(entries: str, batch: int = 4, heads: int = 64, dim: int = 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("entries", ["none", "every", "selected"])
-def test_bf16_triton_decode_matches_the_float64_reference_on_the_gpu(entries):
+@pytest.mark.parametrize("parts", [1, 2], ids=["one_value_part", "two_value_parts"])
+def test_bf16_triton_decode_matches_the_float64_reference_on_the_gpu(entries, parts):
     """bf16 kernel against the float64 reference on the same bf16-rounded inputs, at dsv4-flash dims (H = 64,
-    D = 512, window 128, 2048 entries or top-512), with several key splits.
+    D = 512, window 128, 2048 entries or top-512), with several key splits, one or two value parts.
 
     Tolerance, atol = 2⁻⁷ · max|kv|: scores are exact products of bf16 values summed in fp32 (relative error
     ~1e-6); the probabilities are rounded to bf16 before the PV product (≤ 2⁻⁸ relative each, so ≤ 2⁻⁸ · max|kv|
     over a convex combination) and the output is rounded to bf16 (≤ 2⁻⁸ · |out| ≤ 2⁻⁸ · max|kv|)."""
     from megatron_dsa.backends.triton_kernels.decode_attention import decode_attention as triton_decode
+    from megatron_dsa.backends.triton_kernels.decode_attention import decode_tiles
 
     inputs = gpu_decode_inputs(entries)
     rounded = {k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and k != "sink" else v
                for k, v in inputs.items()}
     as_double = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in rounded.items()}
     expected = reference_decode(**as_double)
-    got = triton_decode(**rounded)
+    got = triton_decode(**rounded, tiles=decode_tiles(torch.bfloat16, 64, 512)._replace(parts=parts))
     assert got.dtype == torch.bfloat16
     kv_scale = max(float(t.abs().max()) for t in (inputs["kv_new"], inputs["window_rows"]))
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2 ** -7 * kv_scale)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("entries", ["none", "selected"])
+@pytest.mark.parametrize("parts", [1, 2], ids=["one_value_part", "two_value_parts"])
+def test_the_combine_turns_the_output_back_as_the_rope_kernel_does(entries, parts):
+    """bf16 at dsv4-flash dims (four sequences: several key splits, so the combine runs): the combine's inverse RoPE
+    gives the bits of the attention's output then the RoPE kernel (the same roundings: the output rounded to bf16,
+    then `rotate_pairs`)."""
+    from megatron_dsa.backends.triton_kernels.decode_attention import decode_attention as triton_decode
+    from megatron_dsa.backends.triton_kernels.decode_attention import decode_tiles
+    from megatron_dsa.backends.triton_kernels.rope import rope as triton_rope
+    from megatron_dsa.ops.rope import yarn_inv_freq
+
+    inputs = {k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and k != "sink" else v
+              for k, v in gpu_decode_inputs(entries).items()}
+    freq = yarn_inv_freq(64, 10000.0, 4.0, 4096).float().cuda()
+    tiles = decode_tiles(torch.bfloat16, 64, 512)._replace(parts=parts)
+    separate = triton_rope(triton_decode(**inputs, tiles=tiles), inputs["seqlens"], freq, inverse=True)
+    turned = triton_decode(**inputs, tiles=tiles, inverse_rope_freq=freq)
+    assert torch.equal(turned, separate)
 
 
 @pytest.mark.gpu

@@ -48,13 +48,15 @@ def test_kernel_compiles_for_sm90_without_spills(ratio, dc, rotate, fp8, stage, 
 
     signature = dict(state_ptr="*bf16", new_ptr="*bf16", pos_ptr="*i64", ape_ptr="*fp32", w_ptr="*bf16",
                      freq_ptr="*fp32", eps_ptr="*fp32", store_ptr="*fp8e4nv" if fp8 else "*bf16",
-                     scale_ptr="*fp32", pooled_ptr="*bf16", NEW_STRIDE="i32", ENTRIES="i32")
+                     scale_ptr="*fp32", counts_ptr="*i32", pooled_ptr="*bf16", NEW_STRIDE="i32", ENTRIES="i32")
     block_p = min(dc // 2, launches.SPLIT_PAIRS) if stage == 1 else dc // 2
     constexprs = dict(SLOTS=pending_slots(ratio), RATIO=ratio, COFF=2 if ratio == 4 else 1, DC=dc, HALF=32,
                       ROTATE=rotate, FP8=fp8, STAGE=stage, BLOCK_S=launches._slot_block(ratio, block_p),
                       BLOCK_P=block_p, BLOCK_ROW=launches.BLOCK_ROW, LOG2_P=block_p.bit_length() - 1,
                       HADAMARD_SCALE=dc ** -0.5, FP8_MAX=448.0, INV_FP8_MAX=1.0 / 448.0,
-                      TINY=torch.finfo(torch.float32).tiny, COMPUTE=tl.float32,
+                      TINY=torch.finfo(torch.float32).tiny,
+                      COUNTS=rotate,  # the indexer's write (the rotated one) writes the entry counts too
+                      COMPUTE=tl.float32,
                       CHAINED=True)  # a Hopper launch is chained
     signature.update({name: "constexpr" for name in constexprs})
     warps = launches.POOL_WARPS if stage == 1 else launches.WARPS
@@ -103,7 +105,8 @@ def gpu_write_inputs(ratio: int, dc: int, fp8: bool, batch: int = 32, context: i
                 new_rows=randn(batch, 2 * width).bfloat16(), positions=positions,
                 ape=randn(ratio, width) * 0.5,
                 norm_weight=(torch.rand(dc, device="cuda", generator=g) + 0.5).bfloat16(),
-                eps=1e-6, inv_freq=plain_inv_freq(64, base=10000.0).float().cuda(), store=store, scales=scales)
+                eps=1e-6, inv_freq=plain_inv_freq(64, base=10000.0).float().cuda(), store=store, scales=scales,
+                counts=torch.full((batch,), -7, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -130,6 +133,8 @@ def test_bf16_kernel_writes_what_the_reference_writes_on_the_gpu(ratio, dc, rota
     assert call_counts() == {("triton", "decode_compressor"): 1}, call_counts()
     expected, got = buffers
     assert torch.equal(got["state"], expected["state"])
+    assert torch.equal(got["counts"], expected["counts"])
+    assert torch.equal(got["counts"], ((inputs["positions"] + 1) // ratio).int())
     rows = torch.arange(32, device="cuda"), inputs["positions"] // ratio
     untouched = torch.ones(inputs["store"].shape[:2], dtype=torch.bool, device="cuda")
     untouched[rows] = False

@@ -37,7 +37,7 @@ def test_kernel_compiles_for_sm90_pipelined_on_wgmma_without_spills(keys_major, 
 
     signature = dict(q_ptr="*bf16", k_ptr="*fp8e4nv" if fp8_keys else "*bf16", key_scales_ptr="*fp32",
                      w_ptr="*bf16", counts_ptr="*i64", out_ptr="*fp32", C="i32", HI="i32", DI="i32",
-                     COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr", BLOCK_D="constexpr",
+                     W_STRIDE="i32", COLS_PER_PROGRAM="i32", scale="fp32", BLOCK_H="constexpr", BLOCK_D="constexpr",
                      BLOCK_C="constexpr", PRECISION="constexpr", KEYS_MAJOR="constexpr", KEY_SCALES="constexpr",
                      FP8_MAX="constexpr", INV_FP8_MAX="constexpr", TINY="constexpr", CHAINED="constexpr")
     block_c = decode_indexer.FP8_BLOCK_C if fp8_keys else decode_indexer.BLOCK_C[torch.bfloat16]

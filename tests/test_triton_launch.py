@@ -295,9 +295,10 @@ def test_a_chained_kernel_waits_before_its_first_load(chained):
     from megatron_dsa.backends.triton_kernels import _decode_attention_kernels as kernels
 
     signature = dict(part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", sink_ptr="*fp32",
-                     out_ptr="*bf16", H="constexpr", D="constexpr", SPLITS="constexpr", BLOCK_S="constexpr",
-                     BLOCK_D="constexpr", CHAINED="constexpr")
-    constexprs = dict(H=64, D=512, SPLITS=4, BLOCK_S=4, BLOCK_D=128, CHAINED=chained)
+                     out_ptr="*bf16", seqlens_ptr="*i64", freq_ptr="*fp32", H="constexpr", D="constexpr",
+                     SPLITS="constexpr", BLOCK_S="constexpr", BLOCK_D="constexpr", HALF="constexpr",
+                     BLOCK_HALF="constexpr", CHAINED="constexpr")
+    constexprs = dict(H=64, D=512, SPLITS=4, BLOCK_S=4, BLOCK_D=128, HALF=32, BLOCK_HALF=32, CHAINED=chained)
     ptx = compile_for_sm90(kernels, "decode_combine_kernel", signature, constexprs, 4).asm["ptx"]
     if not chained:
         assert "griddepcontrol" not in ptx

@@ -466,15 +466,16 @@ def _(backend, q, k, weights, candidates, target, student_scores, grad_rows, sca
 @_custom_op("decode_attention")
 def decode_attention_op(backend: str, query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens: Tensor, window: int,
                         entries: Optional[Tensor], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
-                        scale: float) -> Tensor:
+                        scale: float, inverse_rope_freq: Optional[Tensor]) -> Tensor:
     """`decode_attention` family: `out [B, H, D]` of one new query row per cached sequence (inference: no
     gradient)."""
     return _kernel(OpFamily.DECODE_ATTENTION, backend)(query, kv_new, window_rows, seqlens, window, entries,
-                                                       entry_ids, ratio, sink, scale)
+                                                       entry_ids, ratio, sink, scale, inverse_rope_freq)
 
 
 @decode_attention_op.register_fake
-def _(backend, query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink, scale):
+def _(backend, query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink, scale,
+      inverse_rope_freq):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -492,14 +493,15 @@ def _(backend, q, keys, weights, counts, scale, key_scales):
     return q.new_empty(keys.shape[:2], dtype=compute_dtype(q.dtype))
 
 
-@_custom_op("decode_compressor", mutates_args=("state", "store", "scales"))
+@_custom_op("decode_compressor", mutates_args=("state", "store", "scales", "counts"))
 def decode_compressor_op(backend: str, state: Tensor, new_rows: Tensor, positions: Tensor, ape: Tensor,
                          norm_weight: Tensor, eps: float, inv_freq: Tensor, rotate: bool, store: Tensor,
-                         scales: Optional[Tensor]) -> None:
+                         scales: Optional[Tensor], counts: Optional[Tensor]) -> None:
     """`decode_compressor` family: the new tokens join their compressor's pending slots (`state`) and their groups'
-    entries are written to `store` (and `scales`), in place (inference: no gradient)."""
+    entries are written to `store` (and `scales`), the entries each sees to `counts`, in place (inference: no
+    gradient)."""
     _kernel(OpFamily.DECODE_COMPRESSOR, backend)(state, new_rows, positions, ape, norm_weight, eps, inv_freq, rotate,
-                                                 store, scales)
+                                                 store, scales, counts)
 
 
 @_custom_op("decode_append", mutates_args=("buffer", "seqlens"))
@@ -570,16 +572,17 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
         topk_op(backend, scores, valid, k, _uniform_args(visible), counts, bool(ordered))),
     OpFamily.SELECTION_ROWS: _selection_rows,
     OpFamily.DECODE_ATTENTION: lambda backend: (
-        lambda query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink, scale:
+        lambda query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink, scale,
+        inverse_rope_freq=None:
         decode_attention_op(backend, query, kv_new, window_rows, seqlens, int(window), entries, entry_ids, int(ratio),
-                            sink, float(scale))),
+                            sink, float(scale), inverse_rope_freq)),
     OpFamily.DECODE_INDEXER_SCORES: lambda backend: (
         lambda q, keys, weights, counts, scale, key_scales=None:
         decode_indexer_scores_op(backend, q, keys, weights, counts, float(scale), key_scales)),
     OpFamily.DECODE_COMPRESSOR: lambda backend: (
-        lambda state, new_rows, positions, ape, norm_weight, eps, inv_freq, rotate, store, scales=None:
+        lambda state, new_rows, positions, ape, norm_weight, eps, inv_freq, rotate, store, scales=None, counts=None:
         decode_compressor_op(backend, state, new_rows, positions, ape, norm_weight, float(eps), inv_freq, bool(rotate),
-                             store, scales)),
+                             store, scales, counts)),
     OpFamily.DECODE_APPEND: lambda backend: (
         lambda buffer, rows, seqlens: decode_append_op(backend, buffer, rows, seqlens)),
     OpFamily.FP8_GEMM: lambda backend: (

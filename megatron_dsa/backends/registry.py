@@ -71,13 +71,15 @@ class OpFamily(str, Enum):
     # (q, k, v, out, lse (merged over all blocks), grad_out, scale, causal) -> (dq, dk, dv) of this block,
     # in the compute dtype
     DENSE_ATTENTION_BLOCK_BWD = "dense_attention_block_bwd"
-    # (q [B,H,D], kv_new [B,D], window [B,R,D], seqlens [B], W, entries, entry_ids, ratio, sink, scale) -> out
+    # (q [B,H,D], kv_new [B,D], window [B,R,D], seqlens [B], W, entries, entry_ids, ratio, sink, scale,
+    # inverse_rope_freq=None) -> out [B,H,D], its RoPE columns turned back where inverse_rope_freq is given
     DECODE_ATTENTION = "decode_attention"
     # (q [B,HI,DI], keys [B,C,DI], weights [B,HI], counts [B], scale) -> scores [B, C], -inf past counts[b]
     DECODE_INDEXER_SCORES = "decode_indexer_scores"
     # (state [B,K,2·coff·Dc], new_rows [B,2·coff·Dc], positions [B], ape, norm_weight, eps, inv_freq, rotate,
-    # store [B,C,Dc], scales [B,C] or None) -> None: the new tokens join their compressor's pending slots and
-    # their groups' entries are written to the store, in place (ops.decode_compressor)
+    # store [B,C,Dc], scales [B,C] or None, counts [B] or None) -> None: the new tokens join their compressor's
+    # pending slots, their groups' entries are written to the store and the entries each sees to counts, in place
+    # (ops.decode_compressor)
     DECODE_COMPRESSOR = "decode_compressor"
     # (buffer [B,R,D], rows [B,D], seqlens [B]) -> None: buffer[b, seqlens[b] % R] = rows[b], then seqlens += 1,
     # in place: a decode step's last write (ops.decode_append)

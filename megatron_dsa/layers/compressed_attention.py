@@ -97,16 +97,23 @@ class LightningIndexer(nn.Module):
         q, weights = self.queries(projected, qr, layout.tokens.positions, inv_freq)
         return q, keys(), weights
 
-    def queries(self, projected: Mapping[nn.Linear, Tensor], qr: Tensor, positions: Tensor, inv_freq: Tensor
-                ) -> tuple[Tensor, Tensor]:
+    def queries(self, projected: Mapping[nn.Linear, Tensor], qr: Tensor, positions: Tensor, inv_freq: Tensor,
+                scaled_weights: bool = True) -> tuple[Tensor, Tensor]:
         """Indexer queries `[T, HI, DI]` (RoPE at `positions [T]`, Hadamard) and head weights `[T, HI]` of
-        the detached query latent `qr [T, Rq]` and the rows through `linear_weights_proj` (`projected`)."""
+        the detached query latent `qr [T, Rq]` and the rows through `linear_weights_proj` (`projected`). The
+        weights carry the `HI^−1/2` factor unless `scaled_weights` is False: then a scoring kernel takes it with
+        its scale (`head_weight_scale`), and no elementwise pass runs for it."""
         rope = dispatch(OpFamily.ROPE, self.config, device=qr.device, dtype=qr.dtype)
         wq_b = self.linear_wq_b
         q = self.gemms.linear(qr, wq_b.weight) if plain_linear(wq_b) else wq_b(qr)
         q = q.view(-1, self.heads, self.head_dim)
         q = hadamard_transform(rope(q, positions, inv_freq))
-        return q, projected[self.linear_weights_proj] * self.heads ** -0.5
+        weights = projected[self.linear_weights_proj]
+        return q, weights * self.head_weight_scale if scaled_weights else weights
+
+    @property
+    def head_weight_scale(self) -> float:
+        return self.heads ** -0.5
 
     def scores(self, features: tuple[Tensor, Tensor, Tensor], candidates: Tensor,
                visible: Optional[VisibleStructure] = None) -> Tensor:

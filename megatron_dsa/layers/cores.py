@@ -102,10 +102,12 @@ class SparseMLACore:
                       norm_rope)  # K = V, [N, D]
         return q, kv, projected, qr
 
-    def finish(self, layer: "HybridAttention", o: Tensor, positions: Tensor) -> Tensor:
-        """Attention output `o [N, H/tp, D]` → this rank's `linear_proj` input: inverse RoPE, grouped projection."""
-        rope = dispatch(OpFamily.ROPE, layer.config, device=o.device, dtype=o.dtype)
-        o = rope(o, positions, layer.angle_freq(o.dtype), inverse=True)  # relative positions in V; new storage
+    def finish(self, layer: "HybridAttention", o: Tensor, positions: Tensor, turned_back: bool = False) -> Tensor:
+        """Attention output `o [N, H/tp, D]` → this rank's `linear_proj` input: inverse RoPE (unless the attention
+        `turned_back` its RoPE columns already: a decode step's), grouped projection."""
+        if not turned_back:
+            rope = dispatch(OpFamily.ROPE, layer.config, device=o.device, dtype=o.dtype)
+            o = rope(o, positions, layer.angle_freq(o.dtype), inverse=True)  # relative positions in V; new storage
         return layer.gemms.grouped(o.flatten(1), layer.linear_o_group_proj, layer.local_groups)
 
 

@@ -53,7 +53,6 @@ from megatron_dsa.config import KINDS, lookup_kind
 from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection, LightningIndexer
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO, channel_factor
-from megatron_dsa.ops.decode_attention import entry_counts
 from megatron_dsa.ops.decode_compressor import byte_view, encode_rows, pending_slots
 from megatron_dsa.ops.fp8_linear import RoundedWeights, dequantize_rows, rounded_rows
 from megatron_dsa.ops.indexer import FP8_KEYS
@@ -363,18 +362,20 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
                          inv_freq)
         entries = cache.entries
     if attention.indexer is not None:
+        # int32: what cuDNN's top-k takes, so no cast runs for it
+        counts = torch.empty(positions.shape, dtype=torch.int32, device=positions.device)
         _decode_compress(attention.indexer.compressor, cache.compressors["indexer"], projected, positions,
-                         cache.indexer_keys, inv_freq, cache.indexer_key_scales)
+                         cache.indexer_keys, inv_freq, cache.indexer_key_scales, counts)
         picks = _top_entries(attention.indexer, projected, qr, positions, cache.indexer_keys,
-                             cache.indexer_key_scales, c.dsa_indexer_topk, inv_freq)
+                             cache.indexer_key_scales, counts, c.dsa_indexer_topk, inv_freq)
     kv_new = kv.to(cache.window.dtype)
     attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
                       head_dim=q.shape[2], selected=picks is not None)
     out = attend(q, kv_new, cache.window, positions, c.csa_window_size, entries, picks, attention.ratio or 1,
-                 attention.attn_sink, c.softmax_scale)
+                 attention.attn_sink, c.softmax_scale, inv_freq)  # turned back as it is written
     # The reference path's selection names rows of a kv_all this step never builds: only the picks are kept.
     attention.last_selection, attention.last_decode_picks = None, picks
-    out = layer.core.finish(layer, out, positions)
+    out = layer.core.finish(layer, out, positions, turned_back=True)
     # After the attention: the slot of position p held position p − (W − 1), still in p's window.
     _append(c, cache.window, kv_new, cache.seqlens)
     return out
@@ -412,15 +413,16 @@ def _append(config: "HybridAttentionConfig", buffer: Tensor, rows: Tensor, seqle
 
 
 def _decode_compress(compressor: Compressor, state: CompressorState, projected: dict, positions: Tensor,
-                     store: Tensor, inv_freq: Tensor, scales: Optional[Tensor] = None) -> None:
+                     store: Tensor, inv_freq: Tensor, scales: Optional[Tensor] = None,
+                     counts: Optional[Tensor] = None) -> None:
     """The new tokens (at `positions [B]`) join the compressor's pending slots, and the entry of each one's group
-    is written to `store [B, C, Dc]` (`scales [B, C]`: an FP8 store), complete or not
-    (`ops.decode_compressor.decode_compress`: one kernel on CUDA)."""
+    is written to `store [B, C, Dc]` (`scales [B, C]`: an FP8 store), complete or not, and the entries each sees
+    to `counts [B]` (`ops.decode_compressor.decode_compress`: one kernel on CUDA)."""
     rows = _new_slot_rows(compressor, projected).to(state.rows.dtype)
     write = dispatch(OpFamily.DECODE_COMPRESSOR, compressor.config, device=rows.device, dtype=rows.dtype,
                      ratio=compressor.ratio, head_dim=store.shape[-1], rotate=compressor.rotate, key_dtype=store.dtype)
     write(state.rows, rows, positions, compressor.ape, compressor.norm.weight, compressor.norm.eps, inv_freq,
-          compressor.rotate, store, scales)
+          compressor.rotate, store, scales, counts)
 
 
 def _new_slot_rows(compressor: Compressor, projected: dict) -> Tensor:
@@ -443,17 +445,16 @@ def _pool(compressor: Compressor, rows: Tensor, layout: CompressedLayout, inv_fr
 
 
 def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
-                 key_scales: Optional[Tensor], topk: int, inv_freq: Tensor) -> Tensor:
+                 key_scales: Optional[Tensor], counts: Tensor, topk: int, inv_freq: Tensor) -> Tensor:
     """`[B, min(topk, C)]` entry numbers the indexer picks for each new token among its sequence's cached
-    compressed keys `keys [B, C, DI]` (e4m3 with `key_scales [B, C]`: an FP8 cache; the visible ones, `j < (p + 1)
-    // r`), as a set: in any order, the slots without a pick −1 or not visible (the attention reads them so;
-    `ops.indices.topk_columns`, `ordered`)."""
-    queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq)
+    compressed keys `keys [B, C, DI]` (e4m3 with `key_scales [B, C]`: an FP8 cache; the visible ones, the first
+    `counts [B]` = `(p + 1) // r`), as a set: in any order, the slots without a pick −1 or not visible (the
+    attention reads them so; `ops.indices.topk_columns`, `ordered`)."""
+    queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq, scaled_weights=False)
     batch, width = keys.shape[:2]
-    counts = entry_counts(positions, indexer.compressor.ratio)
     score = dispatch(OpFamily.DECODE_INDEXER_SCORES, indexer.config, device=keys.device, dtype=queries.dtype,
                      heads=queries.shape[1], head_dim=queries.shape[2], key_dtype=keys.dtype)
-    scores = score(queries, keys, weights, counts, indexer.scale, key_scales)
+    scores = score(queries, keys, weights, counts, indexer.scale * indexer.head_weight_scale, key_scales)
     pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width,
                     rows=batch)
     return pick(scores, None, topk, counts=counts, ordered=False)  # the valid columns: each row's prefix of counts

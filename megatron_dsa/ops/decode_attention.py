@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.ops.indices import INVALID
+from megatron_dsa.ops.rope import rope
 from megatron_dsa.ops.sparse_attention import sparse_attention_forward
 
 
@@ -43,13 +44,17 @@ def entry_counts(seqlens: Tensor, ratio: int) -> Tensor:
 
 def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens: Tensor, window: int,
                      entries: Optional[Tensor], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
-                     scale: float) -> Tensor:
+                     scale: float, inverse_rope_freq: Optional[Tensor] = None) -> Tensor:
     """The reference decode attention (module docstring) → `out [B, H, D]` in the query dtype.
 
     query `[B, H, D]`; kv_new `[B, D]`; window_rows `[B, R, D]` (the cache's ring); seqlens `[B]` int64
     (tokens cached before this one); window `W`; entries `[B, C, D]` or None (kind W); entry_ids `[B, K]`
-    integer entry numbers or None (every visible entry); ratio `r` (ignored without entries); sink `[H]`."""
-    check_decode_inputs(query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink)
+    integer entry numbers or None (every visible entry); ratio `r` (ignored without entries); sink `[H]`;
+    inverse_rope_freq `[P/2]` or None: then the output's last P columns are turned back to position 0
+    (`ops.rope.rope(out, seqlens, inverse_rope_freq, inverse=True)`, what the W/C/H layers do next: a kernel
+    can do it as it writes the output)."""
+    check_decode_inputs(query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink,
+                        inverse_rope_freq)
     batch = query.shape[0]
     parts, valid = [kv_new.unsqueeze(1), window_rows], [torch.ones_like(seqlens, dtype=torch.bool).unsqueeze(1),
                                                          window_valid(seqlens, window, window_rows.shape[1])]
@@ -69,11 +74,12 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
     ids = torch.arange(batch * width, device=query.device).view(batch, width)
     indices = torch.where(torch.cat(valid, dim=1), ids, INVALID)
     out, _ = sparse_attention_forward(query, rows.flatten(0, 1), indices, sink, scale)
-    return out
+    return out if inverse_rope_freq is None else rope(out, seqlens, inverse_rope_freq, inverse=True)
 
 
 def check_decode_inputs(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens: Tensor, window: int,
-                        entries: Optional[Tensor], entry_ids: Optional[Tensor], ratio: int, sink: Tensor) -> None:
+                        entries: Optional[Tensor], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
+                        inverse_rope_freq: Optional[Tensor] = None) -> None:
     """ValueError/TypeError naming the argument when the decode-attention arguments disagree (host checks of
     shapes and dtypes only: no device read)."""
     if not isinstance(query, Tensor) or query.dim() != 3 or not query.is_floating_point():
@@ -96,6 +102,10 @@ def check_decode_inputs(query: Tensor, kv_new: Tensor, window_rows: Tensor, seql
         raise ValueError(f"decode attention: window must be an int >= 1, got {window!r}")
     if sink.shape != (heads,) or not sink.is_floating_point():
         raise ValueError(f"decode attention: sink must be a floating [H] = [{heads}] tensor, got {tuple(sink.shape)}")
+    if inverse_rope_freq is not None and (inverse_rope_freq.dim() != 1 or not inverse_rope_freq.is_floating_point()
+                                          or not 0 < 2 * inverse_rope_freq.shape[0] <= dim):
+        raise ValueError(f"decode attention: inverse_rope_freq must be a floating [P/2] tensor with 0 < P <= D = "
+                         f"{dim}, got {tuple(inverse_rope_freq.shape)} {inverse_rope_freq.dtype}")
     devices = {t.device for t in (query, kv_new, window_rows, seqlens, sink, entries, entry_ids) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"decode attention inputs must share one device, got {sorted(map(str, devices))}")

@@ -26,16 +26,20 @@ def pending_slots(ratio: int) -> int:
 
 
 def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
-                    inv_freq: Tensor, rotate: bool, store: Tensor, scales: Optional[Tensor] = None) -> None:
-    """Write each sequence's new token and the entry of its group, in place.
+                    inv_freq: Tensor, rotate: bool, store: Tensor, scales: Optional[Tensor] = None,
+                    counts: Optional[Tensor] = None) -> None:
+    """Write each sequence's new token and the entry of its group, in place, and with `counts` the entries each
+    new token sees.
 
     state: `[B, K, 2·coff·Dc]` pending slots; new_rows: `[B, 2·coff·Dc]` the new tokens' `kv | gate` projections
     (state's dtype), written at slot `positions[b] % K`; positions: `[B]` int, the new tokens' positions; ape:
     `[r, coff·Dc]`; norm_weight: `[Dc]`; inv_freq: `[P/2]`; rotate: Hadamard after RoPE (the indexer's keys).
     store: `[B, C, Dc]`, row `j = positions[b] // r` of sequence b rewritten (`scales [B, C]` float32 with an
-    e4m3 store: the row's scale). The caller keeps `j < C` (the cache's capacity check).
+    e4m3 store: the row's scale). The caller keeps `j < C` (the cache's capacity check). counts: `[B]` int32/int64,
+    written `(positions[b] + 1) // r`, the complete entries (the indexer's valid columns of this step: its
+    kernel writes them with the entry, where they took two or three elementwise launches).
     """
-    check_decode_compress_inputs(state, new_rows, positions, ape, norm_weight, inv_freq, store, scales)
+    check_decode_compress_inputs(state, new_rows, positions, ape, norm_weight, inv_freq, store, scales, counts)
     batch, slots, row_width = state.shape
     ratio = ape.shape[0]
     sequences = torch.arange(batch, device=state.device)
@@ -55,6 +59,8 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
     byte_view(store)[sequences, entry] = byte_view(values)
     if scales is not None:
         scales[sequences, entry] = row_scales
+    if counts is not None:
+        counts.copy_(torch.div(positions + 1, ratio, rounding_mode="floor"))
 
 
 def encode_rows(rows: Tensor, store: Tensor, scales: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
@@ -73,7 +79,7 @@ def byte_view(t: Tensor) -> Tensor:
 
 def check_decode_compress_inputs(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Tensor,
                                  norm_weight: Tensor, inv_freq: Tensor, store: Tensor,
-                                 scales: Optional[Tensor]) -> None:
+                                 scales: Optional[Tensor], counts: Optional[Tensor] = None) -> None:
     """ValueError/TypeError naming the argument when `decode_compress`'s arguments disagree (shapes and dtypes
     only: no device read)."""
     if state.dim() != 3 or not state.is_floating_point():
@@ -104,7 +110,12 @@ def check_decode_compress_inputs(state: Tensor, new_rows: Tensor, positions: Ten
         raise ValueError(f"decode compressor: store must be [B, C, Dc] = [{batch}, C, {dc}], got "
                          f"{tuple(store.shape)}")
     check_key_scales("decode compressor", store, scales, "store", "scales")
-    tensors = (state, new_rows, positions, ape, norm_weight, inv_freq, store) + (() if scales is None else (scales,))
+    if counts is not None and (counts.shape != (batch,) or counts.dtype not in (torch.int32, torch.int64)
+                               or not counts.is_contiguous()):
+        raise ValueError(f"decode compressor: counts must be a contiguous int32/int64 [B] = [{batch}] tensor, got "
+                         f"{tuple(counts.shape)} {counts.dtype}")
+    tensors = (state, new_rows, positions, ape, norm_weight, inv_freq, store) + tuple(
+        t for t in (scales, counts) if t is not None)
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"decode compressor inputs must share one device, got {sorted(map(str, devices))}")

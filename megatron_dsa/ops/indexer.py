@@ -105,13 +105,13 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
     keys[b,j]>)` for the first `counts[b]` keys of sequence b, −inf after them.
 
     q: `[B, HI, DI]` the new token's indexer queries; keys: `[B, C, DI]` each sequence's cached compressed
-    indexer keys (any floating dtype, read as `keys.to(q.dtype)`); weights: `[B, HI]` head weights (already
-    multiplied by `HI^−1/2`); counts: `[B]` integer keys each sequence's new token sees (values above C count as
-    C). key_scales: `[B, C]` float32, with e4m3 `keys` (`torch.float8_e4m3fn`, an FP8 cache) and only then: key
-    `j` stands for `keys[b, j] · key_scales[b, j]`, and each query row `q[b, h]` is rounded to e4m3 too, with its
-    own scale (`ops.fp8_linear.quantize_rows`), so that a kernel can multiply the codes on an e4m3 MMA, as
-    DeepSeek's FP8 indexer does; the scales are positive, so they leave the ReLU: the head's joins its weight,
-    the key's multiplies its score. Returns `[B, C]` in float32 (float64 for float64 q). Scored in chunks of
+    indexer keys (any floating dtype, read as `keys.to(q.dtype)`); weights: `[B, HI]` head weights (the layer's
+    `HI^−1/2` factor in them or in `scale`); counts: `[B]` integer keys each sequence's new token sees (values
+    above C count as C). key_scales: `[B, C]` float32, with e4m3 `keys` (`torch.float8_e4m3fn`, an FP8 cache)
+    and only then: key `j` stands for `keys[b, j] · key_scales[b, j]`, and each query row `q[b, h]` is rounded to
+    e4m3 too, with its own scale (`ops.fp8_linear.quantize_rows`), so that a kernel can multiply the codes on an
+    e4m3 MMA, as DeepSeek's FP8 indexer does; the scales are positive, so they leave the ReLU: the head's joins
+    its weight, the key's multiplies its score. Returns `[B, C]` in float32 (float64 for float64 q). Scored in chunks of
     sequences, so the per-head dots `[B, HI, C]` never exist at once. No host read of `counts`: a CUDA graph can
     capture it.
     """

@@ -15,6 +15,7 @@ sink in the denominator. With one split the first kernel normalises and writes t
 import triton.language as tl
 
 from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+from megatron_dsa.backends.triton_kernels._rope_kernels import rotate_pairs
 from megatron_dsa.backends.triton_kernels._sparse_attention_kernels import LOG2E, MAX_FLOOR, online_softmax_step, row_tile
 
 
@@ -25,15 +26,19 @@ def decode_attention_split_kernel(
     H: tl.constexpr, D: tl.constexpr, R, RING_LIMIT, C, K, RATIO, SLOTS, SLOTS_PER_SPLIT,
     SPLITS: tl.constexpr, HAS_ENTRIES: tl.constexpr, SELECTED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, CHAINED: tl.constexpr,
+    VALUE_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr, CHAINED: tl.constexpr,
 ):
-    """One (sequence, head block, split): online softmax over the split's slots (module docstring).
+    """One (sequence, head block, value part, split): online softmax over the split's slots (module docstring).
 
     R ring slots, of which `min(p, RING_LIMIT)` are valid; C entry slots per sequence in `entries`; K
-    selected ids per sequence (`SELECTED`); the sequence sees entries `j < (p + 1) // RATIO`."""
+    selected ids per sequence (`SELECTED`); the sequence sees entries `j < (p + 1) // RATIO`. With
+    `VALUE_PARTS = 2` (no tail columns) the program scores with every column but accumulates and writes only its
+    half of the output's columns: half the accumulator's registers, twice the programs."""
     wait_for_previous_kernel(CHAINED)
     head_blocks: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
-    pid = tl.program_id(0)
+    BLOCK_V: tl.constexpr = BLOCK_D // VALUE_PARTS  # the output columns this program owns
+    part = tl.program_id(0) % VALUE_PARTS
+    pid = tl.program_id(0) // VALUE_PARTS
     split = tl.program_id(1)
     b = (pid // head_blocks).to(tl.int64)
     heads = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -44,9 +49,12 @@ def decode_attention_split_kernel(
     ring_valid = tl.minimum(p, RING_LIMIT)
     visible = (p + 1) // RATIO
 
-    dm = tl.arange(0, BLOCK_D)
+    dm = part * BLOCK_V + tl.arange(0, BLOCK_V)
     q = row_tile(q_ptr + row_heads, dm, head_ok, D, True, True)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    if VALUE_PARTS == 2:
+        do = (1 - part) * BLOCK_V + tl.arange(0, BLOCK_V)  # the other half's columns: scores only
+        q_o = row_tile(q_ptr + row_heads, do, head_ok, D, True, True)
     if BLOCK_DT > 0:
         dt = BLOCK_D + tl.arange(0, BLOCK_DT)
         q_t = row_tile(q_ptr + row_heads, dt, head_ok, D, True, True)
@@ -76,6 +84,9 @@ def decode_attention_split_kernel(
             valid = valid | entry_ok
         kv = row_tile(rows[:, None], dm, valid, D, True, True).to(q.dtype)
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        if VALUE_PARTS == 2:
+            kv_o = row_tile(rows[:, None], do, valid, D, True, True).to(q.dtype)
+            s = tl.dot(q_o, tl.trans(kv_o), s, input_precision=DOT_PRECISION)
         if BLOCK_DT > 0:
             kv_t = row_tile(rows[:, None], dt, valid, D, True, True).to(q.dtype)
             s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
@@ -99,21 +110,24 @@ def decode_attention_split_kernel(
                      mask=head_ok[:, None] & (dt < D)[None, :])
     else:
         # Partials [B, H, SPLITS(, D)]: the split's running maximum (base 2), its sum and its unnormalised output.
-        part = (b * H + heads).to(tl.int64) * SPLITS + split
-        tl.store(part_max_ptr + part, m_i, mask=head_ok)
-        tl.store(part_sum_ptr + part, l_i, mask=head_ok)
-        tl.store(part_acc_ptr + part[:, None] * D + dm[None, :], acc, mask=out_mask)
+        at = (b * H + heads).to(tl.int64) * SPLITS + split
+        if part == 0:  # the parts' maxima and sums agree to rounding (the same products summed in another order)
+            tl.store(part_max_ptr + at, m_i, mask=head_ok)
+            tl.store(part_sum_ptr + at, l_i, mask=head_ok)
+        tl.store(part_acc_ptr + at[:, None] * D + dm[None, :], acc, mask=out_mask)
         if BLOCK_DT > 0:
-            tl.store(part_acc_ptr + part[:, None] * D + dt[None, :], acc_t, mask=head_ok[:, None] & (dt < D)[None, :])
+            tl.store(part_acc_ptr + at[:, None] * D + dt[None, :], acc_t, mask=head_ok[:, None] & (dt < D)[None, :])
 
 
 def decode_combine_kernel(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr, seqlens_ptr, freq_ptr,
     H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHAINED: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHAINED: tl.constexpr,
 ):
     """One (sequence, head): `out = Σ_s 2^(m_s − M) acc_s / (2^(sink − M) + Σ_s 2^(m_s − M) l_s)` with `M` the
-    largest of the splits' maxima and the sink; the columns in chunks of `BLOCK_D`."""
+    largest of the splits' maxima and the sink; the columns in chunks of `BLOCK_D`. `HALF > 0`: the last
+    `2·HALF` columns, pairs `(even, odd)`, are rounded to out's dtype, then turned back by `−p·freq` as the RoPE
+    kernel turns them (`rotate_pairs`, the same roundings), `p = seqlens[b]`."""
     wait_for_previous_kernel(CHAINED)
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     head = row % H
@@ -125,9 +139,26 @@ def decode_combine_kernel(
     top = tl.maximum(tl.max(maxima, 0), sink)
     weights = tl.where(split_ok, tl.exp2(maxima - top), 0.0)
     inv_denominator = 1.0 / (tl.sum(weights * sums, 0) + tl.exp2(sink - top))
-    for first in range(0, D, BLOCK_D):
+    NOPE: tl.constexpr = D - 2 * HALF  # columns written as they are
+    parts = part_acc_ptr + (row * SPLITS + splits)[:, None] * D
+    for first in range(0, NOPE, BLOCK_D):
         cols = first + tl.arange(0, BLOCK_D)
-        partial = tl.load(part_acc_ptr + (row * SPLITS + splits)[:, None] * D + cols[None, :],
-                          mask=split_ok[:, None] & (cols < D)[None, :], other=0.0)
+        partial = tl.load(parts + cols[None, :], mask=split_ok[:, None] & (cols < NOPE)[None, :], other=0.0)
         out = tl.sum(partial * weights[:, None], 0) * inv_denominator
-        tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty), mask=cols < D)
+        tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty), mask=cols < NOPE)
+    if HALF > 0:
+        dtype = out_ptr.dtype.element_ty
+        pairs = tl.arange(0, BLOCK_HALF)
+        pair_ok = pairs < HALF
+        even_cols = NOPE + 2 * pairs
+        mask = split_ok[:, None] & pair_ok[None, :]
+        even = tl.sum(tl.load(parts + even_cols[None, :], mask=mask, other=0.0) * weights[:, None], 0)
+        odd = tl.sum(tl.load(parts + even_cols[None, :] + 1, mask=mask, other=0.0) * weights[:, None], 0)
+        # Rounded to out's dtype first: the values the RoPE kernel would read back from out.
+        even = (even * inv_denominator).to(dtype).to(tl.float32)[None, :]
+        odd = (odd * inv_denominator).to(dtype).to(tl.float32)[None, :]
+        position = tl.load(seqlens_ptr + row // H).to(tl.float32)
+        angles = (position * tl.load(freq_ptr + pairs, mask=pair_ok, other=0.0))[None, :]
+        even, odd = rotate_pairs(even, odd, angles, 1.0, True, dtype, tl.float32)
+        tl.store(out_ptr + row * D + even_cols, tl.reshape(even, [BLOCK_HALF]).to(dtype), mask=pair_ok)
+        tl.store(out_ptr + row * D + even_cols + 1, tl.reshape(odd, [BLOCK_HALF]).to(dtype), mask=pair_ok)

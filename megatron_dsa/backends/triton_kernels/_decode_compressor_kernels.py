@@ -109,12 +109,12 @@ def finish_entry(pooled, chans, entry, b, w_ptr, freq_ptr, eps_ptr, store_ptr, s
 
 
 def decode_compress_kernel(state_ptr, new_ptr, pos_ptr, ape_ptr, w_ptr, freq_ptr, eps_ptr, store_ptr, scale_ptr,
-                           pooled_ptr, NEW_STRIDE, ENTRIES, SLOTS: tl.constexpr, RATIO: tl.constexpr,
+                           counts_ptr, pooled_ptr, NEW_STRIDE, ENTRIES, SLOTS: tl.constexpr, RATIO: tl.constexpr,
                            COFF: tl.constexpr, DC: tl.constexpr, HALF: tl.constexpr, ROTATE: tl.constexpr,
                            FP8: tl.constexpr, STAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
                            BLOCK_ROW: tl.constexpr, LOG2_P: tl.constexpr, HADAMARD_SCALE: tl.constexpr,
                            FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-                           COMPUTE: tl.constexpr, CHAINED: tl.constexpr):
+                           COUNTS: tl.constexpr, COMPUTE: tl.constexpr, CHAINED: tl.constexpr):
     """Sequence b's new row into slot `p % SLOTS`; entry `j = p // RATIO` = pool → round → RMSNorm (rounded) →
     RoPE at `j·RATIO` on the last 2·HALF channels (rounded as `rotate_pairs`) → Hadamard (`ROTATE`, rounded
     once) → the store's dtype, or e4m3 codes with the row's scale `max(amax, tiny) / FP8_MAX` (`FP8`).
@@ -122,7 +122,8 @@ def decode_compress_kernel(state_ptr, new_ptr, pos_ptr, ape_ptr, w_ptr, freq_ptr
     `STAGE` 0: all of it, grid (B,). A long group (a large ratio: K = r slots to pool) leaves B programs waiting
     on the latency of one slot tile after another, so it is split in two launches: `STAGE` 1, grid (B, pair
     blocks), writes the slot and pools `BLOCK_P` channel pairs per program into `pooled [B, DC]` (rounded to the
-    state's dtype, as the entry is); `STAGE` 2, grid (B,), finishes the entry from there."""
+    state's dtype, as the entry is); `STAGE` 2, grid (B,), finishes the entry from there. `COUNTS`: the program
+    that finishes the entry also writes `counts[b] = (p + 1) // RATIO`."""
     wait_for_previous_kernel(CHAINED)
     dtype = state_ptr.dtype.element_ty
     ROW: tl.constexpr = 2 * COFF * DC
@@ -146,6 +147,8 @@ def decode_compress_kernel(state_ptr, new_ptr, pos_ptr, ape_ptr, w_ptr, freq_ptr
     if STAGE == 1:
         tl.store(pooled_ptr + b * DC + chans, pooled, mask=chans < DC)
     else:
+        if COUNTS:
+            tl.store(counts_ptr + b, ((position + 1) // RATIO).to(counts_ptr.dtype.element_ty))
         finish_entry(pooled.to(COMPUTE), chans, entry, b, w_ptr, freq_ptr, eps_ptr, store_ptr, scale_ptr, ENTRIES,
                      RATIO, DC, HALF, ROTATE, FP8, BLOCK_P, LOG2_P, HADAMARD_SCALE, FP8_MAX, INV_FP8_MAX, TINY,
                      dtype, COMPUTE)

@@ -2,7 +2,8 @@
 point and launch rules: `decode_indexer.py`).
 
 Left undecorated: `lazy_jit.launcher` decorates it on first use. q `[B, HI, DI]`, keys `[B, C, DI]` (row stride
-`DI`, sequence stride `C·DI`), weights `[B, HI]`, counts `[B]`, scores `[B, C]` float32, all contiguous; with
+`DI`, sequence stride `C·DI`), weights `[B, HI]` (rows `W_STRIDE` apart: a column slice of the layer's stacked
+projection is read where it lies), counts `[B]`, scores `[B, C]` float32, the others contiguous; with
 `KEY_SCALES` the keys are e4m3 and `key_scales [B, C]` float32 holds each key's scale, and the query rows are
 rounded to e4m3 too (one scale per head: `FP8_MAX`, `INV_FP8_MAX`, `TINY` as `fp8_quantize`), so that the dot is
 an e4m3 MMA reading the keys as they were loaded (converting them to bf16 for a bf16 MMA went through scalar
@@ -16,7 +17,7 @@ from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previ
 from megatron_dsa.backends.triton_kernels._fp8_quantize_kernels import e4m3_values, row_scale
 
 
-def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr, out_ptr, C, HI, DI,
+def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr, out_ptr, C, HI, DI, W_STRIDE,
                                  COLS_PER_PROGRAM, scale, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                                  BLOCK_C: tl.constexpr, PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr,
                                  KEY_SCALES: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
@@ -42,7 +43,7 @@ def decode_indexer_scores_kernel(q_ptr, k_ptr, key_scales_ptr, w_ptr, counts_ptr
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + (b * HI + heads[:, None]) * DI + dims[None, :],
                 mask=(heads[:, None] < HI) & (dims[None, :] < DI), other=0.0)
-    w = tl.load(w_ptr + b * HI + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
+    w = tl.load(w_ptr + b * W_STRIDE + heads, mask=heads < HI, other=0.0).to(tl.float32) * scale
     if KEY_SCALES:  # the query rows as e4m3 codes (as `fp8_quantize`), their scales with the head weights
         rows = q.to(tl.float32)
         q_scale = row_scale(tl.max(tl.abs(rows), axis=1), INV_FP8_MAX, TINY)

@@ -20,6 +20,18 @@ with 5 (a second wave), H's (1152 keys) 45.4, 41.7 and 51.4; a batch of 1 is fas
 per program (C 16.5 µs with 11 splits, 28.0 with 4). Long rows need the splits for bandwidth: a dense MLA cache
 of 128k rows took 235 µs at B = 1 in 66 splits, 147 in 128; at B = 32, 33 splits (4096 keys each) beat 128.
 
+Value parts. A program of 64 heads × 512 columns keeps a float32 accumulator of 128 KiB, with its query and key
+tiles more than 255 registers a thread hold (an sm_90a compile spills 420 bytes a thread). Where the splits are at
+one key block each and still leave multiprocessors idle (small batches), two programs share each (sequence, head
+block, split): both score with every column, each accumulates and writes half of the output's columns (no spills),
+and the extra programs run on idle multiprocessors. H200, D = 512, 128k, graph replays: C at B = 1 16.7 → 13.7 µs;
+at B = 32, where every multiprocessor is busy already, 36.5 → 36.1 (C) and 41.4 → 47.4 (H): one part there.
+
+Inverse RoPE. The W, C and H layers turn their output's RoPE columns back to position 0 right after the attention
+(`ops.rope`, inverse); the combine kernel does it as it writes those columns, with the RoPE kernel's roundings
+(the output rounded to its dtype first, then `rotate_pairs`), so a step launches one kernel fewer and gets the same
+bits.
+
 Float32 partials are allocated per call with sizes fixed by the shapes, so a captured step replays with
 them in the graph's pool. Everything else is read where it lies; `seqlens` is read on the device.
 """
@@ -34,6 +46,7 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
+from megatron_dsa.backends.triton_kernels.rope import rope
 from megatron_dsa.backends.triton_kernels.tiles import (MIN_DOT, cdiv, dot_precision, head_dim_chunks, multiprocessors,
                                                        on_device, pow2)
 from megatron_dsa.ops.decode_attention import check_decode_inputs
@@ -50,11 +63,13 @@ COMBINE_ELEMENTS = 4096  # split × column elements the combine kernel holds per
 
 
 class DecodeTiles(NamedTuple):
-    """A launch's tiles: key rows per step, warps per program and pipeline stages."""
+    """A launch's tiles: key rows per step, warps per program, pipeline stages and value parts (programs that
+    share a (sequence, head block, split), each accumulating a part of the output's columns)."""
 
     block_k: int
     warps: int
     stages: int
+    parts: int = 1
 
 
 def decode_tiles(dtype: torch.dtype, heads: int, dim: int) -> DecodeTiles:
@@ -67,9 +82,17 @@ def decode_tiles(dtype: torch.dtype, heads: int, dim: int) -> DecodeTiles:
     return DecodeTiles(64 if dtype.itemsize == 2 and dim <= 512 else 32, 8 if wide else 4, 2)
 
 
-def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.device) -> int:
+def value_parts(batch: int, heads: int, slots: int, dim: int, block_k: int, device: torch.device) -> int:
+    """2 where even one key block per split leaves multiprocessors idle and the head dim is one power of two (module
+    docstring), else 1."""
+    wave = INTERPRETER_PROGRAMS if device.type != "cuda" else multiprocessors(device)
+    blocks = batch * cdiv(heads, MAX_BLOCK_H) * cdiv(slots, block_k)
+    return 2 if head_dim_chunks(dim)[1] == 0 and dim >= 2 * MIN_DOT and 2 * blocks <= wave else 1
+
+
+def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.device, parts: int = 1) -> int:
     """Key ranges per (sequence, head block), from the shapes alone (module docstring)."""
-    programs = batch * cdiv(heads, MAX_BLOCK_H)
+    programs = batch * cdiv(heads, MAX_BLOCK_H) * parts
     wave = INTERPRETER_PROGRAMS if device.type != "cuda" else multiprocessors(device)
     wanted = max(wave // programs, cdiv(slots, MAX_KEYS_PER_SPLIT))
     return max(1, min(wanted, cdiv(slots, block_k), MAX_SPLITS))
@@ -77,11 +100,14 @@ def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.
 
 def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens: Tensor, window: int,
                      entries: Optional[Tensor], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
-                     scale: float, splits: Optional[int] = None, tiles: Optional[DecodeTiles] = None) -> Tensor:
+                     scale: float, inverse_rope_freq: Optional[Tensor] = None, splits: Optional[int] = None,
+                     tiles: Optional[DecodeTiles] = None) -> Tensor:
     """The `decode_attention` contract (`ops.decode_attention.decode_attention`) → `out [B, H, D]` in the query
     dtype. `splits` overrides the key ranges per (sequence, head block) (default: `split_count`), `tiles` the
-    launch's tiles (default: `decode_tiles`); both for tests and benchmarks."""
-    check_decode_inputs(query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink)
+    launch's tiles (default: `decode_tiles`); both for tests and benchmarks. The inverse RoPE is the combine's
+    last step (module docstring); a launch of a single split leaves it to the RoPE kernel."""
+    check_decode_inputs(query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink,
+                        inverse_rope_freq)
     if query.dtype not in SUPPORTED_DTYPES or window_rows.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"triton decode attention runs {[str(d) for d in SUPPORTED_DTYPES]}, got query "
                         f"{query.dtype} and cache {window_rows.dtype}")
@@ -96,14 +122,20 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
     selected = entry_ids is not None
     entry_slots = 0 if entries is None else (entry_ids.shape[1] if selected else entries.shape[1])
     slots = 1 + ring + entry_slots
-    block_k, warps, stages = decode_tiles(query.dtype, heads, dim) if tiles is None else tiles
-    splits = split_count(batch, heads, slots, block_k, query.device) if splits is None else splits
+    if tiles is None:
+        tiles = decode_tiles(query.dtype, heads, dim)
+        tiles = tiles._replace(parts=value_parts(batch, heads, slots, dim, tiles.block_k, query.device))
+    block_k, warps, stages, parts = tiles
+    splits = split_count(batch, heads, slots, block_k, query.device, parts) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"triton decode attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
     per_split = cdiv(cdiv(slots, splits), block_k) * block_k
     splits = cdiv(slots, per_split)  # no empty split
     block_h = pow2(heads, MIN_DOT, MAX_BLOCK_H)
     block_d, block_dt = head_dim_chunks(dim)
+    if parts not in (1, 2) or (parts == 2 and (block_dt > 0 or block_d < 2 * MIN_DOT)):
+        raise ValueError(f"triton decode attention: value parts must be 1, or 2 where the head dim is a power of two "
+                         f"of at least {2 * MIN_DOT}; got {parts} at head dim {dim}")
     partials = (heads * batch * splits * dim, heads * batch * splits) if splits > 1 else (1, 1)
     part_acc = torch.empty(partials[0], dtype=torch.float32, device=query.device)
     part_max = torch.empty(partials[1], dtype=torch.float32, device=query.device)
@@ -111,7 +143,7 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
     sink = sink.detach().to(torch.float32).contiguous()
     query = query.contiguous()
     with on_device(query.device):
-        launcher(_kernels().decode_attention_split_kernel)[(batch * cdiv(heads, block_h), splits)](
+        launcher(_kernels().decode_attention_split_kernel)[(batch * cdiv(heads, block_h) * parts, splits)](
             query, kv_new.contiguous(), window_rows.contiguous(),
             query if entries is None else entries.contiguous(),
             seqlens if entry_ids is None else entry_ids.contiguous(), seqlens.contiguous(), sink,
@@ -119,15 +151,19 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
             heads, dim, ring, max(window - 1, 0), 0 if entries is None else entries.shape[1], max(entry_slots, 1),
             ratio if entries is not None else 1, slots, per_split,
             SPLITS=splits, HAS_ENTRIES=entries is not None, SELECTED=selected,
-            BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DT=block_dt,
+            BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DT=block_dt, VALUE_PARTS=parts,
             DOT_PRECISION=dot_precision(query.dtype), num_warps=warps, num_stages=stages,
             **chained_launch(query.device))
         if splits > 1:
             block_s = pow2(splits)
+            half = 0 if inverse_rope_freq is None else inverse_rope_freq.shape[0]
+            freq = sink if inverse_rope_freq is None else inverse_rope_freq.to(query.device, torch.float32).contiguous()
             launcher(_kernels().decode_combine_kernel)[(batch * heads,)](
-                part_acc, part_max, part_sum, sink, out, heads, dim, SPLITS=splits, BLOCK_S=block_s,
-                BLOCK_D=pow2(dim, 1, max(MIN_DOT, COMBINE_ELEMENTS // block_s)), num_warps=4,
-                **chained_launch(query.device))
+                part_acc, part_max, part_sum, sink, out, seqlens.contiguous(), freq, heads, dim, SPLITS=splits,
+                BLOCK_S=block_s, BLOCK_D=pow2(dim, 1, max(MIN_DOT, COMBINE_ELEMENTS // block_s)), HALF=half,
+                BLOCK_HALF=pow2(max(half, 1)), num_warps=4, **chained_launch(query.device))
+        elif inverse_rope_freq is not None:
+            out = rope(out, seqlens, inverse_rope_freq, inverse=True)
     return out
 
 

@@ -58,9 +58,10 @@ def rotate_problem(head_dim: Optional[int], rotate: Optional[bool]) -> Optional[
 
 
 def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Tensor, norm_weight: Tensor, eps: float,
-                    inv_freq: Tensor, rotate: bool, store: Tensor, scales: Optional[Tensor] = None) -> None:
+                    inv_freq: Tensor, rotate: bool, store: Tensor, scales: Optional[Tensor] = None,
+                    counts: Optional[Tensor] = None) -> None:
     """The `decode_compressor` contract (`ops.decode_compressor.decode_compress`), in place."""
-    check_decode_compress_inputs(state, new_rows, positions, ape, norm_weight, inv_freq, store, scales)
+    check_decode_compress_inputs(state, new_rows, positions, ape, norm_weight, inv_freq, store, scales, counts)
     if state.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"triton decode compressor runs state of {[str(d) for d in SUPPORTED_DTYPES]}, got "
                         f"{state.dtype}")
@@ -78,12 +79,13 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
     compute = compute_dtype(state.dtype)
     eps_t = eps_tensor(eps, "decode compressor", compute, state.device)
     args = [state, new_rows, positions.contiguous(), ape.contiguous(), norm_weight.contiguous(),
-            inv_freq.to(state.device, compute).contiguous(), eps_t, store, state if scales is None else scales]
+            inv_freq.to(state.device, compute).contiguous(), eps_t, store, state if scales is None else scales,
+            positions if counts is None else counts]
     sizes = [new_rows.stride(0), store.shape[1]]
     constants = dict(SLOTS=slots, RATIO=ratio, COFF=channel_factor(ratio), DC=dc, HALF=inv_freq.shape[0],
                      ROTATE=bool(rotate), FP8=store.dtype == FP8_KEYS, BLOCK_ROW=min(BLOCK_ROW, pow2(row_width)),
                      HADAMARD_SCALE=dc ** -0.5 if rotate else 1.0, FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX,
-                     TINY=torch.finfo(torch.float32).tiny)
+                     TINY=torch.finfo(torch.float32).tiny, COUNTS=counts is not None)
     whole = pow2(dc // 2)  # the entry's channel pairs
     with on_device(state.device):
         import triton.language as tl

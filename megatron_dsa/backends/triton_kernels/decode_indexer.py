@@ -78,10 +78,12 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
     if ranges < 1:
         raise ValueError(f"triton decode indexer: ranges must be >= 1, got {ranges}")
     per_range = cdiv(cdiv(width, ranges), block_c) * block_c
+    if weights.stride(1) != 1:  # rows of heads apart are read where they lie (a column slice), scattered heads not
+        weights = weights.contiguous()
     with on_device(q.device):
         launcher(_kernels().decode_indexer_scores_kernel)[(batch, cdiv(width, per_range))](
             q.contiguous(), keys.contiguous(), key_scales.contiguous() if fp8 else scores,
-            weights.contiguous(), counts.contiguous(), scores, width, heads, dim, per_range, float(scale),
+            weights, counts.contiguous(), scores, width, heads, dim, weights.stride(0), per_range, float(scale),
             BLOCK_H=pow2(heads, MIN_DOT), BLOCK_D=pow2(dim, MIN_FP8_DOT_K if fp8 else MIN_DOT),
             BLOCK_C=block_c,
             PRECISION=dot_precision(q.dtype), KEYS_MAJOR=KEYS_MAJOR, KEY_SCALES=fp8,
