@@ -53,6 +53,7 @@ from megatron_dsa.config import KINDS, lookup_kind
 from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection, LightningIndexer
 from megatron_dsa.layers.cores import DenseMLACore
 from megatron_dsa.ops.compressor import OVERLAP_RATIO, channel_factor
+from megatron_dsa.ops.decode_attention import entry_counts
 from megatron_dsa.ops.decode_compressor import byte_view, encode_rows, pending_slots
 from megatron_dsa.ops.fp8_linear import RoundedWeights, dequantize_rows, rounded_rows
 from megatron_dsa.ops.indexer import FP8_KEYS
@@ -266,14 +267,15 @@ def _window_rows(new: TokenLayout, before: Tensor, window: int, ring: int) -> Te
     return torch.where(wanted <= p.unsqueeze(1), rows, INVALID)
 
 
-def _visible_entries(new: TokenLayout, entry_counts: Tensor, width: int, ratio: int) -> VisibleEntries:
-    """Entry `j` of sequence b is row `b·width + j` of the flattened cache; the row at position `p` sees
-    `j < (p + 1) // r` (ratio-causal, as the full forward's `visible_compressed_entries`)."""
-    j = torch.arange(width, device=entry_counts.device)
-    batch = torch.arange(entry_counts.shape[0], device=entry_counts.device).unsqueeze(1)
-    table = torch.where(j < entry_counts.unsqueeze(1), batch * width + j, INVALID)
+def _visible_entries(new: TokenLayout, complete: Tensor, width: int, ratio: int) -> VisibleEntries:
+    """Entry `j` of sequence b is row `b·width + j` of the flattened cache, of which the first `complete[b]` are
+    complete; the row at position `p` sees `j < (p + 1) // r` (ratio-causal, as the full forward's
+    `visible_compressed_entries`)."""
+    j = torch.arange(width, device=complete.device)
+    batch = torch.arange(complete.shape[0], device=complete.device).unsqueeze(1)
+    table = torch.where(j < complete.unsqueeze(1), batch * width + j, INVALID)
     seg = new.segment_ids
-    count = torch.minimum(torch.div(new.positions + 1, ratio, rounding_mode="floor"), entry_counts[seg])
+    count = torch.minimum(entry_counts(new.positions, ratio), complete[seg])
     return VisibleEntries(table, seg, count)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.ops.compressor import OVERLAP_RATIO, channel_factor, finish_entries, pool_slots
+from megatron_dsa.ops.decode_attention import entry_counts
 from megatron_dsa.ops.fp8_linear import quantize_rows
 from megatron_dsa.ops.indexer import FP8_KEYS, check_key_scales
 
@@ -60,7 +61,7 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
     if scales is not None:
         scales[sequences, entry] = row_scales
     if counts is not None:
-        counts.copy_(torch.div(positions + 1, ratio, rounding_mode="floor"))
+        counts.copy_(entry_counts(positions, ratio))
 
 
 def encode_rows(rows: Tensor, store: Tensor, scales: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:

@@ -111,9 +111,9 @@ def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tens
     and only then: key `j` stands for `keys[b, j] · key_scales[b, j]`, and each query row `q[b, h]` is rounded to
     e4m3 too, with its own scale (`ops.fp8_linear.quantize_rows`), so that a kernel can multiply the codes on an
     e4m3 MMA, as DeepSeek's FP8 indexer does; the scales are positive, so they leave the ReLU: the head's joins
-    its weight, the key's multiplies its score. Returns `[B, C]` in float32 (float64 for float64 q). Scored in chunks of
-    sequences, so the per-head dots `[B, HI, C]` never exist at once. No host read of `counts`: a CUDA graph can
-    capture it.
+    its weight, the key's multiplies its score. Returns `[B, C]` in float32 (float64 for float64 q). Scored in
+    chunks of sequences, so the per-head dots `[B, HI, C]` never exist at once. No host read of `counts`: a CUDA
+    graph can capture it.
     """
     check_decode_indexer_inputs(q, keys, weights, counts, key_scales)
     compute = compute_dtype(q.dtype)

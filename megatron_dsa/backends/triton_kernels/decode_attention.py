@@ -82,19 +82,22 @@ def decode_tiles(dtype: torch.dtype, heads: int, dim: int) -> DecodeTiles:
     return DecodeTiles(64 if dtype.itemsize == 2 and dim <= 512 else 32, 8 if wide else 4, 2)
 
 
+def _wave(device: torch.device) -> int:
+    """Programs one wave runs at once: one a multiprocessor (a program holds its registers), a few interpreted."""
+    return INTERPRETER_PROGRAMS if device.type != "cuda" else multiprocessors(device)
+
+
 def value_parts(batch: int, heads: int, slots: int, dim: int, block_k: int, device: torch.device) -> int:
     """2 where even one key block per split leaves multiprocessors idle and the head dim is one power of two (module
     docstring), else 1."""
-    wave = INTERPRETER_PROGRAMS if device.type != "cuda" else multiprocessors(device)
     blocks = batch * cdiv(heads, MAX_BLOCK_H) * cdiv(slots, block_k)
-    return 2 if head_dim_chunks(dim)[1] == 0 and dim >= 2 * MIN_DOT and 2 * blocks <= wave else 1
+    return 2 if head_dim_chunks(dim)[1] == 0 and dim >= 2 * MIN_DOT and 2 * blocks <= _wave(device) else 1
 
 
 def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.device, parts: int = 1) -> int:
     """Key ranges per (sequence, head block), from the shapes alone (module docstring)."""
     programs = batch * cdiv(heads, MAX_BLOCK_H) * parts
-    wave = INTERPRETER_PROGRAMS if device.type != "cuda" else multiprocessors(device)
-    wanted = max(wave // programs, cdiv(slots, MAX_KEYS_PER_SPLIT))
+    wanted = max(_wave(device) // programs, cdiv(slots, MAX_KEYS_PER_SPLIT))
     return max(1, min(wanted, cdiv(slots, block_k), MAX_SPLITS))
 
 

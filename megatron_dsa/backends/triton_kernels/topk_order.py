@@ -37,13 +37,13 @@ from megatron_dsa.ops.indices import UniformVisibleRows, prefix_valid
 
 MAX_WIDTH = 4096  # keys per row one program sorts in registers
 AUTO_MAX_COLUMNS = 1024  # the widest rows sorted whole; wider ones are selected first (see above)
-# The most rows `auto` gives the wide-row path (a decode batch; the select keeps state for `SELECT_MAX_ROWS` rows per
-# launch). Named, `triton` takes it for any rows.
-SELECT_AUTO_MAX_ROWS = 1024
 SELECT_BLOCK = 2048  # columns per step of the select's passes
 SELECT_WARPS = 8
 PROGRAMS_PER_SM = 4  # the select's programs per multiprocessor, over all rows (2: 58 µs where 4 took 55)
 SELECT_MAX_ROWS = 1024  # rows of select state kept per stream (more rows: launched 1024 at a time)
+# The most rows `auto` gives the wide-row path (a decode batch: one launch of the select's state). Named, `triton`
+# takes it for any rows.
+SELECT_AUTO_MAX_ROWS = SELECT_MAX_ROWS
 RADIX = 256  # the select's digit: 8 bits a pass (`_topk_order_kernels.RADIX`)
 INTERPRETER_SELECT_BLOCK = 16  # several steps per row on the tests' small rows
 SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32, where the keys are made
@@ -85,7 +85,8 @@ def select_top_columns(scores: Tensor, valid: Optional[Tensor], k: int, counts: 
     Radix select, no sort (`_topk_order_kernels`): each row is split into chunks of columns, one program each
     (`programs_per_row`, by default about `PROGRAMS_PER_SM` programs per multiprocessor), which count digits for the
     row's four passes, then their columns above the threshold and tied with it, then write their picks; six
-    launches, each row's state (`SelectWorkspace`) left zeroed for the next call (CUDA-graph safe)."""
+    launches, each row's histogram and ticket (`_select_workspace`) left zeroed for the next call (CUDA-graph
+    safe)."""
     _check_topk(scores, valid, counts, k)
     rows, cols = scores.shape
     if k > cols:
