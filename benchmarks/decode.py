@@ -40,6 +40,7 @@ from megatron_dsa.layers import DecodeGraph  # noqa: E402
 from megatron_dsa.layers.cuda_graphs import capture_graph  # noqa: E402
 from megatron_dsa.layers.decoding import LayerCache  # noqa: E402
 from megatron_dsa.layers.kinds import build_attention  # noqa: E402
+from megatron_dsa.ops.paged_rows import PagedRows, write_rows  # noqa: E402
 
 from timing import DTYPES, device_name, median_ms  # noqa: E402  (this directory)
 
@@ -82,18 +83,31 @@ def median_us(step: Callable[[], object], device: torch.device, repeats: int, wa
 
 # ---------------------------------------------------------------- what is timed
 def filled_cache(layer, batch: int, context: int, spare: int, generator: torch.Generator,
-                 fp8_indexer_keys: bool = False) -> LayerCache:
+                 fp8_indexer_keys: bool = False, fp8_attention_rows: bool = False) -> LayerCache:
     """A cache of `batch` sequences holding `context` tokens each, its rows random (FP8 indexer keys: their codes;
-    scales 1), with room for `spare` more."""
-    cache = LayerCache.for_layer(layer, batch, context + spare, fp8_indexer_keys=fp8_indexer_keys)
+    scales 1; FP8 attention rows: random rows written to every slot), with room for `spare` more."""
+    cache = LayerCache.for_layer(layer, batch, context + spare, fp8_indexer_keys=fp8_indexer_keys,
+                                 fp8_attention_rows=fp8_attention_rows)
     buffers = [cache.window, cache.entries, cache.indexer_keys, cache.latent]
     buffers += [state.rows for state in cache.compressors.values()]
     for buffer in buffers:
-        if buffer is not None:
+        if isinstance(buffer, PagedRows):
+            fill_pages(buffer, generator)
+        elif buffer is not None:
             buffer.copy_(torch.randn(buffer.shape, generator=generator, device=buffer.device))
     cache.seqlens.fill_(context)
     cache.longest = context
     return cache
+
+
+def fill_pages(paged: PagedRows, generator: torch.Generator, chunk: int = 2048) -> None:
+    """Random rows in every slot of FP8 pages, `chunk` slots of every sequence at a time (bounded temporaries)."""
+    device = paged.pages.device
+    for start in range(0, paged.slots, chunk):
+        slots = torch.arange(start, min(start + chunk, paged.slots), device=device)
+        rows = torch.randn(paged.batch * slots.numel(), paged.dim, generator=generator, device=device)
+        write_rows(paged, torch.arange(paged.batch, device=device).repeat_interleave(slots.numel()),
+                   slots.repeat(paged.batch), rows)
 
 
 def dense_mla_attention(config: HybridAttentionConfig, batch: int, context: int, device: torch.device,
@@ -143,7 +157,7 @@ def measure(config: HybridAttentionConfig, kind: str, batch: int, context: int, 
     layer = build_attention(config, kind=kind).to(device, dtype).eval()
     # Every eager and replayed step adds a token: the first step, the profiled ones, then warm-up and timed steps of each.
     cache = filled_cache(layer, batch, context, 1 + 2 * (args.warmup + args.repeats) + PROFILED_STEPS * args.profile,
-                         generator, args.fp8_indexer_keys)
+                         generator, args.fp8_indexer_keys, args.fp8_attention_rows and kind != "M")
     x = torch.randn(1, batch, config.hidden_size, generator=generator, device=device).to(dtype)
     step = lambda: layer(x, inference_cache=cache)  # noqa: E731
     reset_call_counts()
@@ -191,7 +205,8 @@ def format_table(rows: Sequence[Row]) -> str:
 def describe_run(args: argparse.Namespace) -> str:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (eager only)"
-    keys = ", FP8 indexer keys" if args.fp8_indexer_keys else ""
+    keys = (", FP8 indexer keys" if args.fp8_indexer_keys else "") + (
+        ", FP8 attention rows (W/C/H)" if args.fp8_attention_rows else "")
     return (f"HybridAttention decode step (one token per sequence), preset {args.preset}, {args.dtype}{keys}, "
             f"{name}, torch {torch.__version__}\nmedian of {args.repeats} steps after {args.warmup} warm-up, each from an "
             f"idle device; tokens/s = B / step (one layer; graph step where there is one); dense-MLA: attention "
@@ -214,6 +229,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--profile-rows", type=int, default=14, help="kernels listed per profile")
     parser.add_argument("--fp8-indexer-keys", action="store_true",
                         help="C layers' caches keep their indexer keys in FP8 (LayerCache.for_layer)")
+    parser.add_argument("--fp8-attention-rows", action="store_true",
+                        help="W/C/H layers' caches keep their attention rows in FP8 pages (LayerCache.for_layer): "
+                             "FlashMLA's sparse decode where it is built")
     parser.add_argument("--projection-precision", nargs="+", default=["native"], choices=PROJECTION_PRECISIONS,
                         help="the layer's projection_precision; several: each kind's rows once per value, in one run")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))

@@ -59,16 +59,18 @@ def check_sampling(temperature: float, top_p: float) -> None:
 @torch.no_grad()
 def generate(model: HybridLM, prompts: Sequence[Tensor], max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, generator: Optional[torch.Generator] = None, use_cache: bool = True,
-             cuda_graph: bool = False, fp8_indexer_keys: bool = False) -> Tensor:
+             cuda_graph: bool = False, fp8_indexer_keys: bool = False, fp8_attention_rows: bool = False) -> Tensor:
     """Continue each prompt (`[L_b]` int64 token ids, lengths may differ) by `max_new_tokens` tokens →
     `[B, max_new_tokens]`. With the cache the prompts are prefilled packed, then each step feeds one
     token per sequence; `use_cache=False` runs the full forward over every sequence at every step (the
     reference the cache must equal). `cuda_graph` (a model on a CUDA device, with the cache): the first
     one-token step is captured as a CUDA graph (`layers.DecodeGraph`) and every step replays it.
-    `fp8_indexer_keys`: the cache keeps C layers' indexer keys in FP8 (`LayerCache.for_layer`)."""
+    `fp8_indexer_keys` / `fp8_attention_rows`: the cache keeps C layers' indexer keys / W, C and H layers' attention
+    rows in FP8 (`LayerCache.for_layer`)."""
     check_sampling(temperature, top_p)
-    if fp8_indexer_keys and not use_cache:
-        raise ValueError("fp8_indexer_keys is a cache's option: it cannot be combined with use_cache=False")
+    for name, on in (("fp8_indexer_keys", fp8_indexer_keys), ("fp8_attention_rows", fp8_attention_rows)):
+        if on and not use_cache:
+            raise ValueError(f"{name} is a cache's option: it cannot be combined with use_cache=False")
     device = model.word_embeddings.weight.device
     check_cuda_graph(cuda_graph, use_cache, device)
     if max_new_tokens < 1:
@@ -81,8 +83,9 @@ def generate(model: HybridLM, prompts: Sequence[Tensor], max_new_tokens: int, te
         raise ValueError(f"prompt + max_new_tokens - 1 = {longest} tokens exceeds model.max_seq_len "
                          f"{model.model_config.max_seq_len}")
     prompts = [p.to(device) for p in prompts]
-    step = (_cached_steps(model, prompts, longest, cuda_graph, fp8_indexer_keys) if use_cache
-            else _recomputed_steps(model, prompts))
+    step = (_cached_steps(model, prompts, longest, cuda_graph, dict(fp8_indexer_keys=fp8_indexer_keys,
+                                                                    fp8_attention_rows=fp8_attention_rows))
+            if use_cache else _recomputed_steps(model, prompts))
     generated: list[Tensor] = []
     logits = step(None)
     for _ in range(max_new_tokens):
@@ -103,10 +106,10 @@ def check_cuda_graph(cuda_graph: bool, use_cache: bool, device: torch.device, *,
         raise ValueError(f"{graph} needs a CUDA device (CUDA graphs), got {where} {device}")
 
 
-def _cached_steps(model: HybridLM, prompts: list[Tensor], capacity: int, cuda_graph: bool, fp8_indexer_keys: bool):
+def _cached_steps(model: HybridLM, prompts: list[Tensor], capacity: int, cuda_graph: bool, cache_options: dict):
     """`step(None)` prefills the prompts; `step(tokens [B])` decodes one token each → last logits `[B, V]`
-    (with `cuda_graph`, graph memory that the next step overwrites)."""
-    cache = model.new_inference_cache(len(prompts), capacity, fp8_indexer_keys=fp8_indexer_keys)
+    (with `cuda_graph`, graph memory that the next step overwrites; `cache_options`: `new_inference_cache`'s)."""
+    cache = model.new_inference_cache(len(prompts), capacity, **cache_options)
     graph: Optional[DecodeGraph] = None
 
     def decode(tokens: Tensor) -> Tensor:  # tokens [B, 1]
@@ -229,6 +232,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                         help="keep C layers' indexer keys in the cache in FP8 (e4m3, a scale per key) and score them "
                              "with e4m3 queries: half their bytes, read every step; the scores differ from the full "
                              "forward's by that rounding")
+    parser.add_argument("--fp8-attention-rows", action="store_true",
+                        help="keep W, C and H layers' attention rows (window and compressed entries) in the cache as "
+                             "e4m3 pages with a power-of-two scale per 64 columns and bf16 RoPE columns (FlashMLA's "
+                             "FP8 sparse decode reads them where it is built); outputs differ from the full forward's "
+                             "by that rounding")
     return parser
 
 
@@ -244,15 +252,18 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m megatron_dsa.g
 
         device = resolve_device(args.device)
         check_cuda_graph(args.cuda_graph, not args.no_cache, device, flags=True)
-        if args.fp8_indexer_keys and args.no_cache:
-            raise ValueError("--fp8-indexer-keys is a cache's option: it cannot be combined with --no-cache")
+        for flag, on in (("--fp8-indexer-keys", args.fp8_indexer_keys), ("--fp8-attention-rows",
+                                                                          args.fp8_attention_rows)):
+            if on and args.no_cache:
+                raise ValueError(f"{flag} is a cache's option: it cannot be combined with --no-cache")
         model = load_model(args.checkpoint, device, DTYPES[args.dtype])
         generator = torch.Generator(device=model.word_embeddings.weight.device).manual_seed(args.seed)
         if args.prompt:
             prompts = [torch.tensor(list(text.encode()), dtype=torch.long) for text in args.prompt]
             continuations = generate(model, prompts, args.max_new_tokens, args.temperature, args.top_p,
                                      generator, use_cache=not args.no_cache, cuda_graph=args.cuda_graph,
-                                     fp8_indexer_keys=args.fp8_indexer_keys)
+                                     fp8_indexer_keys=args.fp8_indexer_keys,
+                                     fp8_attention_rows=args.fp8_attention_rows)
             for text, continuation in zip(args.prompt, continuations):
                 print(text + bytes(continuation.tolist()).decode(errors="replace"))
         if args.retrieval:

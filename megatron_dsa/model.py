@@ -158,16 +158,17 @@ class HybridLM(nn.Module):
         return F.linear(hidden.transpose(0, 1), head).float()
 
     def new_inference_cache(self, batch: int, capacity: Optional[int] = None,
-                            fp8_indexer_keys: bool = False) -> InferenceCache:
+                            fp8_indexer_keys: bool = False, fp8_attention_rows: bool = False) -> InferenceCache:
         """An empty decoding cache for `batch` sequences of up to `capacity` tokens (default
         `model.max_seq_len`), in the parameters' dtype and device (`fp8_indexer_keys`: C layers' indexer keys in
-        e4m3 with a scale per key, `LayerCache.for_layer`)."""
+        e4m3 with a scale per key; `fp8_attention_rows`: W/C/H layers' attention rows in e4m3 pages;
+        `LayerCache.for_layer`)."""
         capacity = self.model_config.max_seq_len if capacity is None else capacity
         if capacity > self.model_config.max_seq_len:
             raise ValueError(f"inference cache capacity {capacity} exceeds model.max_seq_len "
                              f"{self.model_config.max_seq_len}")
         return InferenceCache.for_layers([layer.self_attention for layer in self.layers], batch, capacity,
-                                         fp8_indexer_keys=fp8_indexer_keys)
+                                         fp8_indexer_keys=fp8_indexer_keys, fp8_attention_rows=fp8_attention_rows)
 
     def indexer_losses(self) -> dict[int, float]:
         """`{layer_number: coefficient-scaled indexer KL}` of the last training forward (C layers only)."""

@@ -118,10 +118,11 @@ def decoding_config(kind: str) -> HybridAttentionConfig:
 
 
 @torch.no_grad()
-def decode_twins(kind: str, family: str, tokens: int = 30, prompt: int = 6) -> list[tuple]:
+def decode_twins(kind: str, family: str, tokens: int = 30, prompt: int = 6, **cache_options) -> list[tuple]:
     """A `kind` layer on the reference path and its twin (same weights) with `family` on Triton: `prompt` tokens of
-    3 sequences prefilled, then one at a time up to `tokens`. Per layer `(outputs [tokens, 3, d], picks [steps,
-    3, k] of a C layer or None, cache)`; the call counters count the twin's single-token steps."""
+    3 sequences prefilled, then one at a time up to `tokens`, caches made with `cache_options`. Per layer `(outputs
+    [tokens, 3, d], picks [steps, 3, k] of a C layer or None, cache)`; the call counters count the twin's
+    single-token steps."""
     config = decoding_config(kind)
     torch.manual_seed(0)
     reference = build_attention(config.replace(attention_backend="unfused"), kind=kind).eval()
@@ -130,7 +131,7 @@ def decode_twins(kind: str, family: str, tokens: int = 30, prompt: int = 6) -> l
     hidden = torch.randn(tokens, 3, config.hidden_size)
     runs = []
     for layer in (reference, fused):
-        cache = LayerCache.for_layer(layer, 3, tokens)
+        cache = LayerCache.for_layer(layer, 3, tokens, **cache_options)
         steps, chosen = [layer(hidden[:prompt], inference_cache=cache)[0]], []
         reset_call_counts()
         for t in range(prompt, tokens):

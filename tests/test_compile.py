@@ -20,6 +20,7 @@ from megatron_dsa import HybridAttention, HybridAttentionConfig
 from megatron_dsa.backends import AUTO_ORDER, OpFamily, call_counts, library, reset_call_counts
 from megatron_dsa.ops.indices import visible_compressed_entries, window_indices
 from megatron_dsa.ops.layout import TokenLayout
+from megatron_dsa.ops.paged_rows import PagedRows, write_rows
 from megatron_dsa.packed_seq import PackedSeqParams
 from reference_layer import randomize_parameters_
 
@@ -128,6 +129,14 @@ def _layout(device: str = "cpu") -> TokenLayout:
                               torch.tensor([0, 12, 20], device=device), 12)
 
 
+def _random_pages(batch: int, slots: int, g: torch.Generator, device: str) -> torch.Tensor:
+    """FP8 pages (`ops.paged_rows`) of rows 16 wide (8 RoPE) with random rows in every slot."""
+    paged = PagedRows.empty(batch, slots, 16, 8, device)
+    write_rows(paged, torch.arange(batch, device=device).repeat_interleave(slots),
+               torch.arange(slots, device=device).repeat(batch), torch.randn(batch * slots, 16, generator=g).to(device))
+    return paged.pages
+
+
 def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
     """Small inputs for each custom op (backend `unfused`), with and without the optional arguments."""
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -135,6 +144,7 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
     layout, heads, dim, rope_dim = _layout(device), 2, 16, 8
     positions, inv_freq = layout.positions, torch.rand(rope_dim // 2, generator=g).to(device)
     compressed = layout.compressed(4)
+    window_pages, entry_pages = (_random_pages(3, slots, g, device) for slots in (4, 5))
     entries = visible_compressed_entries(compressed)
     candidates = entries.rows()
     window = window_indices(layout, 4)
@@ -205,6 +215,15 @@ def _opcheck_samples(device: str = "cpu") -> dict[str, list[tuple]]:
         # buffer [B, R, D] (a ring of 4 slots), new rows [B, D], seqlens [B] (the last two wrap around the ring)
         "decode_append": [("unfused", r(3, 4, 8, grad=False), r(3, 8, grad=False),
                            torch.tensor([0, 5, 11], device=device))],
+        # FP8 pages (ops.paged_rows) of 3 sequences, rows of 16 (8 RoPE): a window ring of 4 slots, 5 entry slots
+        "paged_decode_attention": [
+            ("unfused", r(3, 2, 16, grad=False), window_pages, 4, 16, 8, torch.tensor([0, 5, 11], device=device),
+             entry_pages, 5, torch.tensor([[0, -1], [1, 0], [2, 4]], device=device), 4, r(2, grad=False), 0.25,
+             inv_freq[:4]),
+            ("unfused", r(3, 2, 16, grad=False), window_pages, 4, 16, 8, torch.tensor([0, 5, 11], device=device),
+             None, 0, None, 1, r(2, grad=False), 0.25, None)],
+        "paged_rows_write": [("unfused", window_pages.clone(), 4, 16, 8, r(3, 16, grad=False),
+                              torch.tensor([0, 5, 11], device=device), 1)],
         # (Its kept-codes form, e4m3 b with b_scales, is not sampled, for the same reason.)
         "fp8_gemm": [("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.float32, None),
                      ("unfused", r(5, 24, grad=False), r(7, 24, grad=False), torch.bfloat16, None)],
@@ -222,7 +241,8 @@ OPS = {
     "indexer_loss": library.indexer_loss_op, "indexer_kl_bwd": library.indexer_kl_bwd_op,
     "decode_attention": library.decode_attention_op, "decode_indexer_scores": library.decode_indexer_scores_op,
     "decode_compressor": library.decode_compressor_op, "decode_append": library.decode_append_op,
-    "fp8_gemm": library.fp8_gemm_op,
+    "fp8_gemm": library.fp8_gemm_op, "paged_decode_attention": library.paged_decode_attention_op,
+    "paged_rows_write": library.paged_rows_write_op,
 }
 
 

@@ -115,10 +115,12 @@ def test_a_decode_step_writes_each_cache_buffer_in_one_family_call(kind: str) ->
 # from them: 246 since), 247 since the window write and the length increment became one `decode_append` call (one
 # kernel on CUDA; the reference numbers the sequences itself, where the step kept an arange), 248 since the
 # indexer's compressor write gives the entry counts (the reference copies them into the step's int32 buffer; on
-# CUDA the write's kernel stores them, three elementwise kernels fewer). On the CPU the op families run their
-# reference ops; the rest is the step's own glue, which a CUDA graph replays as one node per kernel. A bound, not a
-# count of each op: an accidental per-step copy, cat or constant raises it.
-C_DECODE_STEP_OPS = 248
+# CUDA the write's kernel stores them, three elementwise kernels fewer), 250 since the compressor write's reference
+# takes the store as a ring of slots (`j % C`: one slot for FP8 attention rows' scratch row; a remainder each, no
+# kernel more on CUDA). On the CPU the op families run their reference ops; the rest is the step's own glue, which a
+# CUDA graph replays as one node per kernel. A bound, not a count of each op: an accidental per-step copy, cat or
+# constant raises it.
+C_DECODE_STEP_OPS = 250
 
 
 @torch.no_grad()
@@ -236,6 +238,62 @@ def test_fp8_indexer_keys_pick_the_top_k_of_the_scores_of_the_stored_keys() -> N
     assert chosen > 0
 
 
+def one_token_each(batch: int) -> PackedSeqParams:
+    return packed([1] * batch)
+
+
+@pytest.mark.parametrize("kind", ["W", "C", "H"])
+@torch.no_grad()
+def test_fp8_attention_rows_decode_steps_equal_the_cached_reference_path(kind: str) -> None:
+    """With FP8 attention rows every row a query reads is rounded as the pages keep it, its own row too: decode
+    steps (`decode_step`: the new row written to its page first, then `paged_decode_attention`) equal the same
+    tokens given as packed one-token calls (the reference path, `attend_cached`) to float64 rounding, and both
+    stay close to the unrounded full forward (e4m3 keeps three mantissa bits)."""
+    seqlen, prefill = 21, 6
+    layer, hidden = layer_and_input(kind, seqlen, batch=2, seed=7)
+    full = layer(hidden)[0]
+    caches = [LayerCache.for_layer(layer, 2, seqlen, fp8_attention_rows=True) for _ in range(2)]
+    outputs = [[layer(hidden[:prefill], inference_cache=cache)[0]] for cache in caches]
+    reset_call_counts()
+    for t in range(prefill, seqlen):
+        outputs[0].append(layer(hidden[t:t + 1], inference_cache=caches[0])[0])
+        rows = layer(hidden[t].unsqueeze(1), inference_cache=caches[1], packed_seq_params=one_token_each(2))[0]
+        outputs[1].append(rows.transpose(0, 1))
+    steps = seqlen - prefill
+    assert call_counts()[("unfused", "paged_decode_attention")] == steps, call_counts()
+    assert call_counts()[("unfused", "paged_rows_write")] == steps * (1 if kind == "W" else 2), call_counts()
+    decoded, cached = torch.cat(outputs[0]), torch.cat(outputs[1])
+    assert max_error(decoded, cached) < TOLERANCE
+    assert torch.equal(caches[0].window.pages, caches[1].window.pages)
+    cos = torch.nn.functional.cosine_similarity(decoded.flatten(), full.flatten(), dim=0)
+    assert cos > 0.999 and max_error(decoded, full) < 0.05 * float(full.abs().max()), (float(cos),
+                                                                                          max_error(decoded, full))
+
+
+@torch.no_grad()
+def test_fp8_attention_rows_leave_a_c_layers_picks_as_they_were() -> None:
+    """The indexer scores its own keys, not the attention rows: a C layer picks the same entries each step with FP8
+    attention rows as with bf16 rows, and its cache is smaller."""
+    seqlen, prefill = 29, 9
+    layer, hidden = layer_and_input("C", seqlen, batch=2, seed=8)
+    caches = [LayerCache.for_layer(layer, 2, seqlen), LayerCache.for_layer(layer, 2, seqlen, fp8_attention_rows=True)]
+    for cache in caches:
+        layer(hidden[:prefill], inference_cache=cache)
+    for t in range(prefill, seqlen):
+        picks = []
+        for cache in caches:
+            layer(hidden[t:t + 1], inference_cache=cache)
+            picks.append(layer.core_attention.last_decode_picks)
+        assert torch.equal(picks[0], picks[1]), t
+    assert caches[1].nbytes() < caches[0].nbytes()
+
+
+def test_fp8_attention_rows_are_refused_for_an_m_layer() -> None:
+    layer, _ = layer_and_input("M", 1, 1)
+    with pytest.raises(ValueError, match="fp8_attention_rows applies to W/C/H layers"):
+        LayerCache.for_layer(layer, 2, 8, fp8_attention_rows=True)
+
+
 def packed(lengths: list[int]) -> PackedSeqParams:
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return PackedSeqParams(cu_seqlens_q=cu, max_seqlen_q=max(lengths))
@@ -309,15 +367,20 @@ def test_an_fp32_cache_serves_bf16_rows_under_autocast(kind: str) -> None:
     assert max_error(decoded, full) < 0.05 * float(full.abs().max())
 
 
-@pytest.mark.parametrize("kind, fp8_indexer_keys", [(kind, False) for kind in KINDS] + [("C", True)],
-                         ids=[*KINDS, "C_fp8_indexer_keys"])
-def test_the_footprint_counts_what_the_cache_allocates(kind: str, fp8_indexer_keys: bool) -> None:
+@pytest.mark.parametrize("kind, options", [(kind, {}) for kind in KINDS] + [("C", dict(fp8_indexer_keys=True))]
+                         + [(kind, dict(fp8_attention_rows=True)) for kind in "WCH"],
+                         ids=[*KINDS, "C_fp8_indexer_keys", "W_fp8_rows", "C_fp8_rows", "H_fp8_rows"])
+def test_the_footprint_counts_what_the_cache_allocates(kind: str, options: dict) -> None:
+    """Exactly, but for FP8 attention rows' page padding (less than a row's bytes per page: two pages a
+    sequence)."""
     layer, _ = layer_and_input(kind, 1, 1)
-    footprint = cache_footprint(layer.config, kind, element_size=8,  # float64 buffers
-                                fp8_indexer_keys=fp8_indexer_keys)
+    footprint = cache_footprint(layer.config, kind, element_size=8, **options)  # float64 buffers
+    c = layer.config
+    padding = 2 * (c.v_head_dim + c.qk_pos_emb_head_dim) if options.get("fp8_attention_rows") else 0
     for capacity in (64, 256):  # entry slots a multiple of ENTRY_SLOT_MULTIPLE at every ratio
-        cache = LayerCache.for_layer(layer, 3, capacity, fp8_indexer_keys=fp8_indexer_keys)
-        assert cache.nbytes() == 3 * (footprint.per_sequence + footprint.per_token * capacity)
+        cache = LayerCache.for_layer(layer, 3, capacity, **options)
+        counted = 3 * (footprint.per_sequence + footprint.per_token * capacity)
+        assert counted <= cache.nbytes() <= counted + 3 * padding
 
 
 @pytest.mark.parametrize("kind", ["C", "H"])

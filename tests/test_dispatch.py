@@ -116,6 +116,9 @@ PRIORITY_ORDER = {
     "fp8_gemm": ("triton", "torch_scaled_mm", "unfused"),
     "decode_compressor": ("triton", "unfused"),  # came after the table: first the kernel, the reference last
     "decode_append": ("triton", "unfused"),  # likewise
+    # Came after the table: FlashMLA's FP8 sparse decode where built, else the reference; the Triton row write.
+    "paged_decode_attention": ("flashmla", "unfused"),
+    "paged_rows_write": ("triton", "unfused"),
 }
 
 

@@ -74,21 +74,24 @@ def test_bad_decode_inputs_are_named(argument, change, error):
         reference_decode(**{**inputs, **change(inputs)})
 
 
-@pytest.mark.parametrize("kind, fp8_indexer_keys", [("C", False), ("C", True), ("M", False)],
-                         ids=["C", "C_fp8_indexer_keys", "M"])
+@pytest.mark.parametrize("kind, options", [("C", {}), ("C", dict(fp8_indexer_keys=True)), ("M", {}),
+                                           ("C", dict(fp8_attention_rows=True)), ("W", dict(fp8_attention_rows=True))],
+                         ids=["C", "C_fp8_indexer_keys", "M", "C_fp8_attention_rows", "W_fp8_attention_rows"])
 @torch.no_grad()
-def test_a_warm_up_step_is_undone_exactly(kind, fp8_indexer_keys):
+def test_a_warm_up_step_is_undone_exactly(kind, options):
     """What `DecodeGraph` saves before its warm-up steps covers everything a decode step writes: after one step
     (C: it completes an entry, position 7, ratio 4; M: it writes its latent row) and the restore, every buffer
-    and length is as before (FP8 indexer keys: their codes and scales)."""
+    and length is as before (FP8 indexer keys: their codes and scales; FP8 attention rows: the pages and the
+    entry's scratch row)."""
     layer = build_attention(decoding_config(kind), kind=kind).double().eval()
-    cache = LayerCache.for_layer(layer, 2, 12, fp8_indexer_keys=fp8_indexer_keys)
+    cache = LayerCache.for_layer(layer, 2, 12, **options)
     hidden = torch.randn(8, 2, layer.config.hidden_size, dtype=torch.float64)
     layer(hidden[:7], inference_cache=cache)
 
     def state() -> list[torch.Tensor]:
         keys = None if cache.indexer_keys is None else cache.indexer_keys.view(torch.uint8)
-        buffers = (cache.seqlens, cache.window, cache.entries, keys, cache.indexer_key_scales, cache.latent,
+        rows = [getattr(t, "pages", t) for t in (cache.window, cache.entries)]
+        buffers = (cache.seqlens, *rows, cache.entry_scratch, keys, cache.indexer_key_scales, cache.latent,
                    *[s.rows for s in cache.compressors.values()])
         return [t.clone() for t in buffers if t is not None]
 
@@ -228,26 +231,31 @@ def test_the_combine_turns_the_output_back_as_the_rope_kernel_does(entries, part
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("kind, fp8_indexer_keys", [("W", False), ("C", False), ("C", True), ("H", False),
-                                                     ("M", False)],
-                         ids=["W", "C", "C_fp8_indexer_keys", "H", "M"])
+@pytest.mark.parametrize("kind, options", [("W", {}), ("C", {}), ("C", dict(fp8_indexer_keys=True)), ("H", {}),
+                                           ("M", {}), ("C", dict(fp8_attention_rows=True))],
+                         ids=["W", "C", "C_fp8_indexer_keys", "H", "M", "C_fp8_attention_rows"])
 @torch.no_grad()
-def test_a_captured_decode_step_replays_the_eager_steps(kind, fp8_indexer_keys):
+def test_a_captured_decode_step_replays_the_eager_steps(kind, options):
     """Prefill two identical caches; decode 12 tokens eagerly on one and by `DecodeGraph` replays on the other:
-    same outputs and caches. The Triton decode kernel ran in the capture (counters); the replays run the same
-    kernels on the same values, so they agree to bf16 rounding at most (atol 2⁻⁸ · max|out|: a cuBLAS GEMM may
-    take another algorithm inside the capture)."""
+    same outputs and caches. The Triton decode kernel ran in the capture (counters; FP8 attention rows: the Triton
+    row writes, and the attention on whichever backend `auto` finds, FlashMLA where built, else the reference);
+    the replays run the same kernels on the same values, so they agree to bf16 rounding at most (atol 2⁻⁸ ·
+    max|out|: a cuBLAS GEMM may take another algorithm inside the capture)."""
     config = decoding_config(kind).replace(csa_window_size=16)
     torch.manual_seed(0)
     layer = build_attention(config, kind=kind).cuda().bfloat16().eval()
     hidden = torch.randn(40, 3, config.hidden_size, device="cuda", dtype=torch.bfloat16)
-    caches = [LayerCache.for_layer(layer, 3, 40, fp8_indexer_keys=fp8_indexer_keys) for _ in range(2)]
+    caches = [LayerCache.for_layer(layer, 3, 40, **options) for _ in range(2)]
     for cache in caches:
         layer(hidden[:27], inference_cache=cache)
     eager = torch.cat([layer(hidden[t:t + 1], inference_cache=caches[0])[0] for t in range(27, 39)])
     reset_call_counts()
     graph = DecodeGraph(lambda x: layer(x, inference_cache=caches[1])[0], hidden[27:28], [caches[1]])
-    assert call_counts()[("triton", "decode_attention")] >= 1
+    if options.get("fp8_attention_rows"):
+        assert call_counts()[("triton", "paged_rows_write")] >= 2 and any(
+            op == "paged_decode_attention" for _, op in call_counts()), call_counts()
+    else:
+        assert call_counts()[("triton", "decode_attention")] >= 1
     assert caches[1].seqlens.tolist() == [27] * 3 and caches[1].longest == 27  # warm-up undone
     replayed = torch.cat([graph(hidden[t:t + 1]).clone() for t in range(27, 39)])
     scale = float(eager.abs().max())

@@ -187,6 +187,59 @@ class FakeFlashMLA(types.ModuleType):
         return out, lse.clone(), lse
 
 
+class FakeFlashMLADecode(FakeFlashMLA):
+    """FlashMLA with its FP8 sparse decode (`flash_mla_with_kvcache`), written from FlashMLA's own description of
+    the DeepSeek-V4 ("MODEL1") cache, not from `ops.paged_rows`: a cache block of `page` tokens at
+    `block · stride(0)` bytes, token t's 448 e4m3 values and 64 bfloat16 RoPE values at `t · 576`, its 7 e8m0
+    scales (+1 pad byte) at `page · 576 + t · 8`; ids `block · page + t`, −1 or past `topk_length` skipped; the
+    sink scales the output by `exp(lse) / (exp(lse) + exp(sink))`. Asserts the call's shapes and dtypes as its
+    C++ checks do."""
+
+    def get_mla_metadata(self, *args, **kwargs):
+        return types.SimpleNamespace(have_initialized=False), None
+
+    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+                               indices=None, attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None,
+                               topk_length=None, extra_topk_length=None):
+        batch, s_q, heads, d_qk = q.shape
+        assert q.dtype == torch.bfloat16 and s_q == 1 and heads in (64, 128) and d_qk == 512 and head_dim_v == 512
+        assert is_fp8_kvcache and not causal and block_table is None and cache_seqlens is None
+        assert attn_sink.dtype == torch.float32 and attn_sink.shape == (heads,)
+        self.calls.append(dict(heads=heads, extra=extra_k_cache is not None, lengths=topk_length is not None))
+        keys, valid = [], []
+        for cache, ids, lengths in ((k_cache, indices, topk_length), (extra_k_cache, extra_indices_in_kvcache,
+                                                                       extra_topk_length)):
+            if cache is None:
+                continue
+            assert cache.dtype == torch.uint8 and cache.shape[2:] == (1, 584) and cache.stride(1) == 584
+            assert ids.dtype == torch.int32 and ids.shape[:2] == (batch, 1) and ids.shape[2] % 64 == 0
+            ids = ids[:, 0].long()
+            ok = ids >= 0
+            if lengths is not None:
+                assert lengths.dtype == torch.int32 and lengths.shape == (batch,)
+                ok &= torch.arange(ids.shape[1]) < lengths.long().unsqueeze(1)
+            page = cache.shape[1]
+            flat = cache.as_strided((cache.shape[0] * cache.stride(0),), (1,))  # the storage the view starts at
+            block, token = torch.where(ok, ids, 0) // page, torch.where(ok, ids, 0) % page
+            start = (block * cache.stride(0) + token * 576).unsqueeze(-1)
+            row = flat[start + torch.arange(576)]  # [B, K, 576]
+            scale_start = (block * cache.stride(0) + page * 576 + token * 8).unsqueeze(-1)
+            exponents = flat[scale_start + torch.arange(7)].long() - 127  # [B, K, 7]
+            nope = row[..., :448].contiguous().view(torch.float8_e4m3fn).double().unflatten(-1, (7, 64))
+            nope = (nope * torch.pow(2.0, exponents.double()).unsqueeze(-1)).flatten(-2)
+            rope_values = row[..., 448:].contiguous().view(torch.bfloat16).double()
+            keys.append(torch.cat((nope, rope_values), dim=-1))
+            valid.append(ok)
+        keys, valid = torch.cat(keys, dim=1), torch.cat(valid, dim=1)  # [B, K, 512], [B, K]
+        logits = torch.einsum("bhd,bkd->bhk", q[:, 0].double(), keys) * softmax_scale
+        logits = logits.masked_fill(~valid.unsqueeze(1), -math.inf)
+        lse = torch.logsumexp(logits, dim=-1)  # [B, H]
+        out = torch.einsum("bhk,bkd->bhd", torch.exp(logits - lse.unsqueeze(-1)), keys)
+        out = out * torch.sigmoid(lse - attn_sink.double()).unsqueeze(-1)  # exp(lse) / (exp(lse) + exp(sink))
+        return out.unsqueeze(1).to(q.dtype), lse.unsqueeze(-1).float()
+
+
 def fake_flash_attn_cute(calls: list) -> types.ModuleType:
     """`flash_attn.cute.flash_attn_varlen_func` returning FA4's head-major `[H, T]` LSE: the layer's causal
     packed call (one `cu_seqlens` for queries and keys) or a ring block (one segment, causal or not)."""

@@ -1,7 +1,8 @@
-"""The `flashmla` backend: FlashMLA's sparse prefill forward (`flash_mla.flash_mla_sparse_fwd`).
+"""The `flashmla` backend: FlashMLA's sparse prefill forward (`flash_mla.flash_mla_sparse_fwd`) and its FP8 sparse
+decode (`flash_mla.flash_mla_with_kvcache` over an FP8 attention-row cache, `ops.paged_rows`).
 
 FlashMLA is an optional dependency built from source (docs/kernels.md says how); it has no backward,
-so it serves `sparse_attention_fwd` only and pairs with the cuDNN (or reference) backward.
+so it serves `sparse_attention_fwd` (paired with the cuDNN or reference backward) and `paged_decode_attention`.
 
 Contract glue: q `[N, H, D]` with heads padded to 64/128 (zero queries, −inf sinks: a −inf sink has
 no effect on the output; a chunk of rows at a time, `sparse_layout.padded_row_chunks`), kv `[M, 1, D]`,
@@ -16,6 +17,7 @@ Rows without a valid id come back with out 0 and lse +inf; we return lse −inf 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any, Mapping, Optional
 
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.backends import probes
-from megatron_dsa.backends.registry import Backend, OpFamily, register_backend
+from megatron_dsa.backends.registry import Backend, OpFamily, dispatch, register_backend
 from megatron_dsa.backends.sparse_layout import (
     HEAD_TILE,
     empty_rows,
@@ -35,6 +37,8 @@ from megatron_dsa.backends.sparse_layout import (
     padded_row_chunks,
     rows_in_chunks,
 )
+from megatron_dsa.ops.decode_attention import check_paged_decode_inputs, entry_counts
+from megatron_dsa.ops.paged_rows import PagedRows
 
 PACKAGE = "flash_mla"
 INSTALL_HINT = "build FlashMLA from source (see docs/kernels.md, 'FlashMLA')"
@@ -96,21 +100,120 @@ def sparse_attention_forward(query: Tensor, kv: Tensor, indices: Tensor, sink: T
     return out.to(query.dtype).contiguous(), lse.contiguous()
 
 
+# ------------------------------------------------------------------------------ sparse decode over FP8 pages
+DECODE_ROPE_DIM = 64  # FlashMLA's DeepSeek-V4 cache rows: 448 e4m3 columns in 7 tiles of 64, 64 bf16 RoPE columns
+DECODE_TOPK_BLOCK = 64  # the decode kernel reads ids in blocks of 64
+
+
+@functools.lru_cache(maxsize=None)
+def decode_package_problem() -> Optional[str]:
+    problem = probes.import_problem(PACKAGE, INSTALL_HINT)
+    if problem is None and "extra_k_cache" not in inspect.signature(
+            getattr(probes.load(PACKAGE), "flash_mla_with_kvcache", lambda: None)).parameters:
+        return (f"this flash_mla build has no FP8 sparse decode with an extra cache (flash_mla_with_kvcache(..., "
+                f"extra_k_cache=...)); {INSTALL_HINT}")
+    return problem
+
+
+def _cache_view(paged: PagedRows) -> Tensor:
+    """FlashMLA's `[num_blocks, block_size, 1, bytes per token]` view of our pages: one block per sequence, its
+    per-token bytes the row and scale bytes together (the kernel finds the scales after the block's rows)."""
+    token_bytes = paged.row_bytes + paged.scale_bytes
+    return paged.pages.as_strided((paged.batch, paged.slots, 1, token_bytes),
+                                  (paged.pages.stride(0), token_bytes, token_bytes, 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _block_grid(batch: int, slots: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """`(ids [B, 1, K'] int32 = b · slots + slot, −1 past the slots; slot numbers [1, 1, K'], past them a number no
+    valid slot reaches)`, K' = slots rounded up to the kernel's blocks of 64 ids: made once per shape."""
+    width = slots + -slots % DECODE_TOPK_BLOCK
+    slot = torch.arange(width, device=device)
+    ids = torch.arange(batch, device=device).view(batch, 1, 1) * slots + slot
+    return (torch.where(slot < slots, ids, -1).to(torch.int32),
+            torch.where(slot < slots, slot, torch.iinfo(torch.int64).max).view(1, 1, width))
+
+
+def _picked_ids(entry_ids: Tensor, counts: Tensor, slots: int) -> Tensor:
+    """Kind C's picks `[B, K]` (−1: none; ≥ counts[b]: not visible yet) → `[B, 1, K']` int32 block ids, −1 where
+    not valid, padded with −1 to blocks of 64."""
+    ids = entry_ids.long()
+    base = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) * slots
+    flat = torch.where((ids >= 0) & (ids < counts.unsqueeze(1)), base + ids, -1).to(torch.int32)
+    missing = -ids.shape[1] % DECODE_TOPK_BLOCK
+    return (torch.nn.functional.pad(flat, (0, missing), value=-1) if missing else flat).unsqueeze(1)
+
+
+# One scheduling plan per call shape: FlashMLA plans its split of the work once (a kernel of ~27 µs at B = 32 on
+# an H200, more than its attention) and may reuse the plan while shapes, and any `topk_length` values, stay the
+# same. The calls here pass no lengths (invalid rows are −1 ids), so a plan holds for every step of a shape.
+_SCHEDULES: dict[tuple, Any] = {}
+
+
+def _schedule(module: Any, key: tuple) -> Any:
+    schedule = _SCHEDULES.get(key)
+    if schedule is None:
+        schedule = _SCHEDULES[key] = module.get_mla_metadata()[0]
+    return schedule
+
+
+def paged_decode_attention(query: Tensor, window_rows: PagedRows, seqlens: Tensor, window: int,
+                           entries: Optional[PagedRows], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
+                           scale: float, inverse_rope_freq: Optional[Tensor] = None) -> Tensor:
+    """The `paged_decode_attention` contract (`ops.decode_attention.paged_decode_attention`) on FlashMLA's FP8
+    sparse decode: the compressed entries as its cache and the window ring as its extra cache (kind W: the ring
+    alone), each sequence one block, rows that are not attended given as −1 ids (no lengths, so its scheduling
+    plan is made once per shape, `_schedule`). Heads padded to 64 / 128 (zero queries; their sinks −inf); the
+    output's RoPE columns turned back by the `rope` family."""
+    check_paged_decode_inputs(query, window_rows, seqlens, window, entries, entry_ids, ratio, sink,
+                              inverse_rope_freq)
+    if window_rows.dim != HEAD_DIM or window_rows.rope != DECODE_ROPE_DIM:
+        raise ValueError(f"flashmla paged decode reads rows of D = {HEAD_DIM} with P = {DECODE_ROPE_DIM} RoPE "
+                         f"columns, got D = {window_rows.dim}, P = {window_rows.rope}")
+    batch, heads, dim = query.shape
+    width = padded_heads(heads)
+    positions = seqlens.view(batch, 1, 1)
+    ids, slot = _block_grid(batch, window, query.device)
+    caches = [(window_rows, torch.where(slot <= positions, ids, -1))]  # the ring holds positions ≤ p: slots ≤ p
+    if entries is not None:
+        counts = entry_counts(seqlens, ratio)
+        if entry_ids is None:  # kind H: every visible entry, the first counts[b] slots
+            ids, slot = _block_grid(batch, entries.slots, query.device)
+            caches.insert(0, (entries, torch.where(slot < counts.view(batch, 1, 1), ids, -1)))
+        else:
+            caches.insert(0, (entries, _picked_ids(entry_ids, counts, entries.slots)))
+    (main, main_ids), (extra, extra_ids) = caches[0], (caches[1] if len(caches) > 1 else (None, None))
+    module = probes.load(PACKAGE)
+    schedule = _schedule(module, (query.device, batch, width, main.slots, main_ids.shape[-1],
+                                  None if extra is None else (extra.slots, extra_ids.shape[-1])))
+    out, _ = module.flash_mla_with_kvcache(
+        pad_heads(query, width).unsqueeze(1), _cache_view(main), None, None, dim, schedule,
+        softmax_scale=float(scale), is_fp8_kvcache=True, indices=main_ids,
+        attn_sink=pad_heads(sink.float(), width, float("-inf")),
+        extra_k_cache=None if extra is None else _cache_view(extra), extra_indices_in_kvcache=extra_ids)
+    out = out[:, 0, :heads].to(query.dtype)
+    if inverse_rope_freq is None:
+        return out
+    turn_back = dispatch(OpFamily.ROPE, device=out.device, dtype=out.dtype)
+    return turn_back(out, seqlens, inverse_rope_freq, inverse=True)
+
+
 def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
-    heads = call.get("heads")
+    heads, decode = call.get("heads"), op is OpFamily.PAGED_DECODE_ATTENTION
     return probes.first_problem(
-        package_problem(),
-        probes.gpu_problem(call, (9, 10), "FlashMLA sparse prefill"),
+        decode_package_problem() if decode else package_problem(),
+        probes.gpu_problem(call, (9, 10), "FlashMLA sparse decode" if decode else "FlashMLA sparse prefill"),
         probes.dtype_problem(call, (torch.bfloat16,)),
         probes.head_dim_problem(call, HEAD_DIM),
         heads_problem(heads) if heads is not None else None,
-        kv_rows_problem(call),
+        None if decode else kv_rows_problem(call),  # decode ids are int32 per sequence block
     )
 
 
 FLASHMLA = Backend(
     name="flashmla",
-    ops={OpFamily.SPARSE_ATTENTION_FWD: sparse_attention_forward},
+    ops={OpFamily.SPARSE_ATTENTION_FWD: sparse_attention_forward,
+         OpFamily.PAGED_DECODE_ATTENTION: paged_decode_attention},
     probe=probe,
     version=lambda: probes.versions_line("flash_mla"),
 )

@@ -24,7 +24,8 @@ Backward:
 - `indexer_scores`, `topk`, `selection_rows`, `indexer_loss`, `indexer_kl_bwd` take no gradient (the
   selection runs without autograd; the indexer loss's gradient is `indexer_kl_bwd`, which
   `backends.indexer_kl` calls from its backward); nor do `decode_attention`, `decode_indexer_scores`,
-  `decode_compressor` and `decode_append` (inference only; the last two write the cache in place), nor `fp8_gemm`
+  `decode_compressor`, `decode_append`, `paged_decode_attention` and `paged_rows_write` (inference only;
+  the appends and writes change the cache in place), nor `fp8_gemm`
   (`ops.fp8_linear.Fp8Linear` calls it for its backward GEMMs too).
 """
 
@@ -41,6 +42,7 @@ from megatron_dsa.ops.compressor import channel_factor
 from megatron_dsa.ops.indices import (SegmentedVisibleRows, SelectionRows, UniformVisibleRows, VisibleEntries,
                                       VisibleStructure, row_range)
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
+from megatron_dsa.ops.paged_rows import PagedRows
 from megatron_dsa.ops.precision import compute_dtype
 
 NAMESPACE = "megatron_dsa"
@@ -511,6 +513,44 @@ def decode_append_op(backend: str, buffer: Tensor, rows: Tensor, seqlens: Tensor
     _kernel(OpFamily.DECODE_APPEND, backend)(buffer, rows, seqlens)
 
 
+@_custom_op("paged_decode_attention")
+def paged_decode_attention_op(backend: str, query: Tensor, window_pages: Tensor, window: int, dim: int, rope: int,
+                              seqlens: Tensor, entry_pages: Optional[Tensor], entry_slots: int,
+                              entry_ids: Optional[Tensor], ratio: int, sink: Tensor, scale: float,
+                              inverse_rope_freq: Optional[Tensor]) -> Tensor:
+    """`paged_decode_attention` family: `out [B, H, D]` over an FP8 attention-row cache, its pages passed as
+    tensors and their shapes (`ops.paged_rows.PagedRows`) as integers (inference: no gradient)."""
+    window_rows = PagedRows(window_pages, window, dim, rope)
+    entries = None if entry_pages is None else PagedRows(entry_pages, entry_slots, dim, rope)
+    return _kernel(OpFamily.PAGED_DECODE_ATTENTION, backend)(query, window_rows, seqlens, window, entries, entry_ids,
+                                                             ratio, sink, scale, inverse_rope_freq)
+
+
+@paged_decode_attention_op.register_fake
+def _(backend, query, window_pages, window, dim, rope, seqlens, entry_pages, entry_slots, entry_ids, ratio, sink,
+      scale, inverse_rope_freq):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def _paged_decode_attention(backend: str):
+    def run(query: Tensor, window_rows: PagedRows, seqlens: Tensor, window: int, entries: Optional[PagedRows],
+            entry_ids: Optional[Tensor], ratio: int, sink: Tensor, scale: float,
+            inverse_rope_freq: Optional[Tensor] = None) -> Tensor:
+        return paged_decode_attention_op(
+            backend, query, window_rows.pages, int(window), window_rows.dim, window_rows.rope, seqlens,
+            None if entries is None else entries.pages, 0 if entries is None else entries.slots, entry_ids,
+            int(ratio), sink, float(scale), inverse_rope_freq)
+    return run
+
+
+@_custom_op("paged_rows_write", mutates_args=("pages",))
+def paged_rows_write_op(backend: str, pages: Tensor, slots: int, dim: int, rope: int, rows: Tensor,
+                        positions: Tensor, ratio: int) -> None:
+    """`paged_rows_write` family: row b quantized into slot `(positions[b] // ratio) % slots` of page b, in place
+    (inference: no gradient)."""
+    _kernel(OpFamily.PAGED_ROWS_WRITE, backend)(pages, slots, dim, rope, rows, positions, ratio)
+
+
 @_custom_op("fp8_gemm")
 def fp8_gemm_op(backend: str, a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor]) -> Tensor:
     """`fp8_gemm` family: `a [M, K]·b [N, K]ᵀ` in `out_dtype`, the rows of both rounded to FP8 (b's already where
@@ -585,6 +625,10 @@ ADAPTORS: dict[OpFamily, Callable[[str], Callable[..., Any]]] = {
                              store, scales, counts)),
     OpFamily.DECODE_APPEND: lambda backend: (
         lambda buffer, rows, seqlens: decode_append_op(backend, buffer, rows, seqlens)),
+    OpFamily.PAGED_DECODE_ATTENTION: _paged_decode_attention,
+    OpFamily.PAGED_ROWS_WRITE: lambda backend: (
+        lambda pages, slots, dim, rope, rows, positions, ratio:
+        paged_rows_write_op(backend, pages, int(slots), int(dim), int(rope), rows, positions, int(ratio))),
     OpFamily.FP8_GEMM: lambda backend: (
         lambda a, b, out_dtype, b_scales=None: fp8_gemm_op(backend, a, b, out_dtype, b_scales)),
     OpFamily.INDEXER_LOSS: _indexer_loss,

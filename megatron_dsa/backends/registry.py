@@ -84,6 +84,13 @@ class OpFamily(str, Enum):
     # (buffer [B,R,D], rows [B,D], seqlens [B]) -> None: buffer[b, seqlens[b] % R] = rows[b], then seqlens += 1,
     # in place: a decode step's last write (ops.decode_append)
     DECODE_APPEND = "decode_append"
+    # (q [B,H,D], window PagedRows (W slots, the new row in them), seqlens [B], W, entries PagedRows or None,
+    # entry_ids, ratio, sink, scale, inverse_rope_freq=None) -> out [B,H,D]: DECODE_ATTENTION over an FP8
+    # attention-row cache (ops.paged_rows, ops.decode_attention.paged_decode_attention)
+    PAGED_DECODE_ATTENTION = "paged_decode_attention"
+    # (pages [B, page_bytes], slots, dim, rope, rows [B,D], positions [B], ratio) -> None: row b quantized into
+    # slot (positions[b] // ratio) % slots of page b, in place (ops.paged_rows.write_decode_rows)
+    PAGED_ROWS_WRITE = "paged_rows_write"
     # (a [M, K], b [N, K], out_dtype) -> a·bᵀ [M, N], each row of a and b rounded to FP8 e4m3 with its own
     # scale (ops.fp8_linear): the projections' GEMMs under `projection_precision="fp8"`
     FP8_GEMM = "fp8_gemm"
@@ -121,6 +128,9 @@ AUTO_ORDER: dict[OpFamily, tuple[str, ...]] = {
     OpFamily.DECODE_INDEXER_SCORES: ("triton", "unfused"),
     OpFamily.DECODE_COMPRESSOR: ("triton", "unfused"),
     OpFamily.DECODE_APPEND: ("triton", "unfused"),
+    # FlashMLA's FP8 sparse decode reads these pages; no Triton kernel reads them yet.
+    OpFamily.PAGED_DECODE_ATTENTION: ("flashmla", "unfused"),
+    OpFamily.PAGED_ROWS_WRITE: ("triton", "unfused"),
     # Triton's few-rows GEMM for a decode step's handful of rows (its probe declines more than 64): cuBLASLt's
     # rowwise FP8 GEMM has a floor of ~13 µs per call there. The reference rounds to FP8 and multiplies in
     # float32: the same numbers, without FP8 tensor cores.
@@ -193,6 +203,8 @@ FAMILY_KEYS: dict[OpFamily, frozenset[str]] = {family: frozenset(keys) for famil
     OpFamily.DECODE_INDEXER_SCORES: (*_DEVICE, "heads", "head_dim", "key_dtype"),
     OpFamily.DECODE_COMPRESSOR: (*_DEVICE, "ratio", "head_dim", "rotate", "key_dtype"),
     OpFamily.DECODE_APPEND: _DEVICE,
+    OpFamily.PAGED_DECODE_ATTENTION: (*_DEVICE, "heads", "head_dim", "selected"),
+    OpFamily.PAGED_ROWS_WRITE: (*_DEVICE, "head_dim"),
     OpFamily.FP8_GEMM: (*_DEVICE, "rows"),
 }.items()}
 

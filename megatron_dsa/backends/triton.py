@@ -12,7 +12,8 @@ from megatron_dsa.backends import probes
 from megatron_dsa.backends.registry import Backend, OpFamily, backend_named, register_backend
 from megatron_dsa.backends.triton_kernels import (compressor, decode_append, decode_attention, decode_compressor,
                                                   decode_indexer, dense_attention, fp8_gemm, indexer, indexer_loss,
-                                                  norm_rope, rms_norm, rope, selection, sparse_attention, topk_order)
+                                                  norm_rope, paged_rows, rms_norm, rope, selection, sparse_attention,
+                                                  topk_order)
 from megatron_dsa.backends.triton_kernels.availability import triton_decline_reason
 from megatron_dsa.ops.indexer_loss import indexer_kl
 
@@ -32,6 +33,8 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         probes.dtype_problem(call, DTYPES.get(op, KERNEL_DTYPES)),
         _topk_width_problem(call, explicit) if op is OpFamily.TOPK else None,
         _fp8_keys_problem(call) if op in (OpFamily.DECODE_INDEXER_SCORES, OpFamily.DECODE_COMPRESSOR) else None,
+        probes.fp8_capability_problem(call.get("device"), "FP8 attention rows")
+        if op is OpFamily.PAGED_ROWS_WRITE else None,
         _fp8_gemm_problem(call, explicit) if op is OpFamily.FP8_GEMM else None,
         decode_compressor.rotate_problem(call.get("head_dim"), call.get("rotate"))
         if op is OpFamily.DECODE_COMPRESSOR else None,
@@ -112,6 +115,7 @@ TRITON = Backend(
         OpFamily.DECODE_INDEXER_SCORES: decode_indexer.decode_indexer_scores,
         OpFamily.DECODE_COMPRESSOR: decode_compressor.decode_compress,
         OpFamily.DECODE_APPEND: decode_append.append_rows,
+        OpFamily.PAGED_ROWS_WRITE: paged_rows.write_decode_rows,
         OpFamily.DENSE_ATTENTION: dense_attention.dense_attention,
         OpFamily.DENSE_ATTENTION_BLOCK_FWD: dense_attention.block_forward,
         OpFamily.DENSE_ATTENTION_BLOCK_BWD: dense_attention.block_backward,

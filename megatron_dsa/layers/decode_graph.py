@@ -11,7 +11,8 @@ one graph launch per step instead of a few dozen kernels per layer.
 
 Capturing needs the step to run first (Triton compiles, backends are chosen): those warm-up runs write the
 cache, so what one step writes (lengths, window ring, compressor slots, the entry row of the new token's
-group, an M layer's latent row) is saved before and restored after each. A replay advances the caches by one
+group, an M layer's latent row; with FP8 attention rows the ring's pages, the entry's scratch row and its page
+bytes) is saved before and restored after each. A replay advances the caches by one
 token, as the eager step does; `DecodeGraph` keeps their host-side length bound and refuses a step past
 their capacity.
 
@@ -35,6 +36,7 @@ from torch import Tensor
 from megatron_dsa.layers.cuda_graphs import warm_up_on_side_stream
 from megatron_dsa.layers.decoding import LayerCache
 from megatron_dsa.ops.decode_compressor import byte_view
+from megatron_dsa.ops.paged_rows import PagedRows
 
 DEFAULT_WARMUP = 2
 
@@ -51,13 +53,21 @@ class _StepWrites:
 
     @classmethod
     def save(cls, cache: LayerCache) -> "_StepWrites":
-        buffers = [t for t in (cache.window,) if t is not None]
+        # The window ring (or its FP8 pages) and the entry's scratch row whole.
+        buffers = [t.pages if isinstance(t, PagedRows) else t for t in (cache.window, cache.entry_scratch)
+                   if t is not None]
         buffers += [state.rows for state in cache.compressors.values()]
         entry_rows = []
-        # Row p // r of the compressed stores, row p of an M layer's latents.
+        # Row p // r of the compressed stores (of FP8 pages: its row and scale bytes), row p of an M layer's latents.
+        stores = []
         for store, ratio in ((cache.entries, cache.ratio), (cache.indexer_keys, cache.ratio),
                              (cache.indexer_key_scales, cache.ratio), (cache.latent, 1)):
-            if store is not None and store.shape[1] > 0:
+            if isinstance(store, PagedRows):
+                stores += [(store.rows_region(), ratio), (store.scales_region(), ratio)]
+            elif store is not None:
+                stores.append((store, ratio))
+        for store, ratio in stores:
+            if store.shape[1] > 0:
                 store = byte_view(store)  # FP8 indexer keys: torch indexes no float8
                 rows = torch.div(cache.seqlens, ratio, rounding_mode="floor").clamp(max=store.shape[1] - 1)
                 entry_rows.append((store, rows, store[torch.arange(cache.batch, device=rows.device), rows]))

@@ -13,6 +13,10 @@ What one layer keeps per sequence:
 | C | as H, the unfinished group also holding the previous group (the overlap half of ratio 4); the indexer's compressor state and compressed keys (optionally FP8: e4m3 and one float32 scale per key) | `(D + DI) / r` |
 | M | the latent KV: normalised `kv_lora_rank` latent and the RoPE key | `kv_lora_rank + P` |
 
+Optionally (`LayerCache.for_layer(..., fp8_attention_rows=True)`) W/C/H layers keep the window and the compressed
+entries as e4m3 pages (`ops.paged_rows`, FlashMLA's FP8 decode cache at dsv4 dims): every row a query attends is
+then rounded so, and a decode step attends through the `paged_decode_attention` family.
+
 Each sequence has its own length (`seqlens`, FlashAttention's `cache_seqlens`): a batch's prompts may
 differ in length (prefill them packed, THD), and a packed call may give a sequence no new tokens.
 The cache is preallocated for `capacity` tokens per sequence. Inference only: the step runs the layer
@@ -59,6 +63,8 @@ from megatron_dsa.ops.fp8_linear import RoundedWeights, dequantize_rows, rounded
 from megatron_dsa.ops.indexer import FP8_KEYS
 from megatron_dsa.ops.indices import INVALID, VisibleEntries, offset_valid
 from megatron_dsa.ops.layout import CompressedLayout, TokenLayout
+from megatron_dsa.ops import paged_rows
+from megatron_dsa.ops.paged_rows import PagedRows, all_rows, round_trip, write_rows
 from megatron_dsa.ops.precision import compute_dtype
 from megatron_dsa.ops.stacked_projection import KeptStack
 
@@ -104,6 +110,9 @@ class LayerCache:
     the new token's unfinished group there too, never seen before it is rewritten complete);
     `indexer_key_scales [B, E]` float32 with FP8 indexer keys (`for_layer`'s `fp8_indexer_keys`: e4m3 rows, key `j`
     standing for `indexer_keys[b, j] · indexer_key_scales[b, j]`), else None;
+    with FP8 attention rows (`for_layer`'s `fp8_attention_rows`) `window` and `entries` are `ops.paged_rows.PagedRows`
+    (e4m3 pages; the ring has `W` slots: a decode step writes the new row before its attention reads it) and
+    `entry_scratch [B, 1, D]` takes each decode step's compressor entry before it is written to its page;
     M: `latent [B, capacity, kv_lora_rank + P]`, each position's normalised KV latent then its RoPE key, and
     `no_sink [H/tp]` float32 −inf, the decode attention's sink for a softmax without one (made once with the
     cache: a captured step would otherwise replay the fill every token).
@@ -112,9 +121,10 @@ class LayerCache:
     kind: str
     capacity: int
     seqlens: Tensor
-    window: Optional[Tensor] = None
+    window: "Optional[Tensor | PagedRows]" = None
     compressors: dict[str, CompressorState] = field(default_factory=dict)
-    entries: Optional[Tensor] = None
+    entries: "Optional[Tensor | PagedRows]" = None
+    entry_scratch: Optional[Tensor] = None
     indexer_keys: Optional[Tensor] = None
     indexer_key_scales: Optional[Tensor] = None
     latent: Optional[Tensor] = None
@@ -130,13 +140,19 @@ class LayerCache:
 
     @classmethod
     def for_layer(cls, layer: "HybridAttention", batch: int, capacity: int, dtype: Optional[torch.dtype] = None,
-                  device: Optional[torch.device] = None, fp8_indexer_keys: bool = False) -> "LayerCache":
+                  device: Optional[torch.device] = None, fp8_indexer_keys: bool = False,
+                  fp8_attention_rows: bool = False) -> "LayerCache":
         """An empty cache for `layer` (its parameters' dtype and device unless given). `fp8_indexer_keys`: a C
         layer keeps its indexer's compressed keys in e4m3 with one float32 scale per key (`amax / 448`, as
         DeepSeek's inference keeps them): 132 bytes a key instead of 256 in bf16, which the decode step's
         indexer reads in full every token, scoring them against its queries rounded to e4m3 too
         (`ops.indexer.decode_indexer_scores`; the prefill path rounds its queries the same way). Its scores then
-        differ from the full forward's by that rounding (docs/user_guide.md, "Generate")."""
+        differ from the full forward's by that rounding (docs/user_guide.md, "Generate").
+
+        `fp8_attention_rows` (W/C/H): the K = V rows the attention reads, window and compressed entries, in e4m3
+        pages (`ops.paged_rows`: 64-column tiles with power-of-two scales, the RoPE columns in bfloat16; 584 bytes a
+        row at dsv4 dims instead of 1024), the layout FlashMLA's FP8 sparse decode reads (`paged_decode_attention`).
+        Every row a query attends is then rounded so, its own chunk's new rows too."""
         if batch < 1 or capacity < 1:
             raise ValueError(f"an inference cache needs batch >= 1 and capacity >= 1, got {batch}, {capacity}")
         weight = layer.linear_q_down_proj.weight
@@ -145,10 +161,16 @@ class LayerCache:
         c = layer.config
         cache = cls(layer.kind_spec.symbol, capacity, torch.zeros(batch, dtype=torch.long, device=device))
         if isinstance(layer.core, DenseMLACore):
+            if fp8_attention_rows:
+                raise ValueError("fp8_attention_rows applies to W/C/H layers (an M layer caches its latent rows)")
             cache.latent = empty(batch, capacity, c.mla_kv_lora_rank + c.qk_pos_emb_head_dim)
             cache.no_sink = torch.full((layer.local_heads,), float("-inf"), device=device)
             return cache
-        cache.window = empty(batch, max(c.csa_window_size - 1, 1), c.v_head_dim)
+        paged = lambda slots: PagedRows.empty(batch, slots, c.v_head_dim, c.qk_pos_emb_head_dim, device)  # noqa: E731
+        if fp8_attention_rows:
+            cache.window = paged(c.csa_window_size)
+        else:
+            cache.window = empty(batch, max(c.csa_window_size - 1, 1), c.v_head_dim)
         attention = layer.core_attention
         for name, compressor in (("attention", attention.compressor),
                                  ("indexer", attention.indexer.compressor if attention.indexer else None)):
@@ -158,12 +180,16 @@ class LayerCache:
         if attention.compressor is not None:
             cache.ratio = attention.ratio
             entry_slots = -(-capacity // attention.ratio)
-            cache.entries = empty(batch, entry_slots + -entry_slots % ENTRY_SLOT_MULTIPLE, c.v_head_dim)
+            entry_slots += -entry_slots % ENTRY_SLOT_MULTIPLE
+            if fp8_attention_rows:
+                cache.entries, cache.entry_scratch = paged(entry_slots), empty(batch, 1, c.v_head_dim)
+            else:
+                cache.entries = empty(batch, entry_slots, c.v_head_dim)
         if attention.indexer is not None:
-            cache.indexer_keys = empty(batch, cache.entries.shape[1], c.dsa_indexer_head_dim)
+            cache.indexer_keys = empty(batch, entry_slots, c.dsa_indexer_head_dim)
             if fp8_indexer_keys:
                 cache.indexer_keys = cache.indexer_keys.to(FP8_KEYS)
-                cache.indexer_key_scales = torch.ones(batch, cache.entries.shape[1], device=device)
+                cache.indexer_key_scales = torch.ones(batch, entry_slots, device=device)
         return cache
 
     @property
@@ -172,7 +198,9 @@ class LayerCache:
 
     def nbytes(self) -> int:
         """Bytes the cache's buffers hold."""
-        buffers = [self.window, self.entries, self.indexer_keys, self.indexer_key_scales, self.latent]
+        buffers = [self.window, self.entries, self.entry_scratch, self.indexer_keys, self.indexer_key_scales,
+                   self.latent]
+        buffers = [b.pages if isinstance(b, PagedRows) else b for b in buffers]
         buffers += [state.rows for state in self.compressors.values()]
         return sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
@@ -224,19 +252,21 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
     q, kv, projected, qr = layer.core.project(layer, x, positions, cache.stacked_weights)
     before = cache.seqlens
     # kv_all = [new rows (N); window ring (B·R); compressed entries (B·C)]: the rows indices point into.
-    ring = cache.window.shape[1]
+    ring = _slots(cache.window)
     window = _window_rows(new, before, c.csa_window_size, ring)
     kv_offset = new.num_rows + cache.batch * ring
-    # Cached rows in the rows' dtype: under autocast they may differ from the cache's.
-    parts = [kv, cache.window.flatten(0, 1).to(kv.dtype)]
+    # Cached rows in the rows' dtype: under autocast they may differ from the cache's. An FP8 row cache's queries
+    # read their own chunk's rows rounded as the cache keeps them, as a decode step reads its new row.
+    seen = round_trip(kv.detach(), c.qk_pos_emb_head_dim).to(kv.dtype) if isinstance(cache.window, PagedRows) else kv
+    parts = [seen, _cached_rows(cache.window).flatten(0, 1).to(kv.dtype)]
     selection = IndexSelection(window, None)
     if attention.compressor is not None:
         # New entries first: a row sees the entries its own chunk completes.
         _append_entries(attention.compressor, cache.compressors["attention"], projected, new, before,
                         cache.entries, inv_freq)
-        entries = _visible_entries(new, (before + new.real_seqlens) // attention.ratio, cache.entries.shape[1],
+        entries = _visible_entries(new, (before + new.real_seqlens) // attention.ratio, _slots(cache.entries),
                                    attention.ratio)
-        parts.append(cache.entries.flatten(0, 1).to(kv.dtype))
+        parts.append(_cached_rows(cache.entries).flatten(0, 1).to(kv.dtype))
         if attention.indexer is None:
             selection = IndexSelection(window, offset_valid(entries.rows(), kv_offset))
         else:
@@ -253,6 +283,16 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
     out, _ = sparse_attention(q, torch.cat(parts), selection.all(), attention.attn_sink, c.softmax_scale, c)
     _write_slots(cache.window, kv, new, before)  # after kv_all was built: a new row may take an old slot
     return layer.core.finish(layer, out, positions)
+
+
+def _slots(buffer: "Tensor | PagedRows") -> int:
+    """The slots of a cache buffer `[B, slots, D]` or of its pages."""
+    return buffer.slots if isinstance(buffer, PagedRows) else buffer.shape[1]
+
+
+def _cached_rows(buffer: "Tensor | PagedRows") -> Tensor:
+    """`[B, slots, D]` the rows a cache buffer holds (an FP8 one's as the values its codes stand for, float32)."""
+    return all_rows(buffer) if isinstance(buffer, PagedRows) else buffer
 
 
 def _window_rows(new: TokenLayout, before: Tensor, window: int, ring: int) -> Tensor:
@@ -280,9 +320,10 @@ def _visible_entries(new: TokenLayout, complete: Tensor, width: int, ratio: int)
 
 
 def _append_entries(compressor: Compressor, state: CompressorState, projected: dict, new: TokenLayout,
-                    before: Tensor, store: Tensor, inv_freq: Tensor, scales: Optional[Tensor] = None) -> None:
+                    before: Tensor, store: "Tensor | PagedRows", inv_freq: Tensor, scales: Optional[Tensor] = None
+                    ) -> None:
     """Pool the entries the new rows complete into `store [B, C, Dc]` (with `scales [B, C]`: an FP8 store,
-    `encode_rows`) and keep their unfinished tokens.
+    `encode_rows`; or FP8 attention-row pages) and keep their unfinished tokens.
 
     The compressor runs on one segment per sequence: its pending positions (from the first token of the
     previous group for ratio 4, else of the unfinished group), then its new rows, laid out as a piece of
@@ -308,10 +349,13 @@ def _append_entries(compressor: Compressor, state: CompressorState, projected: d
     pooled = _pool(compressor, torch.cat((new_rows, state.rows.flatten(0, 1)))[source], layout, inv_freq)
     valid = layout.valid
     where = (layout.segment_ids[valid], layout.entry_index[valid])
-    values, row_scales = encode_rows(pooled[valid], store, scales)
-    byte_view(store)[where] = byte_view(values)
-    if scales is not None:
-        scales[where] = row_scales
+    if isinstance(store, PagedRows):
+        write_rows(store, *where, pooled[valid])
+    else:
+        values, row_scales = encode_rows(pooled[valid], store, scales)
+        byte_view(store)[where] = byte_view(values)
+        if scales is not None:
+            scales[where] = row_scales
     _write_slots(state.rows, new_rows, new, before)
 
 
@@ -320,13 +364,16 @@ def _stored_rows(store: Tensor, scales: Optional[Tensor]) -> Tensor:
     return store if scales is None else dequantize_rows(store, scales.unsqueeze(-1))
 
 
-def _write_slots(buffer: Tensor, rows: Tensor, new: TokenLayout, before: Tensor) -> None:
-    """Write the new real rows that stay in the ring `buffer [B, K, n]` (the last K positions of their
-    sequence) at slot `position % K`."""
-    slots = buffer.shape[1]
+def _write_slots(buffer: "Tensor | PagedRows", rows: Tensor, new: TokenLayout, before: Tensor) -> None:
+    """Write the new real rows that stay in the ring `buffer [B, K, n]` (or its pages: the last K positions of
+    their sequence) at slot `position % K`."""
+    slots = _slots(buffer)
     seg, p = new.segment_ids, new.positions
     keep = new.row_valid & (p >= (before + new.real_seqlens)[seg] - slots)
-    buffer[seg[keep], p[keep] % slots] = rows[keep].to(buffer.dtype)
+    if isinstance(buffer, PagedRows):
+        write_rows(buffer, seg[keep], p[keep] % slots, rows[keep])
+    else:
+        buffer[seg[keep], p[keep] % slots] = rows[keep].to(buffer.dtype)
 
 
 # ---------------------------------------------------------------- one new token per sequence (W / C / H)
@@ -358,11 +405,15 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     positions = cache.seqlens  # the new token's position in each sequence
     inv_freq = layer.angle_freq(x.dtype)
     q, kv, projected, qr = layer.core.project(layer, x, positions, cache.stacked_weights)
+    paged = isinstance(cache.window, PagedRows)
     entries, picks = None, None
     if attention.compressor is not None:
-        _decode_compress(attention.compressor, cache.compressors["attention"], projected, positions, cache.entries,
-                         inv_freq)
         entries = cache.entries
+        # FP8 pages: the entry goes through the one-slot scratch row, then into its page
+        store = cache.entry_scratch if paged else entries
+        _decode_compress(attention.compressor, cache.compressors["attention"], projected, positions, store, inv_freq)
+        if paged:
+            _write_paged(c, entries, store[:, 0], positions, attention.ratio)
     if attention.indexer is not None:
         # int32: what cuDNN's top-k takes, so no cast runs for it
         counts = torch.empty(positions.shape, dtype=torch.int32, device=positions.device)
@@ -370,17 +421,36 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
                          cache.indexer_keys, inv_freq, cache.indexer_key_scales, counts)
         picks = _top_entries(attention.indexer, projected, qr, positions, cache.indexer_keys,
                              cache.indexer_key_scales, counts, c.dsa_indexer_topk, inv_freq)
-    kv_new = kv.to(cache.window.dtype)
-    attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
-                      head_dim=q.shape[2], selected=picks is not None)
-    out = attend(q, kv_new, cache.window, positions, c.csa_window_size, entries, picks, attention.ratio or 1,
-                 attention.attn_sink, c.softmax_scale, inv_freq)  # turned back as it is written
+    if paged:
+        # The ring has W slots: the new row goes in first, and the attention reads it there.
+        _write_paged(c, cache.window, kv, positions, 1)
+        attend = dispatch(OpFamily.PAGED_DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
+                          head_dim=q.shape[2], selected=picks is not None)
+        out = attend(q, cache.window, positions, c.csa_window_size, entries, picks, attention.ratio or 1,
+                     attention.attn_sink, c.softmax_scale, inv_freq)
+    else:
+        kv_new = kv.to(cache.window.dtype)
+        attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
+                          head_dim=q.shape[2], selected=picks is not None)
+        out = attend(q, kv_new, cache.window, positions, c.csa_window_size, entries, picks, attention.ratio or 1,
+                     attention.attn_sink, c.softmax_scale, inv_freq)  # turned back as it is written
     # The reference path's selection names rows of a kv_all this step never builds: only the picks are kept.
     attention.last_selection, attention.last_decode_picks = None, picks
     out = layer.core.finish(layer, out, positions, turned_back=True)
-    # After the attention: the slot of position p held position p − (W − 1), still in p's window.
-    _append(c, cache.window, kv_new, cache.seqlens)
+    if paged:
+        cache.seqlens += 1  # the step's last act, as `_append`'s
+    else:
+        # After the attention: the slot of position p held position p − (W − 1), still in p's window.
+        _append(c, cache.window, kv_new, cache.seqlens)
     return out
+
+
+def _write_paged(config: "HybridAttentionConfig", paged: PagedRows, rows: Tensor, positions: Tensor,
+                 ratio: int) -> None:
+    """Row b of `rows [B, D]` into slot `(positions[b] // ratio) % slots` of its FP8 page (`paged_rows_write`: one
+    kernel on CUDA)."""
+    write = dispatch(OpFamily.PAGED_ROWS_WRITE, config, device=rows.device, dtype=rows.dtype, head_dim=paged.dim)
+    write(paged.pages, paged.slots, paged.dim, paged.rope, rows, positions, ratio)
 
 
 def _latent_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Tensor:
@@ -501,8 +571,11 @@ class InferenceCache:
     @classmethod
     def for_layers(cls, layers: "list[HybridAttention]", batch: int, capacity: int,
                    dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
-                   fp8_indexer_keys: bool = False) -> "InferenceCache":
-        return cls([LayerCache.for_layer(layer, batch, capacity, dtype, device, fp8_indexer_keys) for layer in layers])
+                   fp8_indexer_keys: bool = False, fp8_attention_rows: bool = False) -> "InferenceCache":
+        """`fp8_attention_rows` applies to the W/C/H layers (an M layer keeps its latent rows)."""
+        return cls([LayerCache.for_layer(layer, batch, capacity, dtype, device, fp8_indexer_keys,
+                                         fp8_attention_rows and not isinstance(layer.core, DenseMLACore))
+                    for layer in layers])
 
     @property
     def seqlens(self) -> Tensor:
@@ -524,22 +597,28 @@ class CacheFootprint:
 
 
 def cache_footprint(config: HybridAttentionConfig, kind: str, element_size: int = 2,
-                    fp8_indexer_keys: bool = False) -> CacheFootprint:
+                    fp8_indexer_keys: bool = False, fp8_attention_rows: bool = False) -> CacheFootprint:
     """What `LayerCache` holds for a layer of `kind` (a letter of `config.KINDS`) with `config`'s dims,
-    values of `element_size` bytes (2: bf16; FP8 indexer keys: one byte a value and a float32 scale a key).
-    Long sequences are dominated by `per_token`."""
+    values of `element_size` bytes (2: bf16; FP8 indexer keys: one byte a value and a float32 scale a key; FP8
+    attention rows: `ops.paged_rows`' row and scale bytes, the pages' padding left out). Long sequences are dominated
+    by `per_token`."""
     c, spec = config, lookup_kind(kind)
     if not isinstance(spec.core, DenseMLACore):
         ratio, indexer = spec.compress_ratio(c), spec.has_indexer(c)
         key_bytes = ((c.dsa_indexer_head_dim + 4 if fp8_indexer_keys else c.dsa_indexer_head_dim * element_size)
                      if indexer else 0)
-        per_token = (c.v_head_dim * element_size + key_bytes) / ratio if ratio else 0.0
-        fixed = max(c.csa_window_size - 1, 1) * c.v_head_dim
+        row_bytes = (paged_rows.row_bytes(c.v_head_dim, c.qk_pos_emb_head_dim)
+                     + paged_rows.scale_bytes(c.v_head_dim, c.qk_pos_emb_head_dim)
+                     if fp8_attention_rows else c.v_head_dim * element_size)
+        per_token = (row_bytes + key_bytes) / ratio if ratio else 0.0
+        fixed = (c.csa_window_size * row_bytes if fp8_attention_rows
+                 else max(c.csa_window_size - 1, 1) * c.v_head_dim * element_size)
         if ratio:
             coff = channel_factor(ratio)  # the ratio-4 compressor's doubled channels
             widths = [coff * c.v_head_dim] + ([coff * c.dsa_indexer_head_dim] if indexer else [])
-            fixed += sum(2 * pending_slots(ratio) * width for width in widths)  # kv and gate
-        return CacheFootprint(kind, per_token, fixed * element_size)
+            fixed += sum(2 * pending_slots(ratio) * width for width in widths) * element_size  # kv and gate
+            fixed += c.v_head_dim * element_size if fp8_attention_rows else 0  # the entry's scratch row
+        return CacheFootprint(kind, per_token, fixed)
     return CacheFootprint(kind, float(dense_mla_bytes_per_token(c, element_size)), 0)
 
 

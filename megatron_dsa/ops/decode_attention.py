@@ -15,8 +15,9 @@ with the sink `[H]` in the denominator only (as `ops.sparse_attention`):
     s_k = scale · <q[b,h], kv_k>,    out[b,h] = Σ_k exp(s_k) kv_k / (exp(sink_h) + Σ_k exp(s_k))
 
 This module holds the readable reference (`decode_attention`, the `decode_attention` op family's
-contract: it gathers the rows and runs the training reference op) and the argument checks every backend
-shares. Nothing here reads a device value on the host, so a step that calls it can be captured in a
+contract: it gathers the rows and runs the training reference op), the same over an FP8 attention-row cache
+(`paged_decode_attention`, the `paged_decode_attention` family's: the new row already in a ring of `W` slots),
+and the argument checks every backend shares. Nothing here reads a device value on the host, so a step that calls it can be captured in a
 CUDA graph.
 """
 
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from megatron_dsa.ops.indices import INVALID
+from megatron_dsa.ops.paged_rows import PagedRows, check_pages, read_rows
 from megatron_dsa.ops.rope import rope
 from megatron_dsa.ops.sparse_attention import sparse_attention_forward
 
@@ -69,12 +71,44 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
             parts.append(entries.gather(1, ids.clamp(0, entries.shape[1] - 1).unsqueeze(-1).expand(
                 -1, -1, entries.shape[-1])))
             valid.append(picked)
+    return _attend_rows(query, parts, valid, seqlens, sink, scale, inverse_rope_freq)
+
+
+def _attend_rows(query: Tensor, parts: list[Tensor], valid: list[Tensor], seqlens: Tensor, sink: Tensor,
+                 scale: float, inverse_rope_freq: Optional[Tensor]) -> Tensor:
+    """Each sequence's query `[B, H, D]` over its rows `parts` (each `[B, L_i, D]`) where `valid` (each `[B, L_i]`),
+    through the training reference op; the output's RoPE columns turned back when `inverse_rope_freq` is given."""
     rows = torch.cat([part.to(query.dtype) for part in parts], dim=1)  # [B, L, D]
-    width = rows.shape[1]
+    batch, width = rows.shape[:2]
     ids = torch.arange(batch * width, device=query.device).view(batch, width)
     indices = torch.where(torch.cat(valid, dim=1), ids, INVALID)
     out, _ = sparse_attention_forward(query, rows.flatten(0, 1), indices, sink, scale)
     return out if inverse_rope_freq is None else rope(out, seqlens, inverse_rope_freq, inverse=True)
+
+
+def paged_decode_attention(query: Tensor, window_rows: PagedRows, seqlens: Tensor, window: int,
+                           entries: Optional[PagedRows], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
+                           scale: float, inverse_rope_freq: Optional[Tensor] = None) -> Tensor:
+    """The reference of the `paged_decode_attention` family: `decode_attention` over an FP8 attention-row cache
+    (`ops.paged_rows`) → `out [B, H, D]` in the query dtype.
+
+    The new token's row is already in its window ring: `window_rows` has `W` slots, position `q` at slot `q % W`,
+    so the slots `i < min(p + 1, W)` hold the window `max(0, p − W + 1) … p`. entries: the compressed entries
+    (slot `j` = entry `j`), or None (kind W); entry_ids `[B, K]` as `decode_attention`'s. Rows read back as the
+    values their codes stand for (`ops.paged_rows.read_rows`)."""
+    check_paged_decode_inputs(query, window_rows, seqlens, window, entries, entry_ids, ratio, sink,
+                              inverse_rope_freq)
+    batch, device = query.shape[0], query.device
+    sequences = torch.arange(batch, device=device).unsqueeze(1)
+    slots = torch.arange(window, device=device)
+    parts = [read_rows(window_rows, sequences, slots.unsqueeze(0))]
+    valid = [slots < (seqlens + 1).clamp(max=window).unsqueeze(1)]
+    if entries is not None:
+        counts = entry_counts(seqlens, ratio).unsqueeze(1)
+        ids = torch.arange(entries.slots, device=device).expand(batch, -1) if entry_ids is None else entry_ids.long()
+        parts.append(read_rows(entries, sequences, ids.clamp(0, entries.slots - 1)))
+        valid.append((ids >= 0) & (ids < counts))
+    return _attend_rows(query, parts, valid, seqlens, sink, scale, inverse_rope_freq)
 
 
 def check_decode_inputs(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens: Tensor, window: int,
@@ -124,3 +158,31 @@ def check_decode_inputs(query: Tensor, kv_new: Tensor, window_rows: Tensor, seql
                                   or entry_ids.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"decode attention: entry_ids must be [B, K] int32/int64 with B = {batch}, got "
                          f"{tuple(entry_ids.shape)} {entry_ids.dtype}")
+
+
+def check_paged_decode_inputs(query: Tensor, window_rows: PagedRows, seqlens: Tensor, window: int,
+                              entries: Optional[PagedRows], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
+                              inverse_rope_freq: Optional[Tensor] = None) -> None:
+    """`check_decode_inputs`' rules for `paged_decode_attention` (host checks only: no device read)."""
+    if not isinstance(window_rows, PagedRows) or (entries is not None and not isinstance(entries, PagedRows)):
+        raise TypeError("paged decode attention: window_rows and entries must be ops.paged_rows.PagedRows")
+    if not isinstance(window, int) or window != window_rows.slots:
+        raise ValueError(f"paged decode attention: the window ring must have W = {window!r} slots (it holds the new "
+                         f"row too), got {window_rows.slots}")
+    check_pages(window_rows, "paged decode attention: window_rows")
+    if entries is not None:
+        check_pages(entries, "paged decode attention: entries")
+        if (entries.dim, entries.rope) != (window_rows.dim, window_rows.rope):
+            raise ValueError(f"paged decode attention: entries of D = {entries.dim}, P = {entries.rope} differ from "
+                             f"the window's D = {window_rows.dim}, P = {window_rows.rope}")
+    if query.dim() != 3 or query.shape[0] != window_rows.batch or query.shape[2] != window_rows.dim:
+        raise ValueError(f"paged decode attention: query must be [B, H, D] = [{window_rows.batch}, H, "
+                         f"{window_rows.dim}], got {tuple(query.shape)}")
+    for pages in (window_rows, entries):
+        if pages is not None and pages.batch != query.shape[0]:
+            raise ValueError(f"paged decode attention: {pages.batch} pages for a batch of {query.shape[0]}")
+    # The rest as the bf16 cache's: a stand-in ring of the right shape carries the shared checks.
+    batch, _, dim = query.shape
+    stand_in = query.new_empty((batch, 0, dim))
+    check_decode_inputs(query, query.new_empty((batch, dim)), stand_in, seqlens, window,
+                        None if entries is None else stand_in, entry_ids, ratio, sink, inverse_rope_freq)

@@ -35,10 +35,11 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
     state: `[B, K, 2·coff·Dc]` pending slots; new_rows: `[B, 2·coff·Dc]` the new tokens' `kv | gate` projections
     (state's dtype), written at slot `positions[b] % K`; positions: `[B]` int, the new tokens' positions; ape:
     `[r, coff·Dc]`; norm_weight: `[Dc]`; inv_freq: `[P/2]`; rotate: Hadamard after RoPE (the indexer's keys).
-    store: `[B, C, Dc]`, row `j = positions[b] // r` of sequence b rewritten (`scales [B, C]` float32 with an
-    e4m3 store: the row's scale). The caller keeps `j < C` (the cache's capacity check). counts: `[B]` int32/int64,
-    written `(positions[b] + 1) // r`, the complete entries (the indexer's valid columns of this step: its
-    kernel writes them with the entry, where they took two or three elementwise launches).
+    store: `[B, C, Dc]`, row `j = positions[b] // r` of sequence b rewritten at slot `j % C` (`scales [B, C]`
+    float32 with an e4m3 store: the row's scale). A cache's store has a slot per entry (its capacity check keeps
+    `j < C`); a one-slot store `[B, 1, Dc]` receives each step's entry (an FP8 attention-row cache's scratch row).
+    counts: `[B]` int32/int64, written `(positions[b] + 1) // r`, the complete entries (the indexer's valid columns
+    of this step: its kernel writes them with the entry, where they took two or three elementwise launches).
     """
     check_decode_compress_inputs(state, new_rows, positions, ape, norm_weight, inv_freq, store, scales, counts)
     batch, slots, row_width = state.shape
@@ -57,9 +58,10 @@ def decode_compress(state: Tensor, new_rows: Tensor, positions: Tensor, ape: Ten
                             previous[..., kv_width:], entry == 0)
     values, row_scales = encode_rows(finish_entries(pooled, entry * ratio, norm_weight, eps, inv_freq, rotate),
                                      store, scales)
-    byte_view(store)[sequences, entry] = byte_view(values)
+    slot = entry % store.shape[1]
+    byte_view(store)[sequences, slot] = byte_view(values)
     if scales is not None:
-        scales[sequences, entry] = row_scales
+        scales[sequences, slot] = row_scales
     if counts is not None:
         counts.copy_(entry_counts(positions, ratio))
 

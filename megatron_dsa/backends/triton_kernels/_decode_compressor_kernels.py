@@ -81,7 +81,7 @@ def finish_entry(pooled, chans, entry, b, w_ptr, freq_ptr, eps_ptr, store_ptr, s
                  BLOCK_P: tl.constexpr, LOG2_P: tl.constexpr, HADAMARD_SCALE: tl.constexpr, FP8_MAX: tl.constexpr,
                  INV_FP8_MAX: tl.constexpr, TINY: tl.constexpr, dtype: tl.constexpr, COMPUTE: tl.constexpr):
     """The pooled entry `[BLOCK_P, 2]` (COMPUTE values the dtype holds) normalised, rotated, encoded and stored as
-    row `entry` of sequence b (the kernel's docstring says how each step rounds)."""
+    row `entry % ENTRIES` of sequence b (the kernel's docstring says how each step rounds)."""
     chan_ok = chans < DC
     pairs = tl.arange(0, BLOCK_P)
     rstd = tl.rsqrt(tl.sum(pooled * pooled) / DC + tl.load(eps_ptr))
@@ -94,7 +94,8 @@ def finish_entry(pooled, chans, entry, b, w_ptr, freq_ptr, eps_ptr, store_ptr, s
         even, odd = hadamard_pairs(even, odd, pairs, BLOCK_P, LOG2_P, HADAMARD_SCALE)
         even, odd = even.to(dtype).to(COMPUTE), odd.to(dtype).to(COMPUTE)
     values = tl.join(even, odd)  # [BLOCK_P, 2]
-    out_ptrs = store_ptr + (b * ENTRIES + entry) * DC + chans
+    slot = entry % ENTRIES  # the store is a ring of ENTRIES slots (a one-slot scratch row for FP8 attention rows)
+    out_ptrs = store_ptr + (b * ENTRIES + slot) * DC + chans
     if FP8:
         # |values| as float32 bits: a NaN's lie above inf's, so a row with one ends with a NaN scale (as the
         # reference's amax), where tl.max of floats may drop it.
@@ -103,7 +104,7 @@ def finish_entry(pooled, chans, entry, b, w_ptr, freq_ptr, eps_ptr, store_ptr, s
         scale = row_scale(amax, INV_FP8_MAX, TINY)
         codes = e4m3_values(values.to(tl.float32), tl.zeros([BLOCK_P], tl.float32) + scale, FP8_MAX)
         tl.store(out_ptrs, codes.to(store_ptr.dtype.element_ty), mask=chan_ok)
-        tl.store(scale_ptr + b * ENTRIES + entry, scale)
+        tl.store(scale_ptr + b * ENTRIES + slot, scale)
     else:
         tl.store(out_ptrs, values.to(store_ptr.dtype.element_ty), mask=chan_ok)
 
