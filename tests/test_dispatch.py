@@ -117,7 +117,7 @@ PRIORITY_ORDER = {
     "decode_compressor": ("triton", "unfused"),  # came after the table: first the kernel, the reference last
     "decode_append": ("triton", "unfused"),  # likewise
     # Came after the table: FlashMLA's FP8 sparse decode where built, else the reference; the Triton row write.
-    "paged_decode_attention": ("flashmla", "unfused"),
+    "paged_decode_attention": ("flashmla", "triton", "unfused"),
     "paged_rows_write": ("triton", "unfused"),
 }
 

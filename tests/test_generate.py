@@ -125,10 +125,14 @@ def test_the_cli_samples_from_a_main_job_checkpoint(tmp_path, capsys) -> None:
         cli_main(args + ["--fp8-indexer-keys", "--no-cache"])
     assert cli_main(args + ["--fp8-indexer-keys"]) == 0  # FP8 indexer keys in the cache (a C layer's indexer)
     assert capsys.readouterr().out.startswith("def f(")
+    with pytest.raises(SystemExit, match="^error: --fp8-attention-rows .* cannot be combined with --no-cache$"):
+        cli_main(args + ["--fp8-attention-rows", "--no-cache"])
+    assert cli_main(args + ["--fp8-attention-rows"]) == 0  # W/C/H attention rows in FP8 pages
+    assert capsys.readouterr().out.startswith("def f(")
 
 
-def test_generation_with_fp8_indexer_keys_reaches_every_c_layers_cache(monkeypatch) -> None:
-    """`fp8_indexer_keys` gives every C layer's cache e4m3 indexer keys with their scales, and only with the cache."""
+def generated_caches(monkeypatch, **options) -> list:
+    """The `LayerCache`s a generation of 4 tokens from two prompts with cache `options` makes; with the cache only."""
     from megatron_dsa.layers import decoding
 
     model, prompts = model_fp64(), [torch.tensor([1, 2, 3]), torch.tensor([4])]
@@ -136,13 +140,30 @@ def test_generation_with_fp8_indexer_keys_reaches_every_c_layers_cache(monkeypat
     original = decoding.LayerCache.for_layer
     monkeypatch.setattr(decoding.LayerCache, "for_layer",
                         lambda *args, **kwargs: made.append(original(*args, **kwargs)) or made[-1])
-    tokens = generate(model, prompts, 4, fp8_indexer_keys=True)
-    assert tokens.shape == (2, 4)
-    with_indexer = [cache for cache in made if cache.indexer_keys is not None]
+    assert generate(model, prompts, 4, **options).shape == (2, 4)
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=f"{name} .* cannot be combined with use_cache=False"):
+        generate(model, prompts, 3, use_cache=False, **options)
+    return made
+
+
+def test_generation_with_fp8_indexer_keys_reaches_every_c_layers_cache(monkeypatch) -> None:
+    """`fp8_indexer_keys` gives every C layer's cache e4m3 indexer keys with their scales."""
+    with_indexer = [cache for cache in generated_caches(monkeypatch, fp8_indexer_keys=True)
+                    if cache.indexer_keys is not None]
     assert with_indexer and all(cache.indexer_keys.dtype == torch.float8_e4m3fn
                                 and cache.indexer_key_scales is not None for cache in with_indexer)
-    with pytest.raises(ValueError, match="fp8_indexer_keys .* cannot be combined with use_cache=False"):
-        generate(model, prompts, 3, use_cache=False, fp8_indexer_keys=True)
+
+
+def test_generation_with_fp8_attention_rows_reaches_every_sparse_layers_cache(monkeypatch) -> None:
+    """`fp8_attention_rows` gives every W/C/H layer's cache FP8 pages and leaves M layers' latent rows as they are."""
+    from megatron_dsa.ops.paged_rows import PagedRows
+
+    made = generated_caches(monkeypatch, fp8_attention_rows=True)
+    kinds = {cache.kind for cache in made}
+    assert "M" in kinds and len(kinds) > 2, kinds
+    for cache in made:
+        assert isinstance(cache.window, PagedRows) == (cache.kind != "M"), cache.kind
 
 
 def test_cuda_graph_generation_needs_the_cache_and_a_cuda_device() -> None:
@@ -155,21 +176,24 @@ def test_cuda_graph_generation_needs_the_cache_and_a_cuda_device() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype, fp8_indexer_keys", [(torch.float32, False), (torch.bfloat16, False),
-                                                     (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16_fp8_keys"])
+@pytest.mark.parametrize("dtype, options", [(torch.float32, {}), (torch.bfloat16, {}),
+                                            (torch.bfloat16, dict(fp8_indexer_keys=True)),
+                                            (torch.bfloat16, dict(fp8_attention_rows=True))],
+                         ids=["fp32", "bf16", "bf16_fp8_keys", "bf16_fp8_rows"])
 @pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.9)])
-def test_cuda_graph_generation_replays_the_eager_cached_steps(dtype: torch.dtype, fp8_indexer_keys: bool,
+def test_cuda_graph_generation_replays_the_eager_cached_steps(dtype: torch.dtype, options: dict,
                                                              temperature: float, top_p: float, monkeypatch) -> None:
     """Generation through a captured decode step gives the eager cached path's tokens, greedy and sampled from
-    the same seed (with FP8 indexer keys too); the steps after the capture are graph replays (counted), not eager
-    decode steps (the dispatch counters move only while the step runs on the host: warm-up and capture)."""
+    the same seed (with FP8 indexer keys or FP8 attention rows too); the steps after the capture are graph replays
+    (counted), not eager decode steps (the dispatch counters move only while the step runs on the host: warm-up
+    and capture)."""
     model = model_fp64(1).to(device="cuda", dtype=dtype)
     draw = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=draw) for n in (3, 14, 9)]
     new_tokens = 24
     run = lambda graphed: generate(model, prompts, new_tokens, temperature, top_p,  # noqa: E731
                                    torch.Generator(device="cuda").manual_seed(7), cuda_graph=graphed,
-                                   fp8_indexer_keys=fp8_indexer_keys)
+                                   **options)
     eager = run(False)
     replays = []
     replay = torch.cuda.CUDAGraph.replay
@@ -180,6 +204,6 @@ def test_cuda_graph_generation_replays_the_eager_cached_steps(dtype: torch.dtype
     assert len(set(eager.flatten().tolist())) > 3  # not one token repeated
     assert len(replays) == new_tokens - 1
     steps_on_the_host = 2 + 1  # DecodeGraph's default warm-up steps, then the capture
-    assert sum(n for (_, op), n in call_counts().items() if op == "decode_attention") == (
+    assert sum(n for (_, op), n in call_counts().items() if op in ("decode_attention", "paged_decode_attention")) == (
         steps_on_the_host * len(model.layers)), call_counts()  # every kind's step, M's too
     assert call_counts().get(("triton", "decode_compressor"), 0) > 0, call_counts()  # captured with the step

@@ -34,7 +34,7 @@ def probe(op: OpFamily, call: Mapping[str, Any]) -> Optional[str]:
         _topk_width_problem(call, explicit) if op is OpFamily.TOPK else None,
         _fp8_keys_problem(call) if op in (OpFamily.DECODE_INDEXER_SCORES, OpFamily.DECODE_COMPRESSOR) else None,
         probes.fp8_capability_problem(call.get("device"), "FP8 attention rows")
-        if op is OpFamily.PAGED_ROWS_WRITE else None,
+        if op in (OpFamily.PAGED_ROWS_WRITE, OpFamily.PAGED_DECODE_ATTENTION) else None,
         _fp8_gemm_problem(call, explicit) if op is OpFamily.FP8_GEMM else None,
         decode_compressor.rotate_problem(call.get("head_dim"), call.get("rotate"))
         if op is OpFamily.DECODE_COMPRESSOR else None,
@@ -116,6 +116,7 @@ TRITON = Backend(
         OpFamily.DECODE_COMPRESSOR: decode_compressor.decode_compress,
         OpFamily.DECODE_APPEND: decode_append.append_rows,
         OpFamily.PAGED_ROWS_WRITE: paged_rows.write_decode_rows,
+        OpFamily.PAGED_DECODE_ATTENTION: decode_attention.paged_decode_attention,
         OpFamily.DENSE_ATTENTION: dense_attention.dense_attention,
         OpFamily.DENSE_ATTENTION_BLOCK_FWD: dense_attention.block_forward,
         OpFamily.DENSE_ATTENTION_BLOCK_BWD: dense_attention.block_backward,

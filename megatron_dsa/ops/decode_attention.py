@@ -17,8 +17,8 @@ with the sink `[H]` in the denominator only (as `ops.sparse_attention`):
 This module holds the readable reference (`decode_attention`, the `decode_attention` op family's
 contract: it gathers the rows and runs the training reference op), the same over an FP8 attention-row cache
 (`paged_decode_attention`, the `paged_decode_attention` family's: the new row already in a ring of `W` slots),
-and the argument checks every backend shares. Nothing here reads a device value on the host, so a step that calls it can be captured in a
-CUDA graph.
+and the argument checks every backend shares. Nothing here reads a device value on the host, so a step that calls
+it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

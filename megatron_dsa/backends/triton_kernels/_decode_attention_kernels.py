@@ -6,12 +6,15 @@ Left undecorated, like the sparse-attention kernels: `decode_attention.py` decor
 Each sequence's keys form one virtual list of `L = 1 + R + E` slots: slot 0 is its new row `kv_new[b]`,
 slots `1 … R` the ring `window[b]`, the rest its compressed entries (the selected entry numbers
 `ids[b, e]`, or every entry `e`). A slot's row comes from one of the three tensors by a pointer select, so
-each index block is one masked gather. Flash-decoding: program `(b·head_blocks + hb, split)` runs the online
-softmax over the split's slots for a block of heads (the heads are the M side of `tl.dot`, all sharing the
-gathered rows) and leaves `(max, sum, acc)` in float32; `decode_combine_kernel` merges the splits with the
+each index block is one masked gather. With `PAGED` the ring and the entries are FP8 pages (`ops.paged_rows`:
+e4m3 codes times a power of two per 64 columns, bf16 RoPE columns) and the new row is already in the ring of `W`
+slots: `L = R + E`, and a row is read as its codes, their tiles' scale bytes and its RoPE bytes.
+Flash-decoding: program `(b·head_blocks + hb, split)` runs the online softmax over the split's slots for a block
+of heads (the heads are the M side of `tl.dot`, all sharing the gathered rows) and leaves `(max, sum, acc)` in float32; `decode_combine_kernel` merges the splits with the
 sink in the denominator. With one split the first kernel normalises and writes the output itself.
 """
 
+import triton
 import triton.language as tl
 
 from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
@@ -19,21 +22,58 @@ from megatron_dsa.backends.triton_kernels._rope_kernels import rotate_pairs
 from megatron_dsa.backends.triton_kernels._sparse_attention_kernels import LOG2E, MAX_FLOOR, online_softmax_step, row_tile
 
 
+@triton.jit
+def paged_tile(row_ptrs, scale_ptrs, cols, row_ok, D: tl.constexpr, NOPE: tl.constexpr, TILE: tl.constexpr,
+               dtype: tl.constexpr):
+    """`[R, C]` in `dtype`: the FP8 page rows at byte pointers `row_ptrs [R]` (their scale bytes at `scale_ptrs
+    [R]`) at the columns `cols [C]`, zero where masked: `code · 2^(byte − 127)` below `NOPE`, the bfloat16 RoPE
+    values (two bytes each) from `NOPE` to `D`. The scale is the float whose exponent bits are the scale byte (a
+    zero byte, a tile of zeros or of values below 2⁻¹¹⁸, reads as 0 where the reference keeps 2⁻¹²⁷). In bfloat16
+    (float32's exponent range: the product is exact) the tile never exists in float32, which halves its registers."""
+    is_code = (cols < NOPE)[None, :]
+    code_ok = row_ok[:, None] & is_code
+    codes = tl.load(row_ptrs[:, None] + cols[None, :], mask=code_ok, other=0).to(tl.float8e4nv, bitcast=True)
+    scale_bytes = tl.load(scale_ptrs[:, None] + (cols // TILE)[None, :], mask=code_ok, other=0)
+    rope_bytes = row_ptrs[:, None] + NOPE + 2 * (cols - NOPE)[None, :]
+    rope_ok = row_ok[:, None] & ((cols >= NOPE) & (cols < D))[None, :]
+    rope = (tl.load(rope_bytes, mask=rope_ok, other=0).to(tl.uint16)
+            | (tl.load(rope_bytes + 1, mask=rope_ok, other=0).to(tl.uint16) << 8)).to(tl.bfloat16, bitcast=True)
+    if dtype == tl.bfloat16:
+        scales = (scale_bytes.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
+        return tl.where(is_code, codes.to(tl.bfloat16) * scales, rope)
+    scales = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return tl.where(is_code, codes.to(tl.float32) * scales, rope.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def key_tile(rows, scales, cols, valid, D: tl.constexpr, PAGED: tl.constexpr, NOPE: tl.constexpr,
+             TILE: tl.constexpr, dtype: tl.constexpr):
+    """The `[BLOCK_K, C]` key / value tile of the slots' rows in the query's dtype: element rows, or FP8 page rows."""
+    if PAGED:
+        tile = paged_tile(rows, scales, cols, valid, D, NOPE, TILE, dtype)
+    else:
+        tile = row_tile(rows[:, None], cols, valid, D, True, True).to(dtype)
+    return tile
+
+
 def decode_attention_split_kernel(
     q_ptr, new_ptr, ring_ptr, entries_ptr, ids_ptr, seqlens_ptr, sink_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     qk_scale,  # softmax scale * log2(e)
-    H: tl.constexpr, D: tl.constexpr, R, RING_LIMIT, C, K, RATIO, SLOTS, SLOTS_PER_SPLIT,
+    H: tl.constexpr, D: tl.constexpr, R, RING_LIMIT, C, K, RATIO, SLOTS, SLOTS_PER_SPLIT, RING_PAGE, ENTRY_PAGE,
     SPLITS: tl.constexpr, HAS_ENTRIES: tl.constexpr, SELECTED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-    VALUE_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr, CHAINED: tl.constexpr,
+    VALUE_PARTS: tl.constexpr, PAGED: tl.constexpr, NOPE: tl.constexpr, TILE: tl.constexpr,
+    ROW_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, DOT_PRECISION: tl.constexpr, CHAINED: tl.constexpr,
 ):
     """One (sequence, head block, value part, split): online softmax over the split's slots (module docstring).
 
-    R ring slots, of which `min(p, RING_LIMIT)` are valid; C entry slots per sequence in `entries`; K
-    selected ids per sequence (`SELECTED`); the sequence sees entries `j < (p + 1) // RATIO`. With
-    `VALUE_PARTS = 2` (no tail columns) the program scores with every column but accumulates and writes only its
-    half of the output's columns: half the accumulator's registers, twice the programs."""
+    R ring slots, of which `min(p, RING_LIMIT)` are valid (`PAGED`: `min(p + 1, RING_LIMIT)`, the new row among
+    them); C entry slots per sequence in `entries`; K selected ids per sequence (`SELECTED`); the sequence sees
+    entries `j < (p + 1) // RATIO`. `PAGED`: the ring and entries are FP8 pages of `RING_PAGE` / `ENTRY_PAGE` bytes
+    a sequence, rows of `ROW_BYTES` then `SCALE_BYTES` scale bytes a row, `NOPE` e4m3 columns in tiles of `TILE`.
+    With `VALUE_PARTS = 2` (no tail columns) the program scores with every column but accumulates and writes only
+    its half of the output's columns: half the accumulator's registers, twice the programs."""
     wait_for_previous_kernel(CHAINED)
     head_blocks: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     BLOCK_V: tl.constexpr = BLOCK_D // VALUE_PARTS  # the output columns this program owns
@@ -46,7 +86,8 @@ def decode_attention_split_kernel(
     row_heads = (b * H + heads).to(tl.int64)[:, None] * D
 
     p = tl.load(seqlens_ptr + b).to(tl.int64)
-    ring_valid = tl.minimum(p, RING_LIMIT)
+    NEW: tl.constexpr = 0 if PAGED else 1  # slot 0 is the new row, unless it is in the ring already
+    ring_valid = tl.minimum(p + 1 - NEW, RING_LIMIT)
     visible = (p + 1) // RATIO
 
     dm = part * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -67,28 +108,40 @@ def decode_attention_split_kernel(
     for start in range(first, last, BLOCK_K):
         slot = start + tl.arange(0, BLOCK_K)
         in_split = slot < last
-        is_new = slot == 0
-        ring_slot = slot - 1
-        in_ring = (slot >= 1) & (ring_slot < ring_valid)
+        is_new = slot < NEW
+        ring_slot = slot - NEW
+        in_ring = (ring_slot >= 0) & (ring_slot < ring_valid)
         valid = in_split & (is_new | in_ring)
-        rows = tl.where(is_new, new_ptr + b * D, ring_ptr + (b * R + tl.where(in_ring, ring_slot, 0)) * D)
+        ring_at = tl.where(in_ring, ring_slot, 0)
+        if PAGED:
+            rows = ring_ptr + b * RING_PAGE + ring_at * ROW_BYTES
+            scales = ring_ptr + b * RING_PAGE + R * ROW_BYTES + ring_at * SCALE_BYTES
+        else:
+            rows = tl.where(is_new, new_ptr + b * D, ring_ptr + (b * R + ring_at) * D)
+            scales = rows
         if HAS_ENTRIES:
-            e = slot - 1 - R
+            e = slot - NEW - R
             in_entries = in_split & (e >= 0)
             if SELECTED:
                 entry = tl.load(ids_ptr + b * K + tl.where(in_entries, e, 0), mask=in_entries, other=-1).to(tl.int64)
             else:
                 entry = e
             entry_ok = in_entries & (entry >= 0) & (entry < visible) & (entry < C)
-            rows = tl.where(entry_ok, entries_ptr + (b * C + tl.where(entry_ok, entry, 0)) * D, rows)
+            entry_at = tl.where(entry_ok, entry, 0)
+            if PAGED:
+                rows = tl.where(entry_ok, entries_ptr + b * ENTRY_PAGE + entry_at * ROW_BYTES, rows)
+                scales = tl.where(entry_ok, entries_ptr + b * ENTRY_PAGE + C * ROW_BYTES + entry_at * SCALE_BYTES,
+                                  scales)
+            else:
+                rows = tl.where(entry_ok, entries_ptr + (b * C + entry_at) * D, rows)
             valid = valid | entry_ok
-        kv = row_tile(rows[:, None], dm, valid, D, True, True).to(q.dtype)
+        kv = key_tile(rows, scales, dm, valid, D, PAGED, NOPE, TILE, q.dtype)
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
         if VALUE_PARTS == 2:
-            kv_o = row_tile(rows[:, None], do, valid, D, True, True).to(q.dtype)
+            kv_o = key_tile(rows, scales, do, valid, D, PAGED, NOPE, TILE, q.dtype)
             s = tl.dot(q_o, tl.trans(kv_o), s, input_precision=DOT_PRECISION)
         if BLOCK_DT > 0:
-            kv_t = row_tile(rows[:, None], dt, valid, D, True, True).to(q.dtype)
+            kv_t = key_tile(rows, scales, dt, valid, D, PAGED, NOPE, TILE, q.dtype)
             s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, weights, alpha = online_softmax_step(s, m_i, l_i)

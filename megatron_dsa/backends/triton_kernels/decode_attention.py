@@ -1,5 +1,5 @@
-"""Decode attention as Triton kernels: the `decode_attention` op family (contract and math:
-`megatron_dsa.ops.decode_attention`).
+"""Decode attention as Triton kernels: the `decode_attention` and `paged_decode_attention` op families (contracts
+and math: `megatron_dsa.ops.decode_attention`; the second reads an FP8 attention-row cache, `ops.paged_rows`).
 
 One new query row per sequence attends its new K = V row, its window ring and its compressed entries (the
 selected ones, or every visible one) with the sink in the denominator. Nothing is gathered into a new
@@ -49,7 +49,8 @@ from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launch
 from megatron_dsa.backends.triton_kernels.rope import rope
 from megatron_dsa.backends.triton_kernels.tiles import (MIN_DOT, cdiv, dot_precision, head_dim_chunks, multiprocessors,
                                                        on_device, pow2)
-from megatron_dsa.ops.decode_attention import check_decode_inputs
+from megatron_dsa.ops.decode_attention import check_decode_inputs, check_paged_decode_inputs
+from megatron_dsa.ops.paged_rows import PagedRows, tile_width
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = math.log2(math.e)
@@ -59,6 +60,10 @@ MAX_KEYS_PER_SPLIT = 4096
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one by one: a few splits exercise the merge
 INTERPRETER_BLOCK_K = 16
 COMBINE_ELEMENTS = 4096  # split × column elements the combine kernel holds per chunk
+# Key rows a program decodes from FP8 pages per step: its codes, scale bytes and RoPE bytes become the key tile in
+# registers, and an sm_90a compile of dsv4's tiles (64 heads × 512 columns, 8 warps) spills thousands of bytes a
+# thread at 64 rows, about a thousand at 32, some hundred at 16.
+PAGED_BLOCK_K = 16
 
 
 
@@ -72,14 +77,15 @@ class DecodeTiles(NamedTuple):
     parts: int = 1
 
 
-def decode_tiles(dtype: torch.dtype, heads: int, dim: int) -> DecodeTiles:
+def decode_tiles(dtype: torch.dtype, heads: int, dim: int, paged: bool = False) -> DecodeTiles:
     """The tiles for `heads` query rows of `dim` columns in `dtype`: 64 key rows per step for 16-bit rows up to
-    D = 512 (as the training forward), else 32 (shared memory); 8 warps where a program's query tile spans 64
-    heads × 256 columns or more."""
+    D = 512 (as the training forward), else 32 (shared memory); `PAGED_BLOCK_K` rows of FP8 pages (their tiles are
+    decoded in registers); 8 warps where a program's query tile spans 64 heads × 256 columns or more."""
     if interpreting():
         return DecodeTiles(INTERPRETER_BLOCK_K, 4, 2)
     wide = pow2(heads, MIN_DOT, MAX_BLOCK_H) * head_dim_chunks(dim)[0] >= MAX_BLOCK_H * 256
-    return DecodeTiles(64 if dtype.itemsize == 2 and dim <= 512 else 32, 8 if wide else 4, 2)
+    block_k = PAGED_BLOCK_K if paged else (64 if dtype.itemsize == 2 and dim <= 512 else 32)
+    return DecodeTiles(block_k, 8 if wide else 4, 2)
 
 
 def _wave(device: torch.device) -> int:
@@ -101,6 +107,20 @@ def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.
     return max(1, min(wanted, cdiv(slots, block_k), MAX_SPLITS))
 
 
+class _KeyRows(NamedTuple):
+    """Where a launch reads each sequence's key rows: its new row (`new [B, D]`, or None where the ring holds it), the
+    ring (`R` slots, `limit` of them valid at most), the entries (`C` slots, or None), and for FP8 pages their
+    format (`ops.paged_rows.PagedRows`, whose `pages` are `ring` / `entries`)."""
+
+    new: Optional[Tensor]
+    ring: Tensor
+    ring_slots: int
+    limit: int
+    entries: Optional[Tensor]
+    entry_slots: int
+    pages: Optional[PagedRows] = None
+
+
 def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens: Tensor, window: int,
                      entries: Optional[Tensor], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
                      scale: float, inverse_rope_freq: Optional[Tensor] = None, splits: Optional[int] = None,
@@ -111,9 +131,34 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
     last step (module docstring); a launch of a single split leaves it to the RoPE kernel."""
     check_decode_inputs(query, kv_new, window_rows, seqlens, window, entries, entry_ids, ratio, sink,
                         inverse_rope_freq)
-    if query.dtype not in SUPPORTED_DTYPES or window_rows.dtype not in SUPPORTED_DTYPES:
+    if window_rows.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"triton decode attention runs {[str(d) for d in SUPPORTED_DTYPES]}, got query "
                         f"{query.dtype} and cache {window_rows.dtype}")
+    rows = _KeyRows(kv_new.contiguous(), window_rows.contiguous(), window_rows.shape[1], max(window - 1, 0),
+                    None if entries is None else entries.contiguous(), 0 if entries is None else entries.shape[1])
+    return _attend(query, rows, seqlens, entry_ids, ratio, sink, scale, inverse_rope_freq, splits, tiles)
+
+
+def paged_decode_attention(query: Tensor, window_rows: PagedRows, seqlens: Tensor, window: int,
+                           entries: Optional[PagedRows], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
+                           scale: float, inverse_rope_freq: Optional[Tensor] = None, splits: Optional[int] = None,
+                           tiles: Optional[DecodeTiles] = None) -> Tensor:
+    """The `paged_decode_attention` contract (`ops.decode_attention.paged_decode_attention`): the same kernels
+    reading FP8 pages (codes, their tiles' scales and the RoPE bytes of each row, where `decode_attention` reads
+    its rows' elements); `splits` and `tiles` as there."""
+    check_paged_decode_inputs(query, window_rows, seqlens, window, entries, entry_ids, ratio, sink,
+                              inverse_rope_freq)
+    rows = _KeyRows(None, window_rows.pages, window_rows.slots, window,
+                    None if entries is None else entries.pages, 0 if entries is None else entries.slots, window_rows)
+    return _attend(query, rows, seqlens, entry_ids, ratio, sink, scale, inverse_rope_freq, splits, tiles)
+
+
+def _attend(query: Tensor, rows: _KeyRows, seqlens: Tensor, entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
+            scale: float, inverse_rope_freq: Optional[Tensor], splits: Optional[int],
+            tiles: Optional[DecodeTiles]) -> Tensor:
+    """Both contracts' launch: the split kernel over `rows`, then the combine (module docstring)."""
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"triton decode attention runs {[str(d) for d in SUPPORTED_DTYPES]}, got query {query.dtype}")
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"triton decode attention: scale must be a finite number, got {scale!r}")
     require_triton(query.device, "decode attention", "query's device")
@@ -121,12 +166,12 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
     out = torch.empty((batch, heads, dim), dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
-    ring = window_rows.shape[1]
     selected = entry_ids is not None
-    entry_slots = 0 if entries is None else (entry_ids.shape[1] if selected else entries.shape[1])
-    slots = 1 + ring + entry_slots
+    has_entries = rows.entries is not None
+    entry_slots = 0 if not has_entries else (entry_ids.shape[1] if selected else rows.entry_slots)
+    slots = (rows.new is not None) + rows.ring_slots + entry_slots
     if tiles is None:
-        tiles = decode_tiles(query.dtype, heads, dim)
+        tiles = decode_tiles(query.dtype, heads, dim, paged=rows.pages is not None)
         tiles = tiles._replace(parts=value_parts(batch, heads, slots, dim, tiles.block_k, query.device))
     block_k, warps, stages, parts = tiles
     splits = split_count(batch, heads, slots, block_k, query.device, parts) if splits is None else splits
@@ -145,16 +190,23 @@ def decode_attention(query: Tensor, kv_new: Tensor, window_rows: Tensor, seqlens
     part_sum = torch.empty(partials[1], dtype=torch.float32, device=query.device)
     sink = sink.detach().to(torch.float32).contiguous()
     query = query.contiguous()
+    pages = rows.pages
+    page_format = dict(PAGED=pages is not None, NOPE=0, TILE=1, ROW_BYTES=0, SCALE_BYTES=0)
+    if pages is not None:
+        page_format.update(NOPE=pages.nope, TILE=tile_width(pages.nope), ROW_BYTES=pages.row_bytes,
+                           SCALE_BYTES=pages.scale_bytes)
+    page_strides = [rows.ring.stride(0) if pages is not None else 0,
+                    rows.entries.stride(0) if pages is not None and has_entries else 0]
     with on_device(query.device):
         launcher(_kernels().decode_attention_split_kernel)[(batch * cdiv(heads, block_h) * parts, splits)](
-            query, kv_new.contiguous(), window_rows.contiguous(),
-            query if entries is None else entries.contiguous(),
+            query, query if rows.new is None else rows.new, rows.ring,
+            query if rows.entries is None else rows.entries,
             seqlens if entry_ids is None else entry_ids.contiguous(), seqlens.contiguous(), sink,
             out, part_acc, part_max, part_sum, float(scale) * LOG2E,
-            heads, dim, ring, max(window - 1, 0), 0 if entries is None else entries.shape[1], max(entry_slots, 1),
-            ratio if entries is not None else 1, slots, per_split,
-            SPLITS=splits, HAS_ENTRIES=entries is not None, SELECTED=selected,
-            BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DT=block_dt, VALUE_PARTS=parts,
+            heads, dim, rows.ring_slots, rows.limit, rows.entry_slots, max(entry_slots, 1),
+            ratio if has_entries else 1, slots, per_split, *page_strides,
+            SPLITS=splits, HAS_ENTRIES=has_entries, SELECTED=selected,
+            BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DT=block_dt, VALUE_PARTS=parts, **page_format,
             DOT_PRECISION=dot_precision(query.dtype), num_warps=warps, num_stages=stages,
             **chained_launch(query.device))
         if splits > 1:
