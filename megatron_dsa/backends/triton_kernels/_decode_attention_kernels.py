@@ -46,11 +46,36 @@ def paged_tile(row_ptrs, scale_ptrs, cols, row_ok, D: tl.constexpr, NOPE: tl.con
 
 
 @triton.jit
+def paged_tile_by_tiles(row_ptrs, scale_ptrs, first, BLOCK: tl.constexpr, row_ok, NOPE: tl.constexpr,
+                        TILE: tl.constexpr, dtype: tl.constexpr):
+    """`paged_tile` of the columns `first … first + BLOCK` where the RoPE columns are one last tile of `TILE` (dsv4:
+    7 tiles of codes, then 64 RoPE values) and `TILE` a power of two: the codes loaded whole rows at a time (the
+    RoPE tile's bytes too, then replaced: row masks only, so the loads are vectors), one scale byte a tile, the RoPE
+    values as bfloat16, the tile `[R, BLOCK / TILE, TILE]` scaled by broadcast, then flattened."""
+    TILES: tl.constexpr = BLOCK // TILE
+    tiles = first // TILE + tl.arange(0, TILES)
+    columns = first + tl.arange(0, BLOCK)
+    codes = tl.load(row_ptrs[:, None] + columns[None, :], mask=row_ok[:, None], other=0)
+    codes = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), [row_ptrs.shape[0], TILES, TILE])
+    scale_bytes = tl.load(scale_ptrs[:, None] + tiles[None, :], mask=row_ok[:, None] & (tiles < NOPE // TILE)[None, :],
+                          other=0)
+    scales = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    rope_ptrs = (row_ptrs + NOPE).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    rope = tl.load(rope_ptrs[:, None] + tl.arange(0, TILE)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    values = tl.where((tiles == NOPE // TILE)[None, :, None], rope[:, None, :], codes * scales[:, :, None])
+    return tl.reshape(values, [row_ptrs.shape[0], BLOCK]).to(dtype)
+
+
+@triton.jit
 def key_tile(rows, scales, cols, valid, D: tl.constexpr, PAGED: tl.constexpr, NOPE: tl.constexpr,
-             TILE: tl.constexpr, dtype: tl.constexpr):
-    """The `[BLOCK_K, C]` key / value tile of the slots' rows in the query's dtype: element rows, or FP8 page rows."""
+             TILE: tl.constexpr, dtype: tl.constexpr, first, BLOCK: tl.constexpr):
+    """The `[BLOCK_K, C]` key / value tile of the slots' rows in the query's dtype: element rows, or FP8 page rows
+    (by tiles where the columns `first … first + BLOCK` are whole tiles and the RoPE columns one of them)."""
     if PAGED:
-        tile = paged_tile(rows, scales, cols, valid, D, NOPE, TILE, dtype)
+        if BLOCK > 0 and (TILE & (TILE - 1)) == 0 and D - NOPE == TILE and BLOCK % TILE == 0:
+            tile = paged_tile_by_tiles(rows, scales, first, BLOCK, valid, NOPE, TILE, dtype)
+        else:
+            tile = paged_tile(rows, scales, cols, valid, D, NOPE, TILE, dtype)
     else:
         tile = row_tile(rows[:, None], cols, valid, D, True, True).to(dtype)
     return tile
@@ -135,13 +160,13 @@ def decode_attention_split_kernel(
             else:
                 rows = tl.where(entry_ok, entries_ptr + (b * C + entry_at) * D, rows)
             valid = valid | entry_ok
-        kv = key_tile(rows, scales, dm, valid, D, PAGED, NOPE, TILE, q.dtype)
+        kv = key_tile(rows, scales, dm, valid, D, PAGED, NOPE, TILE, q.dtype, part * BLOCK_V, BLOCK_V)
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
         if VALUE_PARTS == 2:
-            kv_o = key_tile(rows, scales, do, valid, D, PAGED, NOPE, TILE, q.dtype)
+            kv_o = key_tile(rows, scales, do, valid, D, PAGED, NOPE, TILE, q.dtype, (1 - part) * BLOCK_V, BLOCK_V)
             s = tl.dot(q_o, tl.trans(kv_o), s, input_precision=DOT_PRECISION)
         if BLOCK_DT > 0:
-            kv_t = key_tile(rows, scales, dt, valid, D, PAGED, NOPE, TILE, q.dtype)
+            kv_t = key_tile(rows, scales, dt, valid, D, PAGED, NOPE, TILE, q.dtype, BLOCK_D, 0)
             s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, weights, alpha = online_softmax_step(s, m_i, l_i)
