@@ -258,7 +258,7 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
     # Cached rows in the rows' dtype: under autocast they may differ from the cache's. An FP8 row cache's queries
     # read their own chunk's rows rounded as the cache keeps them, as a decode step reads its new row.
     seen = round_trip(kv.detach(), c.qk_pos_emb_head_dim).to(kv.dtype) if isinstance(cache.window, PagedRows) else kv
-    parts = [seen, _cached_rows(cache.window).flatten(0, 1).to(kv.dtype)]
+    parts = [seen, _cached_rows(cache.window, kv.dtype).flatten(0, 1)]
     selection = IndexSelection(window, None)
     if attention.compressor is not None:
         # New entries first: a row sees the entries its own chunk completes.
@@ -266,7 +266,7 @@ def _sparse_step(layer: "HybridAttention", x: Tensor, new: TokenLayout, cache: L
                         cache.entries, inv_freq)
         entries = _visible_entries(new, (before + new.real_seqlens) // attention.ratio, _slots(cache.entries),
                                    attention.ratio)
-        parts.append(_cached_rows(cache.entries).flatten(0, 1).to(kv.dtype))
+        parts.append(_cached_rows(cache.entries, kv.dtype).flatten(0, 1))
         if attention.indexer is None:
             selection = IndexSelection(window, offset_valid(entries.rows(), kv_offset))
         else:
@@ -290,9 +290,9 @@ def _slots(buffer: "Tensor | PagedRows") -> int:
     return buffer.slots if isinstance(buffer, PagedRows) else buffer.shape[1]
 
 
-def _cached_rows(buffer: "Tensor | PagedRows") -> Tensor:
-    """`[B, slots, D]` the rows a cache buffer holds (an FP8 one's as the values its codes stand for, float32)."""
-    return all_rows(buffer) if isinstance(buffer, PagedRows) else buffer
+def _cached_rows(buffer: "Tensor | PagedRows", dtype: torch.dtype) -> Tensor:
+    """`[B, slots, D]` the rows a cache buffer holds in `dtype` (an FP8 one's: the values its codes stand for)."""
+    return all_rows(buffer, dtype) if isinstance(buffer, PagedRows) else buffer.to(dtype)
 
 
 def _window_rows(new: TokenLayout, before: Tensor, window: int, ring: int) -> Tensor:

@@ -151,9 +151,14 @@ def read_rows(paged: PagedRows, sequences: Tensor, slots: Tensor) -> Tensor:
                       paged.rope)
 
 
-def all_rows(paged: PagedRows) -> Tensor:
-    """Every slot's row, `[B, slots, D]` float32."""
-    return dequantize(paged.rows_region(), paged.scales_region(), paged.dim, paged.rope)
+def all_rows(paged: PagedRows, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Every slot's row, `[B, slots, D]` in `dtype` (float32 keeps them exact; bf16 too, but for values below
+    2⁻¹³³), dequantized a sequence at a time: a float32 copy of a whole long cache would weigh twice a bf16 cache."""
+    out = torch.empty(paged.batch, paged.slots, paged.dim, dtype=dtype, device=paged.pages.device)
+    rows, scales = paged.rows_region(), paged.scales_region()
+    for b in range(paged.batch):
+        out[b] = dequantize(rows[b], scales[b], paged.dim, paged.rope)
+    return out
 
 
 def slot_of(positions: Tensor, ratio: int, slots: int) -> Tensor:
