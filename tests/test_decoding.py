@@ -40,9 +40,10 @@ def layer_and_input(kind: str, seqlen: int, batch: int, seed: int = 0):
     return layer, torch.randn(seqlen, batch, layer.config.hidden_size, dtype=torch.float64)
 
 
-def run_in_chunks(layer, hidden, chunks: list[int]) -> torch.Tensor:
-    """`hidden [S, B, d]` through the cache in consecutive chunks of the given sizes → `[S, B, d]`."""
-    cache = LayerCache.for_layer(layer, hidden.shape[1], hidden.shape[0])
+def run_in_chunks(layer, hidden, chunks: list[int], **cache_options) -> torch.Tensor:
+    """`hidden [S, B, d]` through the cache (made with `cache_options`) in consecutive chunks of the given sizes →
+    `[S, B, d]`."""
+    cache = LayerCache.for_layer(layer, hidden.shape[1], hidden.shape[0], **cache_options)
     outputs, start = [], 0
     for size in chunks:
         outputs.append(layer(hidden[start:start + size], inference_cache=cache)[0])
@@ -319,6 +320,28 @@ def test_packed_prompts_of_different_lengths_then_batched_decoding_equals_each_s
         assert max_error(torch.stack([s[b] for s in steps]), alone[length:]) < TOLERANCE
 
 
+@pytest.mark.parametrize("kind", ["W", "C", "H"])
+@torch.no_grad()
+def test_with_fp8_attention_rows_packed_prompts_then_batched_decoding_equal_each_sequence_alone(kind: str) -> None:
+    """Packed == separate with FP8 attention rows: rows are rounded one at a time (a scale per 64 columns of a row),
+    so prompts prefilled packed and decoded as a batch give each sequence what its own cache of one gives."""
+    prompts, generated = [3, 12, 7], 6
+    layer, hidden = layer_and_input(kind, max(prompts) + generated, batch=len(prompts), seed=3)
+    cache = LayerCache.for_layer(layer, len(prompts), max(prompts) + generated, fp8_attention_rows=True)
+    stream = torch.cat([hidden[:length, b] for b, length in enumerate(prompts)]).unsqueeze(1)
+    prefilled = layer(stream, packed_seq_params=packed(prompts), inference_cache=cache)[0][:, 0]
+    steps = []
+    for step in range(generated):
+        next_rows = torch.stack([hidden[length + step, b] for b, length in enumerate(prompts)]).unsqueeze(0)
+        steps.append(layer(next_rows, inference_cache=cache)[0][0])
+    starts = [0, *torch.tensor(prompts).cumsum(0).tolist()]
+    for b, length in enumerate(prompts):
+        alone = run_in_chunks(layer, hidden[:length + generated, b:b + 1], [length] + [1] * generated,
+                              fp8_attention_rows=True)[:, 0]
+        assert max_error(prefilled[starts[b]:starts[b + 1]], alone[:length]) < TOLERANCE
+        assert max_error(torch.stack([s[b] for s in steps]), alone[length:]) < TOLERANCE
+
+
 @pytest.mark.parametrize("kind", ["C", "M"])
 @torch.no_grad()
 def test_a_packed_call_may_extend_only_some_sequences(kind: str) -> None:
@@ -413,8 +436,10 @@ def test_at_dsv4_flash_dims_the_sparse_kinds_cache_a_fraction_of_dense_mla() -> 
 
 
 def tensor_parallel_decoding_body(rank: int, world: int) -> None:
-    """TP-2 decoding == TP-1 decoding == the full forward, for every kind."""
+    """TP-2 decoding == TP-1 decoding == the full forward, for every kind; with FP8 attention rows (W/C/H), TP-2
+    decoding == TP-1 decoding on the same FP8 cache (each rank keeps the whole rows, rounded alike)."""
     state = initialize_parallel_state(tp_size=world)
+    chunks = [6, 1, 4] + [1] * 6
     for kind in KINDS:
         reference, hidden = layer_and_input(kind, 17, batch=2, seed=5)
         torch.manual_seed(0)
@@ -422,9 +447,12 @@ def tensor_parallel_decoding_body(rank: int, world: int) -> None:
         load_full_state_dict(layer, reference.state_dict(), state)
         with torch.no_grad():
             expected = reference(hidden)[0]
-            chunks = [6, 1, 4] + [1] * 6
             torch.testing.assert_close(run_in_chunks(layer, hidden, chunks), expected, rtol=0, atol=TOLERANCE,
                                        msg=lambda m: f"kind {kind}, rank {rank}: {m}")
+            if kind != "M":
+                fp8 = [run_in_chunks(model, hidden, chunks, fp8_attention_rows=True) for model in (layer, reference)]
+                torch.testing.assert_close(*fp8, rtol=0, atol=TOLERANCE,
+                                           msg=lambda m: f"kind {kind} FP8 rows, rank {rank}: {m}")
 
 
 def test_decoding_under_tensor_parallelism_equals_one_process() -> None:
