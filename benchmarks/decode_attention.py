@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from timing import DTYPES, cuda_available, graph_median_ms, kernel_parser, median_ms  # noqa: E402
 from megatron_dsa.backends.triton_kernels.decode_attention import (  # noqa: E402
-    DecodeTiles, decode_attention, decode_tiles, value_parts)
+    DecodeTiles, decode_attention, default_tiles)
 from megatron_dsa.ops.decode_attention import decode_attention as reference_decode  # noqa: E402
 
 CONTEXT = 131072
@@ -99,9 +99,7 @@ def main() -> int:
                         if batch <= args.reference_max_batch else None)
         read_bytes = read_elements(inputs) * inputs["kv_new"].element_size()
         slots = read_elements(inputs) // (batch * args.dim)  # the new row, the ring and the attended entries
-        default = decode_tiles(dtype, args.heads, args.dim)
-        default = default._replace(parts=value_parts(batch, args.heads, slots, args.dim, default.block_k,
-                                                     inputs["query"].device))
+        default = default_tiles(dtype, batch, args.heads, slots, args.dim, inputs["query"].device)
         tile_choices = [None] + [t for t in args.tiles if t != default]
         variants = list(itertools.product(tile_choices, [None, *args.splits]))
         for tiles, splits in variants:

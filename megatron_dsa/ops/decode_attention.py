@@ -116,10 +116,7 @@ def check_decode_inputs(query: Tensor, kv_new: Tensor, window_rows: Tensor, seql
                         inverse_rope_freq: Optional[Tensor] = None) -> None:
     """ValueError/TypeError naming the argument when the decode-attention arguments disagree (host checks of
     shapes and dtypes only: no device read)."""
-    if not isinstance(query, Tensor) or query.dim() != 3 or not query.is_floating_point():
-        raise ValueError(f"decode attention: query must be a floating [B, H, D] tensor, got "
-                         f"{tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__}")
-    batch, heads, dim = query.shape
+    batch, _, dim = _check_query(query)
     cache_dtype = window_rows.dtype
     if kv_new.shape != (batch, dim):
         raise ValueError(f"decode attention: kv_new must be [B, D] = [{batch}, {dim}], got {tuple(kv_new.shape)}")
@@ -129,6 +126,51 @@ def check_decode_inputs(query: Tensor, kv_new: Tensor, window_rows: Tensor, seql
     if kv_new.dtype != cache_dtype or not cache_dtype.is_floating_point:
         raise TypeError(f"decode attention: kv_new ({kv_new.dtype}) and window_rows ({cache_dtype}) must share "
                         f"one floating dtype (the cache's)")
+    _check_step(query, seqlens, window, entries is not None, entry_ids, ratio, sink, inverse_rope_freq,
+                (kv_new, window_rows, entries))
+    if entries is not None and (entries.dim() != 3 or entries.shape[0] != batch or entries.shape[2] != dim):
+        raise ValueError(f"decode attention: entries must be [B, C, D] = [{batch}, C, {dim}], got "
+                         f"{tuple(entries.shape)}")
+    if entries is not None and entries.dtype != cache_dtype:
+        raise TypeError(f"decode attention: entries ({entries.dtype}) must share the cache dtype {cache_dtype}")
+
+
+def check_paged_decode_inputs(query: Tensor, window_rows: PagedRows, seqlens: Tensor, window: int,
+                              entries: Optional[PagedRows], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
+                              inverse_rope_freq: Optional[Tensor] = None) -> None:
+    """`check_decode_inputs`' rules for `paged_decode_attention` (host checks only: no device read)."""
+    batch, _, dim = _check_query(query)
+    if not isinstance(window_rows, PagedRows) or (entries is not None and not isinstance(entries, PagedRows)):
+        raise TypeError("paged decode attention: window_rows and entries must be ops.paged_rows.PagedRows")
+    if not isinstance(window, int) or window != window_rows.slots:
+        raise ValueError(f"paged decode attention: the window ring must have W = {window!r} slots (it holds the new "
+                         f"row too), got {window_rows.slots}")
+    check_pages(window_rows, "paged decode attention: window_rows")
+    if (batch, dim) != (window_rows.batch, window_rows.dim):
+        raise ValueError(f"paged decode attention: query must be [B, H, D] = [{window_rows.batch}, H, "
+                         f"{window_rows.dim}] (the window's pages), got {tuple(query.shape)}")
+    if entries is not None:
+        check_pages(entries, "paged decode attention: entries")
+        if (entries.batch, entries.dim, entries.rope) != (batch, dim, window_rows.rope):
+            raise ValueError(f"paged decode attention: entries must hold B = {batch} pages of rows of D = {dim} and "
+                             f"P = {window_rows.rope} (the window's), got B = {entries.batch}, D = {entries.dim}, "
+                             f"P = {entries.rope}")
+    _check_step(query, seqlens, window, entries is not None, entry_ids, ratio, sink, inverse_rope_freq,
+                (window_rows.pages, None if entries is None else entries.pages))
+
+
+def _check_query(query: Tensor) -> tuple[int, int, int]:
+    if not isinstance(query, Tensor) or query.dim() != 3 or not query.is_floating_point():
+        raise ValueError(f"decode attention: query must be a floating [B, H, D] tensor, got "
+                         f"{tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__}")
+    return tuple(query.shape)
+
+
+def _check_step(query: Tensor, seqlens: Tensor, window: int, has_entries: bool, entry_ids: Optional[Tensor],
+                ratio: int, sink: Tensor, inverse_rope_freq: Optional[Tensor], rows: tuple) -> None:
+    """The checks both forms share: lengths, window, sink, inverse RoPE, the entries' ids and ratio, one device for
+    the query and every tensor of `rows` (the cache's, None where absent)."""
+    batch, heads, dim = query.shape
     if seqlens.shape != (batch,) or seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"decode attention: seqlens must be [B] = [{batch}] int32/int64, got "
                          f"{tuple(seqlens.shape)} {seqlens.dtype}")
@@ -140,49 +182,16 @@ def check_decode_inputs(query: Tensor, kv_new: Tensor, window_rows: Tensor, seql
                                           or not 0 < 2 * inverse_rope_freq.shape[0] <= dim):
         raise ValueError(f"decode attention: inverse_rope_freq must be a floating [P/2] tensor with 0 < P <= D = "
                          f"{dim}, got {tuple(inverse_rope_freq.shape)} {inverse_rope_freq.dtype}")
-    devices = {t.device for t in (query, kv_new, window_rows, seqlens, sink, entries, entry_ids) if t is not None}
+    devices = {t.device for t in (query, seqlens, sink, entry_ids, *rows) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"decode attention inputs must share one device, got {sorted(map(str, devices))}")
-    if entries is None:
+    if not has_entries:
         if entry_ids is not None:
             raise ValueError("decode attention: entry_ids given without entries")
         return
-    if entries.dim() != 3 or entries.shape[0] != batch or entries.shape[2] != dim:
-        raise ValueError(f"decode attention: entries must be [B, C, D] = [{batch}, C, {dim}], got "
-                         f"{tuple(entries.shape)}")
-    if entries.dtype != cache_dtype:
-        raise TypeError(f"decode attention: entries ({entries.dtype}) must share the cache dtype {cache_dtype}")
     if not isinstance(ratio, int) or ratio < 2:
         raise ValueError(f"decode attention: ratio must be an int >= 2 with entries, got {ratio!r}")
     if entry_ids is not None and (entry_ids.dim() != 2 or entry_ids.shape[0] != batch
                                   or entry_ids.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"decode attention: entry_ids must be [B, K] int32/int64 with B = {batch}, got "
                          f"{tuple(entry_ids.shape)} {entry_ids.dtype}")
-
-
-def check_paged_decode_inputs(query: Tensor, window_rows: PagedRows, seqlens: Tensor, window: int,
-                              entries: Optional[PagedRows], entry_ids: Optional[Tensor], ratio: int, sink: Tensor,
-                              inverse_rope_freq: Optional[Tensor] = None) -> None:
-    """`check_decode_inputs`' rules for `paged_decode_attention` (host checks only: no device read)."""
-    if not isinstance(window_rows, PagedRows) or (entries is not None and not isinstance(entries, PagedRows)):
-        raise TypeError("paged decode attention: window_rows and entries must be ops.paged_rows.PagedRows")
-    if not isinstance(window, int) or window != window_rows.slots:
-        raise ValueError(f"paged decode attention: the window ring must have W = {window!r} slots (it holds the new "
-                         f"row too), got {window_rows.slots}")
-    check_pages(window_rows, "paged decode attention: window_rows")
-    if entries is not None:
-        check_pages(entries, "paged decode attention: entries")
-        if (entries.dim, entries.rope) != (window_rows.dim, window_rows.rope):
-            raise ValueError(f"paged decode attention: entries of D = {entries.dim}, P = {entries.rope} differ from "
-                             f"the window's D = {window_rows.dim}, P = {window_rows.rope}")
-    if query.dim() != 3 or query.shape[0] != window_rows.batch or query.shape[2] != window_rows.dim:
-        raise ValueError(f"paged decode attention: query must be [B, H, D] = [{window_rows.batch}, H, "
-                         f"{window_rows.dim}], got {tuple(query.shape)}")
-    for pages in (window_rows, entries):
-        if pages is not None and pages.batch != query.shape[0]:
-            raise ValueError(f"paged decode attention: {pages.batch} pages for a batch of {query.shape[0]}")
-    # The rest as the bf16 cache's: a stand-in ring of the right shape carries the shared checks.
-    batch, _, dim = query.shape
-    stand_in = query.new_empty((batch, 0, dim))
-    check_decode_inputs(query, query.new_empty((batch, dim)), stand_in, seqlens, window,
-                        None if entries is None else stand_in, entry_ids, ratio, sink, inverse_rope_freq)

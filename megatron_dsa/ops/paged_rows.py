@@ -24,11 +24,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megatron_dsa.ops.fp8_linear import FP8 as CODES
+
 TILE = 64
 SCALE_GROUP = 8  # scale bytes per row come in groups of 8 (FlashMLA reads them as one 8-byte word)
-E4M3_MAX = 448.0
 E8M0_BIAS = 127
-CODES = torch.float8_e4m3fn
 ROPE_DTYPE = torch.bfloat16
 
 

@@ -101,6 +101,13 @@ def value_parts(batch: int, heads: int, slots: int, dim: int, block_k: int, devi
     return 2 if head_dim_chunks(dim)[1] == 0 and dim >= 2 * MIN_DOT and 2 * blocks <= _wave(device) else 1
 
 
+def default_tiles(dtype: torch.dtype, batch: int, heads: int, slots: int, dim: int, device: torch.device,
+                  paged: bool = False) -> DecodeTiles:
+    """A launch's tiles when none are given: `decode_tiles`, with two value parts where `value_parts` takes them."""
+    tiles = decode_tiles(dtype, heads, dim, paged)
+    return tiles._replace(parts=value_parts(batch, heads, slots, dim, tiles.block_k, device))
+
+
 def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.device, parts: int = 1) -> int:
     """Key ranges per (sequence, head block), from the shapes alone (module docstring)."""
     programs = batch * cdiv(heads, MAX_BLOCK_H) * parts
@@ -172,8 +179,7 @@ def _attend(query: Tensor, rows: _KeyRows, seqlens: Tensor, entry_ids: Optional[
     entry_slots = 0 if not has_entries else (entry_ids.shape[1] if selected else rows.entry_slots)
     slots = (rows.new is not None) + rows.ring_slots + entry_slots
     if tiles is None:
-        tiles = decode_tiles(query.dtype, heads, dim, paged=rows.pages is not None)
-        tiles = tiles._replace(parts=value_parts(batch, heads, slots, dim, tiles.block_k, query.device))
+        tiles = default_tiles(query.dtype, batch, heads, slots, dim, query.device, paged=rows.pages is not None)
     block_k, warps, stages, parts = tiles
     splits = split_count(batch, heads, slots, block_k, query.device, parts) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
