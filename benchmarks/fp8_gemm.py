@@ -7,7 +7,8 @@ The shapes are those of one decode step of a dsv4-flash layer (`--kind`), record
 product its FP8 GEMMs compute, `M × N × K` (the batch's rows, the weight), a grouped projection's G groups in one
 call (bf16: the native layer's grouped GEMM). `GB/s` counts the e4m3
 weight bytes (the reads a decode GEMM cannot avoid); `Σ` rows add the step's GEMMs. `--splits` adds rows of the
-Triton kernel with its K splits fixed. Needs a CUDA GPU; on a machine without one it says so and exits.
+Triton kernel with its K splits fixed. The Triton kernels launch chained, as a decode step launches them. Needs a
+CUDA GPU; on a machine without one it says so and exits.
 
     python benchmarks/fp8_gemm.py                         # C layer, B = 1 and 32
     python benchmarks/fp8_gemm.py --kind H --batches 32 --splits 1 2 4 8
@@ -28,6 +29,7 @@ from timing import cuda_available, graph_median_ms, kernel_parser  # noqa: E402
 from megatron_dsa import HybridAttention, HybridAttentionConfig  # noqa: E402
 from megatron_dsa.backends import torch_scaled_mm  # noqa: E402
 from megatron_dsa.backends.triton_kernels import fp8_gemm  # noqa: E402
+from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launches  # noqa: E402
 from megatron_dsa.layers import projection_gemms  # noqa: E402
 from megatron_dsa.layers.decoding import LayerCache  # noqa: E402
 from megatron_dsa.ops.fp8_linear import quantize_rows  # noqa: E402
@@ -91,7 +93,9 @@ def main() -> int:
                     "triton": lambda: fp8_gemm.fp8_gemm(a, codes, torch.bfloat16, scales)}
             runs.update({f"split{s}": (lambda s=s: fp8_gemm.fp8_gemm(a, codes, torch.bfloat16, scales, splits=s))
                          for s in args.splits})
-            us = {name: graph_median_ms(run, args.repeats, args.warmup, args.calls) * 1e3 for name, run in runs.items()}
+            with chained_launches():
+                us = {name: graph_median_ms(run, args.repeats, args.warmup, args.calls) * 1e3
+                      for name, run in runs.items()}
             for name, value in us.items():
                 totals[name] += count * value
             shape = f"{rows} × {outputs} × {width}" + (f" × {groups} groups" if groups > 1 else "")

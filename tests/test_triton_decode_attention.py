@@ -107,7 +107,8 @@ def test_a_warm_up_step_is_undone_exactly(kind, options):
 
 def test_two_value_parts_only_where_single_block_splits_leave_processors_idle():
     """`value_parts` from the shapes: the CPU's wave is `INTERPRETER_PROGRAMS` programs, a key block 16 slots."""
-    from megatron_dsa.backends.triton_kernels.decode_attention import INTERPRETER_PROGRAMS, value_parts
+    from megatron_dsa.backends.triton_kernels.decode_attention import value_parts
+    from megatron_dsa.backends.triton_kernels.tiles import INTERPRETER_PROGRAMS
 
     cpu = torch.device("cpu")
     assert INTERPRETER_PROGRAMS == 4
@@ -218,6 +219,25 @@ def test_bf16_triton_decode_matches_the_float64_reference_on_the_gpu(entries, pa
     assert got.dtype == torch.bfloat16
     kv_scale = max(float(t.abs().max()) for t in (inputs["kv_new"], inputs["window_rows"]))
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2 ** -7 * kv_scale)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("splits", [1, 4], ids=["one_split", "four_splits"])
+def test_two_value_parts_give_one_parts_bits(splits):
+    """Metamorphic: two programs each owning half of the output's columns give the output of one owning all, bit for
+    bit (bf16, dsv4-flash dims, the same splits). Both parts add the low half's score products first, as one part's
+    MMA chain over all columns does, so every part's maxima and sums are the numbers one part finds; with one split
+    each part normalises its own half by them."""
+    from megatron_dsa.backends.triton_kernels.decode_attention import decode_attention as triton_decode
+    from megatron_dsa.backends.triton_kernels.decode_attention import decode_tiles
+
+    inputs = {k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and k != "sink" else v
+              for k, v in gpu_decode_inputs("selected").items()}
+    tiles = decode_tiles(torch.bfloat16, 64, 512)
+    one = triton_decode(**inputs, splits=splits, tiles=tiles._replace(parts=1))
+    two = triton_decode(**inputs, splits=splits, tiles=tiles._replace(parts=2))
+    assert torch.equal(two, one)
 
 
 @pytest.mark.gpu

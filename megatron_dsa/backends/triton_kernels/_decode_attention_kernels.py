@@ -161,10 +161,18 @@ def decode_attention_split_kernel(
                 rows = tl.where(entry_ok, entries_ptr + (b * C + entry_at) * D, rows)
             valid = valid | entry_ok
         kv = key_tile(rows, scales, dm, valid, D, PAGED, NOPE, TILE, q.dtype, part * BLOCK_V, BLOCK_V)
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
         if VALUE_PARTS == 2:
             kv_o = key_tile(rows, scales, do, valid, D, PAGED, NOPE, TILE, q.dtype, (1 - part) * BLOCK_V, BLOCK_V)
-            s = tl.dot(q_o, tl.trans(kv_o), s, input_precision=DOT_PRECISION)
+            # Both parts sum the low half's products first: the same scores, so the same maxima and sums (part 0
+            # stores them for both).
+            if part == 0:
+                s = tl.dot(q_o, tl.trans(kv_o), tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION),
+                           input_precision=DOT_PRECISION)
+            else:
+                s = tl.dot(q, tl.trans(kv), tl.dot(q_o, tl.trans(kv_o), input_precision=DOT_PRECISION),
+                           input_precision=DOT_PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
         if BLOCK_DT > 0:
             kv_t = key_tile(rows, scales, dt, valid, D, PAGED, NOPE, TILE, q.dtype, BLOCK_D, 0)
             s = tl.dot(q_t, tl.trans(kv_t), s, input_precision=DOT_PRECISION)
@@ -189,7 +197,7 @@ def decode_attention_split_kernel(
     else:
         # Partials [B, H, SPLITS(, D)]: the split's running maximum (base 2), its sum and its unnormalised output.
         at = (b * H + heads).to(tl.int64) * SPLITS + split
-        if part == 0:  # the parts' maxima and sums agree to rounding (the same products summed in another order)
+        if part == 0:  # both parts' maxima and sums (the same numbers: see the scores)
             tl.store(part_max_ptr + at, m_i, mask=head_ok)
             tl.store(part_sum_ptr + at, l_i, mask=head_ok)
         tl.store(part_acc_ptr + at[:, None] * D + dm[None, :], acc, mask=out_mask)

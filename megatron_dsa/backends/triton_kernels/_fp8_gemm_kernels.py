@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+from megatron_dsa.backends.triton_kernels._tickets import last_to_arrive, load_partial, put_ticket_back
 
 @triton.jit
 def _scaled(acc, a_scale_ptr, b_scale_ptr, m, n, g, G, M, N):
@@ -67,12 +68,10 @@ def few_rows_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, partia
         slab = M * G * N
         tl.store(partials_ptr + split * slab + out_offsets, acc, mask=out_mask)
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        ticket = tl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel")  # after this split's partial, before the rest
-        if ticket == SPLITS - 1:
+        if last_to_arrive(tickets_ptr + tile, SPLITS):
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for other in range(SPLITS):  # from L2 (".cg"): the other programs' partials, never a stale L1 line
-                total += tl.load(partials_ptr + other * slab + out_offsets, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
+            for other in range(SPLITS):
+                total += load_partial(partials_ptr + other * slab + out_offsets, out_mask)
             tl.store(out_ptr + out_offsets, _scaled(total, a_scale_ptr, b_scale_ptr, m, n, g, G, M, N)
                      .to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(tickets_ptr + tile, 0)
+            put_ticket_back(tickets_ptr + tile)

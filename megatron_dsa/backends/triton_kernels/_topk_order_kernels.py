@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 
 from megatron_dsa.backends.triton_kernels._grid_dependency import wait_for_previous_kernel
+from megatron_dsa.backends.triton_kernels._tickets import last_to_arrive, load_partial, put_ticket_back
+from megatron_dsa.backends.triton_kernels.topk_order import SELECT_RADIX_BITS
 
 INT64_MIN = tl.constexpr(-9223372036854775808)
 LOW_BITS = tl.constexpr(4294967295)
@@ -44,8 +46,8 @@ def rank_columns_kernel(picked_ptr, ranked_ptr, valid_ptr, out_ptr, K, C, RC, OU
     tl.store(out_ptr + row * OUT + slots, tl.where(key != INT64_MIN, chosen, -1), mask=slots < OUT)
 
 
-RADIX_BITS = tl.constexpr(8)
-RADIX = tl.constexpr(256)  # bins per pass: 4 passes of 8 bits cover a 32-bit key
+RADIX_BITS = tl.constexpr(SELECT_RADIX_BITS)
+RADIX = tl.constexpr(1 << SELECT_RADIX_BITS)  # bins per pass
 SIGN = tl.constexpr(2147483648)  # 2^31: shifts the signed float order into [0, 2^32)
 
 
@@ -87,7 +89,7 @@ def select_digit_kernel(scores_ptr, valid_ptr, counts_ptr, hist_ptr, tickets_ptr
     wait_for_previous_kernel(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, RADIX)
-    shift = 24 - LEVEL * RADIX_BITS
+    shift = 32 - (LEVEL + 1) * RADIX_BITS
     prefix = tl.full([], 0, tl.int64)
     if LEVEL > 0:
         prefix = tl.load(state_ptr + row * 2)
@@ -102,10 +104,8 @@ def select_digit_kernel(scores_ptr, valid_ptr, counts_ptr, hist_ptr, tickets_ptr
                 match = ok & ((key >> (shift + RADIX_BITS)) == prefix)
             counts += tl.histogram(((key >> shift) & (RADIX - 1)).to(tl.int32), RADIX, mask=match)
         tl.atomic_add(hist_ptr + row * RADIX + bins, counts, mask=counts > 0, sem="relaxed")
-        ticket = tl.atomic_add(tickets_ptr + row, 1, sem="acq_rel")  # after this program's counts
-        if ticket == PROGRAMS - 1:
-            # From L2 (".cg"): the other programs' counts, never a stale L1 line.
-            counts = tl.load(hist_ptr + row * RADIX + bins, cache_modifier=".cg")
+        if last_to_arrive(tickets_ptr + row, PROGRAMS):
+            counts = load_partial(hist_ptr + row * RADIX + bins, bins < RADIX)
             remaining = tl.full([], K, tl.int64)
             if LEVEL > 0:
                 remaining = tl.load(state_ptr + row * 2 + 1)
@@ -118,7 +118,7 @@ def select_digit_kernel(scores_ptr, valid_ptr, counts_ptr, hist_ptr, tickets_ptr
             tl.store(state_ptr + row * 2, found)
             tl.store(state_ptr + row * 2 + 1, remaining - tl.sum(tl.where(here, larger, 0), axis=0).to(tl.int64))
             tl.store(hist_ptr + row * RADIX + bins, tl.zeros([RADIX], tl.int32))
-            tl.atomic_xchg(tickets_ptr + row, 0)
+            put_ticket_back(tickets_ptr + row)
 
 
 def select_count_kernel(scores_ptr, valid_ptr, counts_ptr, state_ptr, part_ptr, C, CHUNK, PROGRAMS,

@@ -47,8 +47,8 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
 from megatron_dsa.backends.triton_kernels.rope import rope
-from megatron_dsa.backends.triton_kernels.tiles import (MIN_DOT, cdiv, dot_precision, head_dim_chunks, multiprocessors,
-                                                       on_device, pow2)
+from megatron_dsa.backends.triton_kernels.tiles import (MIN_DOT, cdiv, dot_precision, head_dim_chunks, on_device, pow2,
+                                                       programs_in_wave)
 from megatron_dsa.ops.decode_attention import check_decode_inputs, check_paged_decode_inputs
 from megatron_dsa.ops.paged_rows import PagedRows, tile_width
 
@@ -57,7 +57,6 @@ LOG2E = math.log2(math.e)
 MAX_BLOCK_H = 64  # heads per program: one Hopper warpgroup MMA tile, as the training forward
 MAX_SPLITS = 128  # the combine kernel holds every split of a head in registers
 MAX_KEYS_PER_SPLIT = 4096
-INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one by one: a few splits exercise the merge
 INTERPRETER_BLOCK_K = 16
 COMBINE_ELEMENTS = 4096  # split × column elements the combine kernel holds per chunk
 # Key rows a program decodes from FP8 pages per step: its codes, scale bytes and RoPE bytes become the key tile in
@@ -89,16 +88,11 @@ def decode_tiles(dtype: torch.dtype, heads: int, dim: int, paged: bool = False) 
     return DecodeTiles(block_k, 8 if wide else 4, 2)
 
 
-def _wave(device: torch.device) -> int:
-    """Programs one wave runs at once: one a multiprocessor (a program holds its registers), a few interpreted."""
-    return INTERPRETER_PROGRAMS if device.type != "cuda" else multiprocessors(device)
-
-
 def value_parts(batch: int, heads: int, slots: int, dim: int, block_k: int, device: torch.device) -> int:
     """2 where even one key block per split leaves multiprocessors idle and the head dim is one power of two (module
     docstring), else 1."""
     blocks = batch * cdiv(heads, MAX_BLOCK_H) * cdiv(slots, block_k)
-    return 2 if head_dim_chunks(dim)[1] == 0 and dim >= 2 * MIN_DOT and 2 * blocks <= _wave(device) else 1
+    return 2 if head_dim_chunks(dim)[1] == 0 and dim >= 2 * MIN_DOT and 2 * blocks <= programs_in_wave(device) else 1
 
 
 def default_tiles(dtype: torch.dtype, batch: int, heads: int, slots: int, dim: int, device: torch.device,
@@ -111,7 +105,7 @@ def default_tiles(dtype: torch.dtype, batch: int, heads: int, slots: int, dim: i
 def split_count(batch: int, heads: int, slots: int, block_k: int, device: torch.device, parts: int = 1) -> int:
     """Key ranges per (sequence, head block), from the shapes alone (module docstring)."""
     programs = batch * cdiv(heads, MAX_BLOCK_H) * parts
-    wanted = max(_wave(device) // programs, cdiv(slots, MAX_KEYS_PER_SPLIT))
+    wanted = max(programs_in_wave(device) // programs, cdiv(slots, MAX_KEYS_PER_SPLIT))
     return max(1, min(wanted, cdiv(slots, block_k), MAX_SPLITS))
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
-from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, multiprocessors, on_device, pow2
+from megatron_dsa.backends.triton_kernels.tiles import MIN_DOT, cdiv, dot_precision, on_device, pow2, programs_in_wave
 from megatron_dsa.ops.fp8_linear import FP8_MAX
 from megatron_dsa.ops.indexer import FP8_KEYS, check_decode_indexer_inputs
 
@@ -47,14 +47,12 @@ FP8_PROGRAMS_PER_SM = 4
 # The dot's orientation (kernel docstring): keys-major keeps the sum over heads inside each warp.
 KEYS_MAJOR = True
 INTERPRETER_BLOCK_C = 16  # several steps per range even on the tests' small caches
-INTERPRETER_PROGRAMS = 4
 
 
 def column_ranges(batch: int, columns: int, block_c: int, device: torch.device,
                   programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Column ranges per sequence (the grid's second axis), from the shapes alone (module docstring)."""
-    target = INTERPRETER_PROGRAMS if device.type != "cuda" else programs_per_sm * multiprocessors(device)
-    return max(1, min(cdiv(target, batch), cdiv(columns, block_c)))
+    return max(1, min(cdiv(programs_in_wave(device, programs_per_sm), batch), cdiv(columns, block_c)))
 
 
 def decode_indexer_scores(q: Tensor, keys: Tensor, weights: Tensor, counts: Tensor, scale: float,

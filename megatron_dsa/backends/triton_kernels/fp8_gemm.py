@@ -33,7 +33,7 @@ from torch import Tensor
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.fp8_quantize import quantize_each_row
 from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
-from megatron_dsa.backends.triton_kernels.tiles import cdiv, multiprocessors, on_device, pow2, zeros_per_stream
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, on_device, pow2, programs_in_wave, zeros_per_stream
 from megatron_dsa.ops.fp8_linear import FP8
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -52,14 +52,13 @@ WARPS = 8  # H200, 32 × 1024 × 4096, 4 splits: 9.2 µs with 8 warps, 10.1 with
 PROGRAMS_PER_SM = 2
 MIN_STEPS_PER_SPLIT = 8
 MAX_SPLITS = 16
-INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one by one: a few exercise the split sum
 MAX_SPLIT_TILES = 4096  # output tiles a split GEMM may have: its tickets (a split grid has fewer than the target)
 
 
 def split_count(tiles: int, steps: int, device: torch.device) -> int:
     """K splits per output tile, from the shapes alone (module docstring)."""
-    target = INTERPRETER_PROGRAMS if device.type != "cuda" else PROGRAMS_PER_SM * multiprocessors(device)
-    return max(1, min(round(target / tiles), steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(round(programs_in_wave(device, PROGRAMS_PER_SM) / tiles), steps // MIN_STEPS_PER_SPLIT,
+                      MAX_SPLITS))
 
 
 def fp8_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype, b_scales: Optional[Tensor] = None,

@@ -24,6 +24,15 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+INTERPRETER_PROGRAMS = 4  # the CPU interpreter runs programs one by one: a few still exercise splits and merges
+
+
+def programs_in_wave(device: torch.device, per_multiprocessor: int = 1) -> int:
+    """The programs a grid aims at to fill the GPU once: `per_multiprocessor` on each multiprocessor of a CUDA
+    device; `INTERPRETER_PROGRAMS` interpreted."""
+    return per_multiprocessor * multiprocessors(device) if device.type == "cuda" else INTERPRETER_PROGRAMS
+
+
 def zeros_per_stream(name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
     """An int32 buffer of `shape` that the kernels on the current stream of `device` find zero and leave zero (they
     zero what they used: tickets, counts): one per (`name`, device, stream), made once and never replaced (a captured

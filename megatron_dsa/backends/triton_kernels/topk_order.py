@@ -32,7 +32,7 @@ from torch import Tensor
 
 from megatron_dsa.backends.triton_kernels.availability import interpreting, require_triton
 from megatron_dsa.backends.triton_kernels.lazy_jit import chained_launch, launcher
-from megatron_dsa.backends.triton_kernels.tiles import cdiv, multiprocessors, on_device, pow2, zeros_per_stream
+from megatron_dsa.backends.triton_kernels.tiles import cdiv, on_device, pow2, programs_in_wave, zeros_per_stream
 from megatron_dsa.ops.indices import UniformVisibleRows, prefix_valid
 
 MAX_WIDTH = 4096  # keys per row one program sorts in registers
@@ -44,7 +44,9 @@ SELECT_MAX_ROWS = 1024  # rows of select state kept per stream (more rows: launc
 # The most rows `auto` gives the wide-row path (a decode batch: one launch of the select's state). Named, `triton`
 # takes it for any rows.
 SELECT_AUTO_MAX_ROWS = SELECT_MAX_ROWS
-RADIX = 256  # the select's digit: 8 bits a pass (`_topk_order_kernels.RADIX`)
+SELECT_RADIX_BITS = 8  # the select's digit (the kernels read it from here): 4 passes over a 32-bit key
+RADIX = 1 << SELECT_RADIX_BITS
+SELECT_PASSES = 32 // SELECT_RADIX_BITS
 INTERPRETER_SELECT_BLOCK = 16  # several steps per row on the tests' small rows
 SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32, where the keys are made
 
@@ -122,7 +124,7 @@ def _select_rows(scores: Tensor, valid: Optional[Tensor], counts: Optional[Tenso
     lengths = counts if counts is not None else state  # unread with a mask
     launch = dict(BLOCK=block, HAS_VALID=has_valid, num_warps=SELECT_WARPS, **chained_launch(scores.device))
     grid = (rows, programs)
-    for level in range(4):
+    for level in range(SELECT_PASSES):
         launcher(kernels.select_digit_kernel)[grid](scores, masks, lengths, hist, tickets, state, cols, k, chunk,
                                                     programs, LEVEL=level, **launch)
     launcher(kernels.select_count_kernel)[grid](scores, masks, lengths, state, part, cols, chunk, programs, **launch)
@@ -132,8 +134,7 @@ def _select_rows(scores: Tensor, valid: Optional[Tensor], counts: Optional[Tenso
 
 def _programs_per_row(device: torch.device, rows: int, cols: int, block: int) -> int:
     """About `PROGRAMS_PER_SM` programs per multiprocessor over the rows, each at least one block of columns."""
-    processors = multiprocessors(device) if device.type == "cuda" else 1
-    return max(1, min(cdiv(cols, block), cdiv(PROGRAMS_PER_SM * processors, rows)))
+    return max(1, min(cdiv(cols, block), cdiv(programs_in_wave(device, PROGRAMS_PER_SM), rows)))
 
 
 def _select_workspace(device: torch.device) -> tuple[Tensor, Tensor]:
