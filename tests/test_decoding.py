@@ -460,6 +460,29 @@ def test_decoding_under_tensor_parallelism_equals_one_process() -> None:
 
 
 @pytest.mark.gpu
+@torch.no_grad()
+def test_a_c_decode_step_runs_its_queries_beside_the_top_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a C layer's decode step forks its queries' GEMM and norm onto a side stream, beside the indexer's top-k,
+    and joins them before the attention (`decoding._beside`): each step forks once, and the steps give the bits of
+    the same steps with the queries made inline."""
+    from megatron_dsa.layers import decoding
+
+    layer, hidden = layer_and_input("C", 160, batch=2, seed=3)
+    layer, hidden = layer.cuda().bfloat16(), hidden.cuda().bfloat16()
+    forks, fork = [], decoding._beside
+
+    def counted(work, device):
+        forks.append(device)
+        return fork(work, device)
+
+    monkeypatch.setattr(decoding, "_beside", counted)
+    beside = run_in_chunks(layer, hidden, [100] + [1] * 60)
+    assert len(forks) == 60 and {device.type for device in forks} == {"cuda"}, forks
+    monkeypatch.setattr(decoding, "_beside", lambda work, device: (lambda result: lambda: result)(work()))
+    assert torch.equal(run_in_chunks(layer, hidden, [100] + [1] * 60), beside)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
 def test_bf16_decoding_on_the_gpu_is_as_close_to_float64_as_the_full_forward(kind: str) -> None:

@@ -91,16 +91,32 @@ class SparseMLACore:
         indexer's linears, and the normalised query latent: all that attending the rows needs from them,
         wherever their keys are later read from. `kept`: an inference cache's stack of the input projections'
         weights (`HybridAttention.query_rows`)."""
-        c = layer.config
-        inv_freq = layer.angle_freq(x.dtype)
-        rope = dispatch(OpFamily.ROPE, c, device=x.device, dtype=x.dtype)
-        norm_rope = dispatch(OpFamily.NORM_ROPE, c, device=x.device, dtype=x.dtype)
+        projected, qr = self.latent_rows(layer, x, kept)
+        q = self.project_queries(layer, qr, positions)
+        return q, self.kv_rows(layer, projected, positions), projected, qr
+
+    @staticmethod
+    def latent_rows(layer: "HybridAttention", x: Tensor, kept: Optional[KeptStack] = None
+                    ) -> tuple[dict[nn.Linear, Tensor], Tensor]:
+        """`project`'s input projections: `(projected, qr [N, Rq])` (`HybridAttention.query_latent`)."""
         core_attached, core_detached = layer.core_attention.projections()
-        projected, qr, q = layer.query_rows(x, [layer.linear_kv_proj, *core_attached], core_detached, kept)
-        q = norm_rope(q, positions, inv_freq, c.layernorm_epsilon)  # weightless per-head RMSNorm, then RoPE
-        kv = _kv_rows(layer.kv_layernorm, projected[layer.linear_kv_proj], positions, inv_freq, rope,
-                      norm_rope)  # K = V, [N, D]
-        return q, kv, projected, qr
+        return layer.query_latent(x, [layer.linear_kv_proj, *core_attached], core_detached, kept)
+
+    @staticmethod
+    def project_queries(layer: "HybridAttention", qr: Tensor, positions: Tensor) -> Tensor:
+        """The normalised query latent `qr [N, Rq]` → the queries `[N, H/tp, D]` (weightless per-head RMSNorm, then
+        RoPE)."""
+        c = layer.config
+        norm_rope = dispatch(OpFamily.NORM_ROPE, c, device=qr.device, dtype=qr.dtype)
+        return norm_rope(layer.queries(qr), positions, layer.angle_freq(qr.dtype), c.layernorm_epsilon)
+
+    @staticmethod
+    def kv_rows(layer: "HybridAttention", projected: dict[nn.Linear, Tensor], positions: Tensor) -> Tensor:
+        """The K = V rows `[N, D]` (`kv_layernorm`, then RoPE) of `linear_kv_proj`'s output in `projected`."""
+        latent, c = projected[layer.linear_kv_proj], layer.config
+        return _kv_rows(layer.kv_layernorm, latent, positions, layer.angle_freq(latent.dtype),
+                        dispatch(OpFamily.ROPE, c, device=latent.device, dtype=latent.dtype),
+                        dispatch(OpFamily.NORM_ROPE, c, device=latent.device, dtype=latent.dtype))
 
     def finish(self, layer: "HybridAttention", o: Tensor, positions: Tensor, turned_back: bool = False) -> Tensor:
         """Attention output `o [N, H/tp, D]` → this rank's `linear_proj` input: inverse RoPE (unless the attention

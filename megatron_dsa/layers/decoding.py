@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -404,7 +404,9 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     c, attention = layer.config, layer.core_attention
     positions = cache.seqlens  # the new token's position in each sequence
     inv_freq = layer.angle_freq(x.dtype)
-    q, kv, projected, qr = layer.core.project(layer, x, positions, cache.stacked_weights)
+    projected, qr = layer.core.latent_rows(layer, x, cache.stacked_weights)
+    kv = layer.core.kv_rows(layer, projected, positions)
+    queries = lambda: layer.core.project_queries(layer, qr, positions)  # noqa: E731
     paged = isinstance(cache.window, PagedRows)
     entries, picks = None, None
     if attention.compressor is not None:
@@ -419,8 +421,12 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
         counts = torch.empty(positions.shape, dtype=torch.int32, device=positions.device)
         _decode_compress(attention.indexer.compressor, cache.compressors["indexer"], projected, positions,
                          cache.indexer_keys, inv_freq, cache.indexer_key_scales, counts)
-        picks = _top_entries(attention.indexer, projected, qr, positions, cache.indexer_keys,
-                             cache.indexer_key_scales, counts, c.dsa_indexer_topk, inv_freq)
+        scores = _indexer_scores(attention.indexer, projected, qr, positions, cache.indexer_keys,
+                                 cache.indexer_key_scales, counts, inv_freq)
+        # The queries' GEMM and norm beside the top-k, which leaves most multiprocessors idle.
+        queries = _beside(queries, x.device)
+        picks = _top_entries(attention.indexer, scores, counts, c.dsa_indexer_topk)
+    q = queries()
     if paged:
         # The ring has W slots: the new row goes in first, and the attention reads it there.
         _write_paged(c, cache.window, kv, positions, 1)
@@ -443,6 +449,33 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
         # After the attention: the slot of position p held position p − (W − 1), still in p's window.
         _append(c, cache.window, kv_new, cache.seqlens)
     return out
+
+
+_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _beside(work: Callable[[], Tensor], device: torch.device) -> Callable[[], Tensor]:
+    """Starts `work` (kernels on `device`, nothing read back) on a side stream forked from the current one, so that it
+    runs beside the kernels the current stream queues next, and returns the join: the current stream waits for the
+    side's work, then takes its result. A captured graph records the fork and the join as edges. Off CUDA, `work`
+    runs at once."""
+    if device.type != "cuda":
+        result = work()
+        return lambda: result
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        result = work()
+
+    def join() -> Tensor:
+        main.wait_stream(side)
+        if not torch.cuda.is_current_stream_capturing():
+            result.record_stream(main)  # freed later on main's timeline, not the side's
+        return result
+    return join
 
 
 def _write_paged(config: "HybridAttentionConfig", paged: PagedRows, rows: Tensor, positions: Tensor,
@@ -516,19 +549,22 @@ def _pool(compressor: Compressor, rows: Tensor, layout: CompressedLayout, inv_fr
                       inv_freq)
 
 
-def _top_entries(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
-                 key_scales: Optional[Tensor], counts: Tensor, topk: int, inv_freq: Tensor) -> Tensor:
-    """`[B, min(topk, C)]` entry numbers the indexer picks for each new token among its sequence's cached
-    compressed keys `keys [B, C, DI]` (e4m3 with `key_scales [B, C]`: an FP8 cache; the visible ones, the first
-    `counts [B]` = `(p + 1) // r`), as a set: in any order, the slots without a pick −1 or not visible (the
-    attention reads them so; `ops.indices.topk_columns`, `ordered`)."""
+def _indexer_scores(indexer: LightningIndexer, projected: dict, qr: Tensor, positions: Tensor, keys: Tensor,
+                    key_scales: Optional[Tensor], counts: Tensor, inv_freq: Tensor) -> Tensor:
+    """`[B, C]` float32 scores of each new token's sequence's cached compressed keys `keys [B, C, DI]` (e4m3 with
+    `key_scales [B, C]`: an FP8 cache), −inf past the visible ones, the first `counts [B]` = `(p + 1) // r`."""
     queries, weights = indexer.queries(projected, qr.detach(), positions, inv_freq, scaled_weights=False)
-    batch, width = keys.shape[:2]
     score = dispatch(OpFamily.DECODE_INDEXER_SCORES, indexer.config, device=keys.device, dtype=queries.dtype,
                      heads=queries.shape[1], head_dim=queries.shape[2], key_dtype=keys.dtype)
-    scores = score(queries, keys, weights, counts, indexer.scale * indexer.head_weight_scale, key_scales)
-    pick = dispatch(OpFamily.TOPK, indexer.config, device=keys.device, dtype=scores.dtype, topk=topk, columns=width,
-                    rows=batch)
+    return score(queries, keys, weights, counts, indexer.scale * indexer.head_weight_scale, key_scales)
+
+
+def _top_entries(indexer: LightningIndexer, scores: Tensor, counts: Tensor, topk: int) -> Tensor:
+    """`[B, min(topk, C)]` entry numbers the indexer picks from its `scores [B, C]`, as a set: in any order, the
+    slots without a pick −1 or not visible (the attention reads them so; `ops.indices.topk_columns`, `ordered`)."""
+    batch, width = scores.shape
+    pick = dispatch(OpFamily.TOPK, indexer.config, device=scores.device, dtype=scores.dtype, topk=topk,
+                    columns=width, rows=batch)
     return pick(scores, None, topk, counts=counts, ordered=False)  # the valid columns: each row's prefix of counts
 
 

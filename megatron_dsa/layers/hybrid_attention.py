@@ -158,10 +158,18 @@ class HybridAttention(HighPrecisionModule):
         GEMM (`project_rows`; `kept`: an inference cache's stack of their weights): `(projected, qr [N, Rq],
         q [N, H/tp, q_head_dim])`, where `projected` maps each linear to its output and `qr` is the
         normalised query latent (the indexer's input)."""
+        projected, qr = self.query_latent(x, attached, detached, kept)
+        return projected, qr, self.queries(qr)
+
+    def query_latent(self, x: Tensor, attached: Sequence[nn.Linear], detached: Sequence[nn.Linear] = (),
+                     kept: Optional[KeptStack] = None) -> tuple[dict[nn.Linear, Tensor], Tensor]:
+        """`query_rows` up to the normalised query latent: `(projected, qr [N, Rq])`."""
         projected = project_rows(x, [self.linear_q_down_proj, *attached], detached, self.gemms, kept)
-        qr = self.q_layernorm(projected[self.linear_q_down_proj])
-        q = apply(self.linear_q_up_proj, qr).view(-1, self.local_heads, self.q_head_dim)
-        return projected, qr, q
+        return projected, self.q_layernorm(projected[self.linear_q_down_proj])
+
+    def queries(self, qr: Tensor) -> Tensor:
+        """The normalised query latent `qr [N, Rq]` → this rank's query heads `[N, H/tp, q_head_dim]`."""
+        return apply(self.linear_q_up_proj, qr).view(-1, self.local_heads, self.q_head_dim)
 
     def angle_freq(self, dtype: torch.dtype) -> Tensor:
         """The RoPE frequencies in the angle dtype of `dtype` rows. The float64 table is converted once and the
