@@ -12,8 +12,9 @@ import pytest
 TRITON_KERNELS = Path(__file__).resolve().parents[1] / "megatron_dsa" / "backends" / "triton_kernels"
 # Host-side helpers shared by every launcher: no kernels of their own.
 HELPERS = {"__init__", "availability", "lazy_jit", "tiles"}
-# In-kernel helpers shared by kernel modules (the in-kernel half of `lazy_jit`'s chained launch): no kernels either.
-KERNEL_HELPERS = {"_grid_dependency"}
+# In-kernel helpers shared by kernel modules (the in-kernel half of `lazy_jit`'s chained launch, the last-program
+# tickets): no kernels either.
+KERNEL_HELPERS = {"_grid_dependency", "_tickets"}
 LAUNCHERS = sorted(p.stem for p in TRITON_KERNELS.glob("*.py") if not p.stem.startswith("_") and p.stem not in HELPERS)
 KERNEL_MODULES = sorted(p.stem for p in TRITON_KERNELS.glob("_*.py") if p.stem not in {"__init__", *KERNEL_HELPERS})
 
