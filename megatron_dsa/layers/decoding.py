@@ -457,9 +457,9 @@ _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 def _beside(work: Callable[[], Tensor], device: torch.device) -> Callable[[], Tensor]:
     """Starts `work` (kernels on `device`, nothing read back) on a side stream forked from the current one, so that it
     runs beside the kernels the current stream queues next, and returns the join: the current stream waits for the
-    side's work, then takes its result. A captured graph records the fork and the join as edges. Off CUDA, `work`
-    runs at once."""
-    if device.type != "cuda":
+    side's work, then takes its result. A captured graph records the fork and the join as edges. Off CUDA, and while
+    `torch.compile` traces (it would put the streams in the graph it builds), `work` runs at once."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
         result = work()
         return lambda: result
     main = torch.cuda.current_stream(device)
