@@ -3,8 +3,9 @@ indexer scores per sequence, top-k of its valid prefix) on each backend that run
 each of its launch shapes (`topk_order.PROGRAMS_PER_SM`: programs per multiprocessor over all rows, each row split
 into that many chunks), cuDNN's top-k (with the cuDNN frontend installed) and the unfused stable sort. Graph
 replays of `--calls` calls (`timing.graph_median_ms`), so the host's launch work is not timed; int32 counts, as the
-decode step makes them (cuDNN's top-k takes them without a cast). dsv4-flash's decode shape by default (top-512 of 32768 entries: a
-128k context at ratio 4), every row's prefix full. Needs a CUDA GPU; on a machine without one it says so and exits.
+decode step makes them (cuDNN's top-k takes them without a cast). dsv4-flash's decode shape by default (top-512 of
+32768 entries: a 128k context at ratio 4), every row's prefix full. Needs a CUDA GPU; on a machine without one it
+says so and exits.
 
     python benchmarks/decode_topk.py                        # B = 1, 32
     python benchmarks/decode_topk.py --batches 32 --entries 8192 32768 --programs-per-sm 1 2 4

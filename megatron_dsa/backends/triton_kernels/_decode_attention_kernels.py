@@ -10,8 +10,9 @@ each index block is one masked gather. With `PAGED` the ring and the entries are
 e4m3 codes times a power of two per 64 columns, bf16 RoPE columns) and the new row is already in the ring of `W`
 slots: `L = R + E`, and a row is read as its codes, their tiles' scale bytes and its RoPE bytes.
 Flash-decoding: program `(b·head_blocks + hb, split)` runs the online softmax over the split's slots for a block
-of heads (the heads are the M side of `tl.dot`, all sharing the gathered rows) and leaves `(max, sum, acc)` in float32; `decode_combine_kernel` merges the splits with the
-sink in the denominator. With one split the first kernel normalises and writes the output itself.
+of heads (the heads are the M side of `tl.dot`, all sharing the gathered rows) and leaves `(max, sum, acc)` in
+float32; `decode_combine_kernel` merges the splits with the sink in the denominator. With one split the first kernel
+normalises and writes the output itself.
 """
 
 import triton
