@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distributed import run_distributed
+from distributed import assert_bf16_parity, run_distributed
 from megatron_dsa import HybridAttentionConfig
 from megatron_dsa.backends import call_counts, reset_call_counts
 from megatron_dsa.layers.decoding import LayerCache, cache_footprint, dense_mla_bytes_per_token
@@ -459,26 +459,62 @@ def test_decoding_under_tensor_parallelism_equals_one_process() -> None:
     run_distributed(tensor_parallel_decoding_body, 2)
 
 
+def nccl_bf16_decoding_body(rank: int, world: int) -> None:
+    """bf16 on GPUs (NCCL): TP-2 prefill + decode steps vs the TP-1 layer's with the same weights, on this rank's
+    GPU, for every kind, with FP8 attention rows too (W/C/H). The indexer is replicated across the TP ranks, so both
+    runs pick the same entries and only the order of reductions differs (`assert_bf16_parity`). The decode steps run
+    the fused kernels, a C layer's with its queries beside the top-k (`decoding.beside`, counted here)."""
+    from megatron_dsa.layers import decoding
+
+    state = initialize_parallel_state(tp_size=world)
+    forks, fork = [], decoding.beside
+    decoding.beside = lambda work, device: (forks.append(device), fork(work, device))[1]
+    chunks = [137] + [1] * 63
+    for kind in KINDS:
+        reference, hidden = layer_and_input(kind, sum(chunks), batch=2, seed=6)
+        reference, hidden = reference.cuda().bfloat16(), hidden.cuda().bfloat16()
+        layer = build_attention(config(kind), kind=kind, parallel_state=state).cuda().bfloat16().eval()
+        load_full_state_dict(layer, reference.state_dict(), state)
+        with torch.no_grad():
+            for options in ({}, {"fp8_attention_rows": True}) if kind != "M" else ({},):
+                tag = f"kind {kind} {options} rank {rank}"
+                expected = run_in_chunks(reference, hidden, chunks, **options)
+                forks.clear()
+                reset_call_counts()
+                actual = run_in_chunks(layer, hidden, chunks, **options)
+                steps = len(chunks) - 1
+                attention = "paged_decode_attention" if options else "decode_attention"
+                assert call_counts().get(("triton", attention), 0) == steps, (tag, call_counts())
+                assert len(forks) == (steps if kind == "C" else 0), (tag, forks)
+                assert_bf16_parity([("prefill", actual[:chunks[0]], expected[:chunks[0]]),
+                                    ("decode steps", actual[chunks[0]:], expected[chunks[0]:])], tag)
+
+
+@pytest.mark.multigpu
+def test_tensor_parallel_decoding_on_gpus_matches_one_gpu() -> None:
+    run_distributed(nccl_bf16_decoding_body, 2, backend="nccl", timeout_s=300)
+
+
 @pytest.mark.gpu
 @torch.no_grad()
 def test_a_c_decode_step_runs_its_queries_beside_the_top_k(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA a C layer's decode step forks its queries' GEMM and norm onto a side stream, beside the indexer's top-k,
-    and joins them before the attention (`decoding._beside`): each step forks once, and the steps give the bits of
+    and joins them before the attention (`decoding.beside`): each step forks once, and the steps give the bits of
     the same steps with the queries made inline."""
     from megatron_dsa.layers import decoding
 
     layer, hidden = layer_and_input("C", 160, batch=2, seed=3)
     layer, hidden = layer.cuda().bfloat16(), hidden.cuda().bfloat16()
-    forks, fork = [], decoding._beside
+    forks, fork = [], decoding.beside
 
     def counted(work, device):
         forks.append(device)
         return fork(work, device)
 
-    monkeypatch.setattr(decoding, "_beside", counted)
+    monkeypatch.setattr(decoding, "beside", counted)
     beside = run_in_chunks(layer, hidden, [100] + [1] * 60)
     assert len(forks) == 60 and {device.type for device in forks} == {"cuda"}, forks
-    monkeypatch.setattr(decoding, "_beside", lambda work, device: (lambda result: lambda: result)(work()))
+    monkeypatch.setattr(decoding, "beside", lambda work, device: (lambda result: lambda: result)(work()))
     assert torch.equal(run_in_chunks(layer, hidden, [100] + [1] * 60), beside)
 
 

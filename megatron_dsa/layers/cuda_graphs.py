@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron_dsa.layers.hybrid_attention import HybridAttention
+from megatron_dsa.layers.streams import beside
 from megatron_dsa.packed_seq import PackedSeqParams, validate_packed_seq_params
 from megatron_dsa.parallel.consistency import check_same_on_all_ranks
 from megatron_dsa.parallel.state import group_size
@@ -51,12 +52,8 @@ def warm_up_on_side_stream(run: Callable[[], object], calls: int, device: Option
     """Call `run` `calls` times on a side stream that the current stream then waits for: what precedes a
     CUDA-graph capture (lazy initialisation, kernel compilation and autotuning, the backends' one-time
     self-tests and vendor plans run there, outside the graph), as the PyTorch CUDA-graph docs do it."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(calls):
-            run()
-    torch.cuda.current_stream(device).wait_stream(side)
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    beside(lambda: [run() for _ in range(calls)], device)()
 
 
 def capture_graph(step: Callable[[], Result], warmup: int = 3, before_capture: Callable[[], None] = lambda: None,

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
@@ -56,6 +56,7 @@ from megatron_dsa.backends.dispatched_sparse_attention import sparse_attention
 from megatron_dsa.config import KINDS, lookup_kind
 from megatron_dsa.layers.compressed_attention import Compressor, IndexSelection, LightningIndexer
 from megatron_dsa.layers.cores import DenseMLACore
+from megatron_dsa.layers.streams import beside
 from megatron_dsa.ops.compressor import OVERLAP_RATIO, channel_factor
 from megatron_dsa.ops.decode_attention import entry_counts
 from megatron_dsa.ops.decode_compressor import byte_view, encode_rows, pending_slots
@@ -424,22 +425,20 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
         scores = _indexer_scores(attention.indexer, projected, qr, positions, cache.indexer_keys,
                                  cache.indexer_key_scales, counts, inv_freq)
         # The queries' GEMM and norm beside the top-k, which leaves most multiprocessors idle.
-        queries = _beside(queries, x.device)
+        queries = beside(queries, x.device)
         picks = _top_entries(attention.indexer, scores, counts, c.dsa_indexer_topk)
     q = queries()
     if paged:
         # The ring has W slots: the new row goes in first, and the attention reads it there.
         _write_paged(c, cache.window, kv, positions, 1)
-        attend = dispatch(OpFamily.PAGED_DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
-                          head_dim=q.shape[2], selected=picks is not None)
-        out = attend(q, cache.window, positions, c.csa_window_size, entries, picks, attention.ratio or 1,
-                     attention.attn_sink, c.softmax_scale, inv_freq)
+        family, rows = OpFamily.PAGED_DECODE_ATTENTION, (cache.window,)
     else:
         kv_new = kv.to(cache.window.dtype)
-        attend = dispatch(OpFamily.DECODE_ATTENTION, c, device=q.device, dtype=q.dtype, heads=q.shape[1],
-                          head_dim=q.shape[2], selected=picks is not None)
-        out = attend(q, kv_new, cache.window, positions, c.csa_window_size, entries, picks, attention.ratio or 1,
-                     attention.attn_sink, c.softmax_scale, inv_freq)  # turned back as it is written
+        family, rows = OpFamily.DECODE_ATTENTION, (kv_new, cache.window)
+    attend = dispatch(family, c, device=q.device, dtype=q.dtype, heads=q.shape[1], head_dim=q.shape[2],
+                      selected=picks is not None)
+    out = attend(q, *rows, positions, c.csa_window_size, entries, picks, attention.ratio or 1, attention.attn_sink,
+                 c.softmax_scale, inv_freq)  # turned back as it is written
     # The reference path's selection names rows of a kv_all this step never builds: only the picks are kept.
     attention.last_selection, attention.last_decode_picks = None, picks
     out = layer.core.finish(layer, out, positions, turned_back=True)
@@ -449,33 +448,6 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
         # After the attention: the slot of position p held position p − (W − 1), still in p's window.
         _append(c, cache.window, kv_new, cache.seqlens)
     return out
-
-
-_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _beside(work: Callable[[], Tensor], device: torch.device) -> Callable[[], Tensor]:
-    """Starts `work` (kernels on `device`, nothing read back) on a side stream forked from the current one, so that it
-    runs beside the kernels the current stream queues next, and returns the join: the current stream waits for the
-    side's work, then takes its result. A captured graph records the fork and the join as edges. Off CUDA, and while
-    `torch.compile` traces (it would put the streams in the graph it builds), `work` runs at once."""
-    if device.type != "cuda" or torch.compiler.is_compiling():
-        result = work()
-        return lambda: result
-    main = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        result = work()
-
-    def join() -> Tensor:
-        main.wait_stream(side)
-        if not torch.cuda.is_current_stream_capturing():
-            result.record_stream(main)  # freed later on main's timeline, not the side's
-        return result
-    return join
 
 
 def _write_paged(config: "HybridAttentionConfig", paged: PagedRows, rows: Tensor, positions: Tensor,
