@@ -463,7 +463,7 @@ def nccl_bf16_decoding_body(rank: int, world: int) -> None:
     """bf16 on GPUs (NCCL): TP-2 prefill + decode steps vs the TP-1 layer's with the same weights, on this rank's
     GPU, for every kind, with FP8 attention rows too (W/C/H). The indexer is replicated across the TP ranks, so both
     runs pick the same entries and only the order of reductions differs (`assert_bf16_parity`). The decode steps run
-    the fused kernels, a C layer's with its queries beside the top-k (`decoding.beside`, counted here)."""
+    the fused kernels, a C layer's with a fork to a side stream (`decoding.beside`, counted here)."""
     from megatron_dsa.layers import decoding
 
     state = initialize_parallel_state(tp_size=world)
@@ -496,11 +496,14 @@ def test_tensor_parallel_decoding_on_gpus_matches_one_gpu() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"fp8_attention_rows": True}])
 @torch.no_grad()
-def test_a_c_decode_step_runs_its_queries_beside_the_top_k(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA a C layer's decode step forks its queries' GEMM and norm onto a side stream, beside the indexer's top-k,
-    and joins them before the attention (`decoding.beside`): each step forks once, and the steps give the bits of
-    the same steps with the queries made inline."""
+def test_a_c_decode_step_makes_what_only_its_attention_reads_beside_the_top_k(monkeypatch: pytest.MonkeyPatch,
+                                                                                 options: dict) -> None:
+    """On CUDA a C layer's decode step makes what only its attention reads on a side stream beside the indexer's
+    top-k: the new K = V rows, the attention compressor's entry (FP8 pages: both written into their pages), the
+    queries' GEMM and norm; it joins them before the attention (`decoding.beside`). Each step forks once, and the
+    steps give the bits of the same steps made inline."""
     from megatron_dsa.layers import decoding
 
     layer, hidden = layer_and_input("C", 160, batch=2, seed=3)
@@ -512,10 +515,10 @@ def test_a_c_decode_step_runs_its_queries_beside_the_top_k(monkeypatch: pytest.M
         return fork(work, device)
 
     monkeypatch.setattr(decoding, "beside", counted)
-    beside = run_in_chunks(layer, hidden, [100] + [1] * 60)
+    beside = run_in_chunks(layer, hidden, [100] + [1] * 60, **options)
     assert len(forks) == 60 and {device.type for device in forks} == {"cuda"}, forks
     monkeypatch.setattr(decoding, "beside", lambda work, device: (lambda result: lambda: result)(work()))
-    assert torch.equal(run_in_chunks(layer, hidden, [100] + [1] * 60), beside)
+    assert torch.equal(run_in_chunks(layer, hidden, [100] + [1] * 60, **options), beside)
 
 
 @pytest.mark.gpu

@@ -406,17 +406,28 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     positions = cache.seqlens  # the new token's position in each sequence
     inv_freq = layer.angle_freq(x.dtype)
     projected, qr = layer.core.latent_rows(layer, x, cache.stacked_weights)
-    kv = layer.core.kv_rows(layer, projected, positions)
-    queries = lambda: layer.core.project_queries(layer, qr, positions)  # noqa: E731
     paged = isinstance(cache.window, PagedRows)
-    entries, picks = None, None
-    if attention.compressor is not None:
-        entries = cache.entries
-        # FP8 pages: the entry goes through the one-slot scratch row, then into its page
-        store = cache.entry_scratch if paged else entries
-        _decode_compress(attention.compressor, cache.compressors["attention"], projected, positions, store, inv_freq)
+    entries, picks = cache.entries if attention.compressor is not None else None, None
+
+    def attention_rows() -> Tensor:
+        """The new K = V rows `[B, D]` (FP8 pages: written into the window's ring, which has W slots, so the attention
+        reads the row there); the attention compressor's entry of each one's group written."""
+        kv = layer.core.kv_rows(layer, projected, positions)
         if paged:
-            _write_paged(c, entries, store[:, 0], positions, attention.ratio)
+            _write_paged(c, cache.window, kv, positions, 1)
+        if attention.compressor is not None:
+            # FP8 pages: the entry goes through the one-slot scratch row, then into its page
+            store = cache.entry_scratch if paged else entries
+            _decode_compress(attention.compressor, cache.compressors["attention"], projected, positions, store,
+                             inv_freq)
+            if paged:
+                _write_paged(c, entries, store[:, 0], positions, attention.ratio)
+        return kv
+
+    def attention_inputs() -> tuple[Tensor, Tensor]:
+        return attention_rows(), layer.core.project_queries(layer, qr, positions)
+
+    inputs = attention_inputs
     if attention.indexer is not None:
         # int32: what cuDNN's top-k takes, so no cast runs for it
         counts = torch.empty(positions.shape, dtype=torch.int32, device=positions.device)
@@ -424,20 +435,19 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
                          cache.indexer_keys, inv_freq, cache.indexer_key_scales, counts)
         scores = _indexer_scores(attention.indexer, projected, qr, positions, cache.indexer_keys,
                                  cache.indexer_key_scales, counts, inv_freq)
-        # The queries' GEMM and norm beside the top-k, which leaves most multiprocessors idle.
-        queries = beside(queries, x.device)
+        # What only the attention reads, made on a side stream beside the top-k, which leaves most multiprocessors
+        # idle (beside the scores, which stream the keys on all of them, it slowed the step down).
+        inputs = beside(attention_inputs, x.device)
         picks = _top_entries(attention.indexer, scores, counts, c.dsa_indexer_topk)
-    q = queries()
+    kv, q = inputs()
     if paged:
-        # The ring has W slots: the new row goes in first, and the attention reads it there.
-        _write_paged(c, cache.window, kv, positions, 1)
-        family, rows = OpFamily.PAGED_DECODE_ATTENTION, (cache.window,)
+        family, window = OpFamily.PAGED_DECODE_ATTENTION, (cache.window,)
     else:
         kv_new = kv.to(cache.window.dtype)
-        family, rows = OpFamily.DECODE_ATTENTION, (kv_new, cache.window)
+        family, window = OpFamily.DECODE_ATTENTION, (kv_new, cache.window)
     attend = dispatch(family, c, device=q.device, dtype=q.dtype, heads=q.shape[1], head_dim=q.shape[2],
                       selected=picks is not None)
-    out = attend(q, *rows, positions, c.csa_window_size, entries, picks, attention.ratio or 1, attention.attn_sink,
+    out = attend(q, *window, positions, c.csa_window_size, entries, picks, attention.ratio or 1, attention.attn_sink,
                  c.softmax_scale, inv_freq)  # turned back as it is written
     # The reference path's selection names rows of a kv_all this step never builds: only the picks are kept.
     attention.last_selection, attention.last_decode_picks = None, picks

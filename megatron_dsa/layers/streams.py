@@ -31,7 +31,9 @@ def beside(work: Callable[[], Result], device: torch.device) -> Callable[[], Res
 
     def join() -> Result:
         main.wait_stream(side)
-        if isinstance(result, Tensor) and not torch.cuda.is_current_stream_capturing():
-            result.record_stream(main)  # freed later on main's timeline, not the side's
+        if not torch.cuda.is_current_stream_capturing():
+            for tensor in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(tensor, Tensor):
+                    tensor.record_stream(main)  # freed later on main's timeline, not the side's
         return result
     return join
