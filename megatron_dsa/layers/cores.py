@@ -92,8 +92,9 @@ class SparseMLACore:
         wherever their keys are later read from. `kept`: an inference cache's stack of the input projections'
         weights (`HybridAttention.query_rows`)."""
         projected, qr = self.latent_rows(layer, x, kept)
-        q = self.project_queries(layer, qr, positions)
-        return q, self.kv_rows(layer, projected, positions), projected, qr
+        inv_freq = layer.angle_freq(x.dtype)
+        q = self.project_queries(layer, qr, positions, inv_freq)
+        return q, self.kv_rows(layer, projected, positions, inv_freq), projected, qr
 
     @staticmethod
     def latent_rows(layer: "HybridAttention", x: Tensor, kept: Optional[KeptStack] = None
@@ -103,18 +104,20 @@ class SparseMLACore:
         return layer.query_latent(x, [layer.linear_kv_proj, *core_attached], core_detached, kept)
 
     @staticmethod
-    def project_queries(layer: "HybridAttention", qr: Tensor, positions: Tensor) -> Tensor:
+    def project_queries(layer: "HybridAttention", qr: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
         """The normalised query latent `qr [N, Rq]` → the queries `[N, H/tp, D]` (weightless per-head RMSNorm, then
-        RoPE)."""
+        RoPE at `inv_freq`, `HybridAttention.angle_freq`)."""
         c = layer.config
         norm_rope = dispatch(OpFamily.NORM_ROPE, c, device=qr.device, dtype=qr.dtype)
-        return norm_rope(layer.queries(qr), positions, layer.angle_freq(qr.dtype), c.layernorm_epsilon)
+        return norm_rope(layer.queries(qr), positions, inv_freq, c.layernorm_epsilon)
 
     @staticmethod
-    def kv_rows(layer: "HybridAttention", projected: dict[nn.Linear, Tensor], positions: Tensor) -> Tensor:
-        """The K = V rows `[N, D]` (`kv_layernorm`, then RoPE) of `linear_kv_proj`'s output in `projected`."""
+    def kv_rows(layer: "HybridAttention", projected: dict[nn.Linear, Tensor], positions: Tensor, inv_freq: Tensor
+                ) -> Tensor:
+        """The K = V rows `[N, D]` (`kv_layernorm`, then RoPE at `inv_freq`) of `linear_kv_proj`'s output in
+        `projected`."""
         latent, c = projected[layer.linear_kv_proj], layer.config
-        return _kv_rows(layer.kv_layernorm, latent, positions, layer.angle_freq(latent.dtype),
+        return _kv_rows(layer.kv_layernorm, latent, positions, inv_freq,
                         dispatch(OpFamily.ROPE, c, device=latent.device, dtype=latent.dtype),
                         dispatch(OpFamily.NORM_ROPE, c, device=latent.device, dtype=latent.dtype))
 

@@ -412,7 +412,7 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
     def attention_rows() -> Tensor:
         """The new K = V rows `[B, D]` (FP8 pages: written into the window's ring, which has W slots, so the attention
         reads the row there); the attention compressor's entry of each one's group written."""
-        kv = layer.core.kv_rows(layer, projected, positions)
+        kv = layer.core.kv_rows(layer, projected, positions, inv_freq)
         if paged:
             _write_paged(c, cache.window, kv, positions, 1)
         if attention.compressor is not None:
@@ -425,7 +425,7 @@ def _sparse_decode(layer: "HybridAttention", x: Tensor, cache: LayerCache) -> Te
         return kv
 
     def attention_inputs() -> tuple[Tensor, Tensor]:
-        return attention_rows(), layer.core.project_queries(layer, qr, positions)
+        return attention_rows(), layer.core.project_queries(layer, qr, positions, inv_freq)
 
     inputs = attention_inputs
     if attention.indexer is not None:
